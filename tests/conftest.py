@@ -1,0 +1,147 @@
+"""Fixtures: a real Kafka broker, a real PostgreSQL, topics, producers and worker processes.
+
+Nothing here is mocked. A service that cannot be started fails the test
+session; it never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from kafka import KafkaAdminClient, KafkaProducer
+from kafka.admin import NewTopic
+from pytest_postgresql import factories
+
+from kstore import Settings, migrate
+from kstore.devbroker import Cluster
+
+from .harness import TESTS_DIR, WorkerProcess, wait_until
+from .processors import metadata as effects_metadata
+
+# PostgreSQL refuses to run as root; the wrapper runs only pg_ctl as `postgres`.
+postgresql_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"))
+postgresql = factories.postgresql("postgresql_proc")
+
+#: Broker settings for tests: topics exist only when a test creates them.
+BROKER_CONFIG = {"auto.create.topics.enable": "false"}
+#: Worker settings for tests: short Kafka session so a killed worker's partitions move on quickly.
+TEST_SESSION_TIMEOUT_MS = 6000
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[str]:
+    """Bootstrap address of a real Apache Kafka broker (or ``KSTORE_TEST_BOOTSTRAP``)."""
+    external = os.environ.get("KSTORE_TEST_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    cluster = Cluster(1, extra_config=BROKER_CONFIG)
+    cluster.start()
+    try:
+        yield cluster.bootstrap_servers
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def admin(kafka: str) -> Iterator[Any]:
+    client = KafkaAdminClient(bootstrap_servers=kafka)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def new_topic(kafka: str, admin: Any) -> Callable[..., str]:
+    """Create a topic with a unique name: ``new_topic(partitions=4)``."""
+
+    def create(partitions: int = 4, name: str | None = None) -> str:
+        topic = name or f"t-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+        wait_until(lambda: _has_leaders(admin, topic, partitions), 30, what=f"leaders for {topic}")
+        return topic
+
+    return create
+
+
+def _has_leaders(admin: Any, topic: str, partitions: int) -> bool:
+    try:
+        described = admin.describe_topics([topic])
+    except Exception:  # the metadata may not have spread yet
+        return False
+    parts = described[0].get("partitions", []) if described else []
+    return len(parts) == partitions and all(p.get("leader_id", -1) >= 0 for p in parts)
+
+
+@pytest.fixture(scope="session")
+def producer(kafka: str) -> Iterator[Any]:
+    p = KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def produce(producer: Any) -> Callable[..., list[tuple[str, int, int]]]:
+    """Send values and wait for them: returns [(topic, partition, offset)] in send order."""
+
+    def send(topic: str, values: Iterable[str | bytes], partition: int | None = None,
+             key: bytes | None = None) -> list[tuple[str, int, int]]:
+        futures = [
+            producer.send(topic, value=v.encode() if isinstance(v, str) else v, partition=partition, key=key)
+            for v in values
+        ]
+        producer.flush()
+        sent = [f.get(timeout=30) for f in futures]
+        return [(m.topic, m.partition, m.offset) for m in sent]
+
+    return send
+
+
+def _prepare(dsn: str) -> str:
+    migrate(Settings(dsn=dsn))
+    engine = sa.create_engine(dsn)
+    effects_metadata.create_all(engine)
+    engine.dispose()
+    return dsn
+
+
+@pytest.fixture
+def pg_dsn(postgresql: Any) -> str:
+    """A fresh PostgreSQL database with kstore's tables and the tests' effects table."""
+    info = postgresql.info
+    return _prepare(f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}")
+
+
+@pytest.fixture
+def sqlite_dsn(tmp_path: Path) -> str:
+    return _prepare(f"sqlite:///{tmp_path / 'kstore.db'}")
+
+
+@pytest.fixture
+def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start ``kstore worker`` subprocesses; each is killed at the end of the test if still running."""
+    started: list[WorkerProcess] = []
+
+    def start(dsn: str, topic: str, group: str, processor: str = "processors:Recorder",
+              env: dict[str, str] | None = None, args: Iterable[str] = ()) -> WorkerProcess:
+        name = f"w{len(started) + 1}"
+        full_env = {
+            "KSTORE_SESSION_TIMEOUT_MS": str(TEST_SESSION_TIMEOUT_MS),
+            "KSTORE_HEARTBEAT_INTERVAL_MS": "1000",
+            "KSTORE_TEST_WORKER_NAME": name,
+            **(env or {}),
+        }
+        cli = ["worker", processor, "--dsn", dsn, "--bootstrap-servers", kafka,
+               "--group", group, "--topic", topic, *args]
+        proc = WorkerProcess(cli, full_env, tmp_path / f"{name}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.cleanup()

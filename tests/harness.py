@@ -1,0 +1,126 @@
+"""Helpers for kstore's own tests: waiting, worker subprocesses, effects queries."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class WorkerProcess:
+    """A ``kstore worker`` subprocess whose output goes to a log file."""
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        self._log_file = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kstore", *self.args],
+            cwd=TESTS_DIR,
+            env={**os.environ, **env, "PYTHONPATH": str(TESTS_DIR)},
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout: float = 60.0, count: int = 1) -> None:
+        def seen() -> bool:
+            if self.proc.poll() is not None and len(re.findall(pattern, self.log)) < count:
+                raise AssertionError(f"worker exited ({self.proc.returncode}) before logging {pattern!r}:\n{self.log}")
+            return len(re.findall(pattern, self.log)) >= count
+
+        wait_until(seen, timeout, what=f"{pattern!r} in the worker log")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait: the graceful path (finish the batch, leave the group)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> int:
+        self.proc.kill()
+        return self.wait(30)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"worker did not exit within {timeout}s:\n{self.log[-4000:]}") from None
+        self._log_file.close()
+        return code
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log_file.close()
+
+
+def effects(dsn: str, table: str = "effects") -> Counter[tuple[str, int, int]]:
+    """How many times each (topic, partition, offset) has an effect row."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT topic, partition_id, kafka_offset FROM {table}")).all()
+    finally:
+        engine.dispose()
+    return Counter((r[0], r[1], r[2]) for r in rows)
+
+
+def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT topic, partition_id, next_offset FROM kstore_offsets WHERE consumer_group = :g"),
+                {"g": group},
+            ).all()
+    finally:
+        engine.dispose()
+    return {(r[0], r[1]): r[2] for r in rows}
+
+
+def assert_exactly_once(counts: Counter[tuple[str, int, int]], expected: set[tuple[str, int, int]]) -> None:
+    """Every expected message has exactly one effect, and nothing else has any."""
+    doubled = {k: n for k, n in counts.items() if n > 1}
+    missing = expected - set(counts)
+    extra = set(counts) - expected
+    assert not doubled, f"{len(doubled)} messages landed more than once, e.g. {sorted(doubled.items())[:5]}"
+    assert not missing, f"{len(missing)} messages never landed, e.g. {sorted(missing)[:5]}"
+    assert not extra, f"{len(extra)} unexpected effects, e.g. {sorted(extra)[:5]}"
