@@ -1,0 +1,44 @@
+"""kstore: exactly-once Kafka pipelines that write to a SQL database.
+
+Offsets live in the database, in the same transaction as the processing's
+own writes; a claimed epoch per partition fences zombie workers.
+"""
+
+from .errors import (
+    BrokerError,
+    ConfigurationError,
+    DatabaseError,
+    FencedError,
+    InvalidOffsetError,
+    KstoreError,
+    NotMigratedError,
+    ProcessorError,
+)
+from .migration import migrate
+from .processor import Message, Processor
+from .settings import Settings
+from .targets import EARLIEST, LATEST
+from .worker import Worker, load_processor
+
+__all__ = [
+    # writing a pipeline
+    "Message",
+    "Processor",
+    # running it
+    "Settings",
+    "Worker",
+    "load_processor",
+    "migrate",
+    # moving offsets
+    "EARLIEST",
+    "LATEST",
+    # errors
+    "BrokerError",
+    "ConfigurationError",
+    "DatabaseError",
+    "FencedError",
+    "InvalidOffsetError",
+    "KstoreError",
+    "NotMigratedError",
+    "ProcessorError",
+]

@@ -1,0 +1,263 @@
+"""The Kafka side of kstore: the only module that imports kafka-python.
+
+:class:`KafkaSource` owns the consumer, the rebalance listener, per-partition
+queues of records already returned by ``poll()`` and the lock that makes
+fetching, delivering and resetting a partition never interleave.
+
+Threading (kafka-python 3): rebalance callbacks run on the client's IO thread
+while the polling thread waits inside ``poll()``. They must not block, and must
+not take :attr:`KafkaSource.lock` (the polling thread may hold it: deadlock).
+So the listener only pauses the partitions and records what happened; the
+worker acts on those events on its own thread after ``poll()`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError, KafkaTimeoutError
+
+from .errors import BrokerError, ConfigurationError
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+EventKind = Literal["assigned", "revoked", "lost"]
+
+
+@dataclass
+class Record:
+    """A record as fetched, before the processor deserializes it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp_ms: int | None
+
+    @property
+    def tp(self) -> TP:
+        return (self.topic, self.partition)
+
+
+@dataclass
+class _Queue:
+    """Records of one owned partition that kstore fetched but has not delivered yet."""
+
+    records: deque[Record] = field(default_factory=deque)
+    #: Offset the next fetched record must have at least; anything below is stale.
+    next_fetch: int = 0
+    #: Bumped on every flush: records fetched under an older generation are dropped.
+    generation: int = 0
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Runs on kafka-python's IO thread: pause and record, nothing that blocks."""
+
+    def __init__(self, source: KafkaSource) -> None:
+        self._source = source
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        # Pause first: no record of a new partition may be fetched before the
+        # worker has claimed it and sought to the stored offset.
+        if assigned:
+            self._source.consumer.pause(*assigned)
+        self._source._push_event("assigned", assigned)
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self._source._push_event("revoked", revoked)
+
+    def on_partitions_lost(self, lost: Any) -> None:
+        self._source._push_event("lost", lost)
+
+
+class KafkaSource:
+    """The narrow seam between the worker and Kafka."""
+
+    def __init__(self, settings: Settings, group: str, topics: Sequence[str]) -> None:
+        self.settings = settings
+        self.group = group
+        self.topics = list(topics)
+        #: Held while queues change and while a partition is flushed and sought.
+        self.lock = threading.RLock()
+        self._queues: dict[TP, _Queue] = {}
+        self._events: list[tuple[EventKind, list[TP]]] = []
+        self._events_lock = threading.Lock()  # the only lock the IO thread takes
+        self.consumer = self._connect()
+
+    def _connect(self) -> Any:
+        s = self.settings
+        try:
+            consumer = KafkaConsumer(
+                bootstrap_servers=s.bootstrap_servers.split(","),
+                group_id=self.group,
+                client_id=s.client_id,
+                # Offsets live in the database; Kafka's committed offsets are
+                # never written (kafka-python seeks to any it finds).
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                allow_auto_create_topics=False,
+                max_poll_records=s.max_batch_size,
+                session_timeout_ms=s.session_timeout_ms,
+                heartbeat_interval_ms=s.heartbeat_interval_ms,
+                max_poll_interval_ms=s.max_poll_interval_ms,
+            )
+            consumer.bootstrap(timeout_ms=int(s.connect_timeout_s * 1000))
+        except KafkaTimeoutError:
+            raise BrokerError(
+                f"cannot reach Kafka at {s.bootstrap_servers} within {s.connect_timeout_s:g}s: "
+                "check --bootstrap-servers"
+            ) from None
+        except KafkaError as exc:
+            raise BrokerError(f"Kafka at {s.bootstrap_servers} refused the client: {exc}") from None
+        return consumer
+
+    def subscribe(self) -> None:
+        """Check the topics exist, then join the group."""
+        try:
+            known = self.consumer.topics()
+        except KafkaError as exc:
+            raise BrokerError(f"cannot list topics at {self.settings.bootstrap_servers}: {exc}") from None
+        missing = [t for t in self.topics if t not in known]
+        if missing:
+            raise ConfigurationError(
+                f"unknown topic(s) {', '.join(missing)} at {self.settings.bootstrap_servers}: create them first"
+            )
+        self.consumer.subscribe(self.topics, listener=_Listener(self))
+
+    def _push_event(self, kind: EventKind, tps: Iterable[Any]) -> None:
+        with self._events_lock:
+            self._events.append((kind, [(tp.topic, tp.partition) for tp in tps]))
+
+    def take_events(self) -> list[tuple[EventKind, list[TP]]]:
+        """Rebalance events since the last call, in the order they happened."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    # -- fetching ---------------------------------------------------------
+
+    def poll(self, timeout_ms: int) -> int:
+        """Poll Kafka and queue what came back for partitions this worker owns.
+
+        Returns the number of records queued. Records of a partition that was
+        flushed (reset, revoked, fenced) while ``poll()`` ran are dropped: they
+        were fetched for a position that no longer holds.
+        """
+        with self.lock:
+            before = {tp: q.generation for tp, q in self._queues.items()}
+        batches = self.consumer.poll(timeout_ms=timeout_ms)
+        queued = 0
+        with self.lock:
+            for ktp, krecords in batches.items():
+                tp = (ktp.topic, ktp.partition)
+                q = self._queues.get(tp)
+                if q is None or before.get(tp) != q.generation:
+                    continue
+                for kr in krecords:
+                    if kr.offset < q.next_fetch:
+                        continue  # stale: fetched before a seek backwards
+                    q.records.append(_to_record(kr))
+                    q.next_fetch = kr.offset + 1
+                    queued += 1
+        return queued
+
+    def queued(self) -> int:
+        with self.lock:
+            return sum(len(q.records) for q in self._queues.values())
+
+    def take_batch(self, max_records: int) -> list[Record]:
+        """Up to ``max_records`` queued records, taken round-robin across partitions."""
+        batch: list[Record] = []
+        with self.lock:
+            queues = [q for q in self._queues.values() if q.records]
+            while queues and len(batch) < max_records:
+                share = max(1, (max_records - len(batch)) // len(queues))
+                for q in queues:
+                    for _ in range(min(share, len(q.records), max_records - len(batch))):
+                        batch.append(q.records.popleft())
+                queues = [q for q in queues if q.records]
+        return batch
+
+    def generation(self, tp: TP) -> int | None:
+        q = self._queues.get(tp)
+        return None if q is None else q.generation
+
+    def requeue(self, records: Sequence[Record], generations: dict[TP, int]) -> None:
+        """Put records of an uncommitted batch back at the front of their queues.
+
+        Same effect as seeking back to the batch's first offset (kafka-python
+        has already moved past them) without fetching them again. Partitions
+        flushed since the batch was taken keep their new position.
+        """
+        with self.lock:
+            for record in reversed(records):
+                q = self._queues.get(record.tp)
+                if q is not None and q.generation == generations.get(record.tp):
+                    q.records.appendleft(record)
+
+    # -- ownership and position ------------------------------------------
+
+    def own(self, tp: TP, offset: int) -> None:
+        """Start delivering ``tp`` from ``offset``: flush, seek, resume. Caller holds :attr:`lock`."""
+        q = self._queues.setdefault(tp, _Queue())
+        q.records.clear()
+        q.generation += 1
+        q.next_fetch = offset
+        ktp = TopicPartition(*tp)
+        self.consumer.seek(ktp, offset)
+        self.consumer.resume(ktp)
+
+    def disown(self, tps: Iterable[TP], pause: bool = False) -> None:
+        """Stop delivering ``tps`` and flush their queues (revoked, lost or fenced)."""
+        with self.lock:
+            for tp in tps:
+                self._queues.pop(tp, None)
+                if pause and tp in self.assignment():
+                    self.consumer.pause(TopicPartition(*tp))
+
+    def assignment(self) -> set[TP]:
+        return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+
+    def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
+        """``(log start, log end)`` offsets of each partition, asked of the brokers."""
+        ktps = [TopicPartition(*tp) for tp in tps]
+        starts = self.consumer.beginning_offsets(ktps)
+        ends = self.consumer.end_offsets(ktps)
+        return {(k.topic, k.partition): (starts[k], ends[k]) for k in ktps}
+
+    def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
+        """The first offset at or after each time, or None when no record is that recent."""
+        query = {TopicPartition(*tp): int(when.timestamp() * 1000) for tp, when in targets.items()}
+        found = self.consumer.offsets_for_times(query)
+        return {(k.topic, k.partition): (v.offset if v is not None else None) for k, v in found.items()}
+
+    def close(self) -> None:
+        """Leave the group without committing anything to Kafka."""
+        self.consumer.close(autocommit=False)
+
+
+def _to_record(kr: Any) -> Record:
+    return Record(
+        topic=kr.topic,
+        partition=kr.partition,
+        offset=kr.offset,
+        key=kr.key,
+        value=kr.value,
+        headers=tuple(kr.headers or ()),
+        timestamp_ms=kr.timestamp if kr.timestamp is not None and kr.timestamp >= 0 else None,
+    )
+
+
+def ms_to_datetime(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)

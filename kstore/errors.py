@@ -1,0 +1,45 @@
+"""The exceptions kstore raises to its users.
+
+Every error a user or operator can cause (bad configuration, a database that
+is not there, a topic that does not exist) is a :class:`KstoreError`; the CLI
+prints its message on one line and exits non-zero, without a traceback unless
+``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+
+class KstoreError(Exception):
+    """Base class for every error kstore reports to a user."""
+
+    exit_code = 2
+
+
+class ConfigurationError(KstoreError):
+    """A setting is missing, malformed or names something that does not exist."""
+
+
+class DatabaseError(KstoreError):
+    """The database cannot be reached or is not in the state kstore needs."""
+
+
+class NotMigratedError(DatabaseError):
+    """kstore's tables are missing or at an older migration."""
+
+
+class BrokerError(KstoreError):
+    """The Kafka brokers cannot be reached or refused a request."""
+
+
+class InvalidOffsetError(KstoreError):
+    """A reset target lies outside the partition's log (raised in strict mode)."""
+
+
+class ProcessorError(KstoreError):
+    """The processor raised while handling a batch; nothing of it was committed."""
+
+    exit_code = 1
+
+
+class FencedError(KstoreError):
+    """This worker no longer owns a partition: another worker (or an admin) claimed it."""

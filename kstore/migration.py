@@ -1,0 +1,69 @@
+"""Creating and checking kstore's tables with the Alembic migrations shipped in the package."""
+
+from __future__ import annotations
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from .errors import DatabaseError, NotMigratedError
+from .settings import Settings
+from .store import _first_line, make_engine
+
+
+def alembic_config(settings: Settings) -> Config:
+    """An Alembic config for kstore's own migrations (found inside the installed package)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", "kstore:migrations")
+    # '%' is ConfigParser's interpolation character; a password may hold one.
+    cfg.set_main_option("sqlalchemy.url", settings.dsn.replace("%", "%%"))
+    cfg.attributes["table_prefix"] = settings.table_prefix
+    cfg.attributes["schema"] = settings.schema
+    return cfg
+
+
+def migrate(settings: Settings, revision: str = "head") -> str:
+    """Create or upgrade kstore's tables in the database to ``revision`` (default: the latest).
+
+    Uses its own version table (``kstore_alembic_version``), so it never
+    touches an application's own Alembic history. Returns the revision reached.
+    """
+    engine = make_engine(settings)
+    cfg = alembic_config(settings)
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+        return current_revision(engine, settings) or "base"
+    except SQLAlchemyError as exc:
+        raise DatabaseError(f"cannot migrate {settings.safe_dsn}: {_first_line(exc)}") from None
+    finally:
+        engine.dispose()
+
+
+def current_revision(engine: Engine, settings: Settings) -> str | None:
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn, opts={"version_table": f"{settings.table_prefix}alembic_version",
+                        "version_table_schema": settings.schema},
+        )
+        return ctx.get_current_revision()
+
+
+def check_migrated(engine: Engine, settings: Settings) -> None:
+    """Raise :class:`NotMigratedError` unless kstore's tables are at the latest migration."""
+    head = ScriptDirectory.from_config(alembic_config(settings)).get_current_head()
+    try:
+        current = current_revision(engine, settings)
+    except SQLAlchemyError as exc:
+        raise DatabaseError(
+            f"cannot connect to database {settings.safe_dsn}: {_first_line(exc)}"
+        ) from None
+    if current != head:
+        state = "has no kstore tables" if current is None else f"is at migration {current}, need {head}"
+        raise NotMigratedError(
+            f"database {settings.safe_dsn} {state}: run `kstore migrate --dsn ...` first"
+        )

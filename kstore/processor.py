@@ -1,0 +1,84 @@
+"""What users touch: the :class:`Processor` base class and :class:`Message`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+Format = Literal["bytes", "str", "json"]
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One Kafka record, as the processor sees it (key and value deserialized)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: Any
+    value: Any
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp: datetime | None
+
+
+def decode(data: bytes | None, fmt: Format) -> Any:
+    """Turn raw bytes into the value a processor asked for with ``key_format``/``value_format``."""
+    if data is None or fmt == "bytes":
+        return data
+    if fmt == "str":
+        return data.decode("utf-8")
+    return json.loads(data)
+
+
+class Processor:
+    """Subclass this and implement :meth:`handle` (or :meth:`handle_batch`).
+
+    Everything written through :attr:`session` commits in the same database
+    transaction as the offsets of the batch, so each message's effect lands
+    exactly once. Never commit the session yourself: the worker does, after
+    writing the offsets, and a ``session.commit()`` here only releases a
+    savepoint inside the worker's transaction.
+    """
+
+    #: Topics to consume.
+    topics: ClassVar[Sequence[str]] = ()
+    #: The pipeline's name: the Kafka group id and the key of its stored offsets.
+    group: ClassVar[str | None] = None
+    #: How :meth:`deserialize` turns keys and values into Python values.
+    key_format: ClassVar[Format] = "bytes"
+    value_format: ClassVar[Format] = "bytes"
+
+    #: The SQLAlchemy session of the batch in flight; set by the worker.
+    session: Session
+
+    def setup(self) -> None:
+        """Called once before the first message, after the worker connected."""
+
+    def teardown(self) -> None:
+        """Called once when the worker stops."""
+
+    def on_assigned(self, partitions: list[TopicPartition]) -> None:
+        """Called after partitions were claimed and sought, before their first message."""
+
+    def on_revoked(self, partitions: list[TopicPartition]) -> None:
+        """Called when partitions were taken away (revoked, lost or fenced)."""
+
+    def deserialize(self, key: bytes | None, value: bytes | None) -> tuple[Any, Any]:
+        """Turn a record's raw key and value into what :meth:`handle` receives."""
+        return decode(key, self.key_format), decode(value, self.value_format)
+
+    def handle(self, msg: Message) -> None:
+        """Process one message; write its effects through :attr:`session`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement handle() or handle_batch()")
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        """Process a batch; the default calls :meth:`handle` for each message in order."""
+        for msg in msgs:
+            self.handle(msg)

@@ -1,0 +1,274 @@
+"""kstore's SQL tables and every statement on them.
+
+All writes use bound parameters. A claim and an offset commit both take the
+partition row's lock, which is what fences a zombie worker: once another worker
+has claimed a row (bumping ``epoch``), an UPDATE ``WHERE epoch = <old>``
+matches nothing and the zombie's transaction is rolled back.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    case,
+    create_engine,
+    event,
+    select,
+    text,
+    tuple_,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+
+from .errors import ConfigurationError, DatabaseError, FencedError
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A partition's stored position (None: never stored) and the epoch this worker now holds."""
+
+    next_offset: int | None
+    epoch: int
+
+
+def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Table, Table]:
+    """The offsets and reset-history tables, named with ``prefix`` inside ``schema``."""
+    md = MetaData(schema=schema)
+    offsets = Table(
+        f"{prefix}offsets",
+        md,
+        Column("consumer_group", String(255), primary_key=True),
+        Column("topic", String(255), primary_key=True),
+        Column("partition_id", Integer, primary_key=True),
+        Column("next_offset", BigInteger, nullable=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False),
+        Column("metadata", Text, nullable=True),
+    )
+    history = Table(
+        f"{prefix}offset_history",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("consumer_group", String(255), nullable=False),
+        Column("topic", String(255), nullable=False),
+        Column("partition_id", Integer, nullable=False),
+        Column("from_offset", BigInteger, nullable=True),
+        Column("to_offset", BigInteger, nullable=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("at", DateTime(timezone=True), nullable=False),
+        Column("by_user", String(255), nullable=False),
+        Column("by_host", String(255), nullable=False),
+        Column("reason", Text, nullable=False),
+    )
+    return offsets, history
+
+
+def make_engine(settings: Settings) -> Engine:
+    """An engine for ``settings.dsn`` with kstore's per-connection safety settings."""
+    url = settings.dsn
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("postgresql"):
+        # A zombie paused inside a transaction must not hold the offsets' row
+        # locks past the Kafka session timeout, or the new owner's claim stalls.
+        kwargs["connect_args"] = {
+            "options": f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms}"
+        }
+    try:
+        engine = create_engine(url, **kwargs)
+    except (SQLAlchemyError, ImportError) as exc:
+        raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    elif engine.dialect.name != "postgresql":
+        raise ConfigurationError(
+            f"unsupported database {engine.dialect.name!r}: kstore supports PostgreSQL and SQLite"
+        )
+    return engine
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    # WAL lets `kstore offsets show` read while a worker writes; the busy
+    # timeout makes a second writer wait instead of failing at once.
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def actor() -> tuple[str, str]:
+    """Who is acting, for the reset history: (user, host)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return user, socket.gethostname()
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Store:
+    """Statements on the offsets and history tables for one database."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.offsets, self.history = build_tables(settings.table_prefix, settings.schema)
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    def check_reachable(self) -> None:
+        """Raise :class:`DatabaseError` with a one-line reason if the database cannot be used."""
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except SQLAlchemyError as exc:
+            raise DatabaseError(
+                f"cannot connect to database {self.settings.safe_dsn}: {_first_line(exc)}"
+            ) from None
+
+    def claim(self, group: str, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, Claim]:
+        """Claim partitions for this worker: bump each row's epoch (creating missing rows).
+
+        One statement for all partitions. The returned epochs fence every
+        earlier owner: their commits ``WHERE epoch = <theirs>`` now match nothing.
+        """
+        stamp = now()
+        rows = [
+            {"consumer_group": group, "topic": t, "partition_id": p, "next_offset": None,
+             "epoch": 1, "updated_at": stamp}
+            for t, p in partitions
+        ]
+        if not rows:
+            return {}
+        o = self.offsets
+        stmt = self._insert(o).values(rows).on_conflict_do_update(
+            index_elements=[o.c.consumer_group, o.c.topic, o.c.partition_id],
+            set_={"epoch": o.c.epoch + 1, "updated_at": stamp},
+        ).returning(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch)
+        with self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # A zombie holding the row lock must make the claim fail (and be
+                # retried), not hang the new owner's poll loop.
+                conn.execute(text(f"SET LOCAL lock_timeout = {int(self.settings.claim_lock_timeout_ms)}"))
+            result = conn.execute(stmt)
+            return {(r.topic, r.partition_id): Claim(r.next_offset, r.epoch) for r in result}
+
+    def commit_offsets(
+        self, conn: Connection, group: str, positions: Mapping[TopicPartition, tuple[int, int]]
+    ) -> set[TopicPartition]:
+        """Move ``next_offset`` for each partition, only where the epoch is still ours.
+
+        ``positions`` maps a partition to ``(next_offset, claimed_epoch)``. One
+        statement; returns the partitions that did NOT match (fenced). The
+        caller must roll back if that set is not empty.
+        """
+        if not positions:
+            return set()
+        o = self.offsets
+        whens = [
+            (and_(o.c.topic == t, o.c.partition_id == p), nxt)
+            for (t, p), (nxt, _epoch) in positions.items()
+        ]
+        keys = [(t, p, epoch) for (t, p), (_nxt, epoch) in positions.items()]
+        stmt = (
+            o.update()
+            .where(o.c.consumer_group == group, tuple_(o.c.topic, o.c.partition_id, o.c.epoch).in_(keys))
+            .values(next_offset=case(*whens, else_=o.c.next_offset), updated_at=now())
+            .returning(o.c.topic, o.c.partition_id)
+        )
+        matched = {(r.topic, r.partition_id) for r in conn.execute(stmt)}
+        return set(positions) - matched
+
+    def reset(
+        self,
+        group: str,
+        tp: TopicPartition,
+        to_offset: int,
+        *,
+        expected_epoch: int | None,
+        reason: str,
+    ) -> int:
+        """Set a partition's ``next_offset``, bump its epoch and record it in the history.
+
+        With ``expected_epoch`` the reset only happens if this caller still
+        owns that epoch (else :class:`FencedError`); without, it always wins
+        (an admin reset) and the owner notices the new epoch. Returns the new epoch.
+        """
+        o = self.offsets
+        where = [o.c.consumer_group == group, o.c.topic == tp[0], o.c.partition_id == tp[1]]
+        if expected_epoch is not None:
+            where.append(o.c.epoch == expected_epoch)
+        with self.engine.begin() as conn:
+            before = conn.execute(select(o.c.next_offset).where(*where).with_for_update()).first()
+            if before is None:
+                raise FencedError(f"{tp[0]}[{tp[1]}] of group {group!r} is no longer held at epoch {expected_epoch}")
+            stmt = (
+                o.update().where(*where)
+                .values(next_offset=to_offset, epoch=o.c.epoch + 1, updated_at=now())
+                .returning(o.c.epoch)
+            )
+            epoch = int(conn.execute(stmt).scalar_one())
+            self._record(conn, group, tp, before.next_offset, to_offset, epoch, reason)
+            return epoch
+
+    def _record(
+        self, conn: Connection, group: str, tp: TopicPartition,
+        from_offset: int | None, to_offset: int | None, epoch: int, reason: str,
+    ) -> None:
+        user, host = actor()
+        conn.execute(self.history.insert().values(
+            consumer_group=group, topic=tp[0], partition_id=tp[1], from_offset=from_offset,
+            to_offset=to_offset, epoch=epoch, at=now(), by_user=user, by_host=host, reason=reason,
+        ))
+
+    def load(self, group: str, topic: str | None = None) -> dict[TopicPartition, Claim]:
+        """The stored rows of a group (optionally one topic), without claiming them."""
+        o = self.offsets
+        stmt = select(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch).where(o.c.consumer_group == group)
+        if topic is not None:
+            stmt = stmt.where(o.c.topic == topic)
+        with self.engine.connect() as conn:
+            return {(r.topic, r.partition_id): Claim(r.next_offset, r.epoch) for r in conn.execute(stmt)}
+
+    def current_epochs(self, group: str, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """The epochs stored now for ``partitions`` (one query), to notice admin resets."""
+        keys = list(partitions)
+        if not keys:
+            return {}
+        o = self.offsets
+        stmt = select(o.c.topic, o.c.partition_id, o.c.epoch).where(
+            o.c.consumer_group == group, tuple_(o.c.topic, o.c.partition_id).in_(keys)
+        )
+        with self.engine.connect() as conn:
+            return {(r.topic, r.partition_id): r.epoch for r in conn.execute(stmt)}
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own message, first line only (SQLAlchemy appends SQL and a URL)."""
+    orig = getattr(exc, "orig", None) or exc
+    lines = str(orig).strip().splitlines()
+    return lines[0] if lines else type(orig).__name__

@@ -1,0 +1,66 @@
+"""Processors the integration tests run in worker subprocesses (``processors:Recorder``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from kstore import Message, Processor
+
+metadata = sa.MetaData()
+effects = sa.Table(
+    "effects",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("topic", sa.String(255), nullable=False),
+    sa.Column("partition_id", sa.Integer, nullable=False),
+    sa.Column("kafka_offset", sa.BigInteger, nullable=False),
+    sa.Column("value", sa.Text),
+    sa.Column("worker", sa.String(64)),
+)
+
+
+class Recorder(Processor):
+    """Inserts one row per message; no unique key, so a duplicate effect shows up as two rows.
+
+    Test hooks, from the environment:
+    KSTORE_TEST_BATCH_SLEEP: seconds to sleep after writing each batch (before the commit).
+    KSTORE_TEST_HANG_AT / KSTORE_TEST_HANG_FILE / KSTORE_TEST_HANG_SECONDS: after writing the
+    batch holding that offset, create the file and sleep (so a test can kill or stop the
+    process between the processor's writes and the commit).
+    KSTORE_TEST_FAIL_AT: raise on the message with that offset.
+    """
+
+    group = "recorder"
+    value_format = "str"
+
+    def setup(self) -> None:
+        self.name = os.environ.get("KSTORE_TEST_WORKER_NAME", str(os.getpid()))
+        self.batch_sleep = float(os.environ.get("KSTORE_TEST_BATCH_SLEEP", "0"))
+        self.hang_at = int(os.environ.get("KSTORE_TEST_HANG_AT", "-1"))
+        self.hang_file = os.environ.get("KSTORE_TEST_HANG_FILE")
+        self.hang_seconds = float(os.environ.get("KSTORE_TEST_HANG_SECONDS", "3600"))
+        self.fail_at = int(os.environ.get("KSTORE_TEST_FAIL_AT", "-1"))
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        for m in msgs:
+            if m.offset == self.fail_at:
+                raise ValueError(f"cannot handle offset {m.offset}")
+        rows = [
+            {"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": m.value,
+             "worker": self.name}
+            for m in msgs
+        ]
+        self.session.execute(effects.insert(), rows)
+        self.session.flush()
+        if self.batch_sleep:
+            time.sleep(self.batch_sleep)
+        if self.hang_file and any(m.offset == self.hang_at for m in msgs):
+            path = Path(self.hang_file)
+            if not path.exists():  # hang once, not again after a restart
+                path.write_text(",".join(f"{m.topic}:{m.partition}:{m.offset}" for m in msgs))
+                time.sleep(self.hang_seconds)
