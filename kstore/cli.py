@@ -40,8 +40,10 @@ def main(ctx: click.Context, debug: bool, log_level: str) -> None:
         stream=sys.stderr,
     )
     if not debug:
-        # kafka-python logs every reconnect at INFO/WARNING; kstore says what matters.
-        logging.getLogger("kafka").setLevel(logging.ERROR)
+        # kafka-python logs every failed connection attempt as an ERROR; kstore
+        # reports what matters itself (and everything shows with --debug).
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def _run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Callable[[Settings], Any]) -> Any:

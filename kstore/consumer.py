@@ -107,12 +107,13 @@ class KafkaSource:
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 allow_auto_create_topics=False,
-                max_poll_records=s.max_batch_size,
+                max_poll_records=s.max_poll_records,
                 session_timeout_ms=s.session_timeout_ms,
                 heartbeat_interval_ms=s.heartbeat_interval_ms,
                 max_poll_interval_ms=s.max_poll_interval_ms,
+                # The constructor blocks until the brokers answer (to learn their version).
+                bootstrap_timeout_ms=int(s.connect_timeout_s * 1000),
             )
-            consumer.bootstrap(timeout_ms=int(s.connect_timeout_s * 1000))
         except KafkaTimeoutError:
             raise BrokerError(
                 f"cannot reach Kafka at {s.bootstrap_servers} within {s.connect_timeout_s:g}s: "
@@ -122,8 +123,8 @@ class KafkaSource:
             raise BrokerError(f"Kafka at {s.bootstrap_servers} refused the client: {exc}") from None
         return consumer
 
-    def subscribe(self) -> None:
-        """Check the topics exist, then join the group."""
+    def check_topics(self) -> None:
+        """Raise a clear error if a topic does not exist (topics are never auto-created)."""
         try:
             known = self.consumer.topics()
         except KafkaError as exc:
@@ -133,6 +134,9 @@ class KafkaSource:
             raise ConfigurationError(
                 f"unknown topic(s) {', '.join(missing)} at {self.settings.bootstrap_servers}: create them first"
             )
+
+    def subscribe(self) -> None:
+        """Join the group; the listener pauses every partition it is given."""
         self.consumer.subscribe(self.topics, listener=_Listener(self))
 
     def _push_event(self, kind: EventKind, tps: Iterable[Any]) -> None:

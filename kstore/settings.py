@@ -38,7 +38,10 @@ class Settings:
     start_from: str = "earliest"
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
     strict_resets: bool = False
+    #: Most messages per transaction.
     max_batch_size: int = 500
+    #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
+    max_poll_records: int = 500
     poll_timeout_ms: int = 200
     client_id: str = "kstore"
     session_timeout_ms: int = 10_000
@@ -57,7 +60,7 @@ class Settings:
     def __post_init__(self) -> None:
         if isinstance(self.topics, str):
             object.__setattr__(self, "topics", _split(self.topics))
-        for name in ("max_batch_size", "poll_timeout_ms", "session_timeout_ms"):
+        for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         parse_start_policy(self.start_from)

@@ -82,8 +82,19 @@ class Worker:
         except KstoreError:
             engine.dispose()
             raise
+        try:
+            source = KafkaSource(self.settings, self.group, self.topics)
+        except KstoreError:
+            engine.dispose()
+            raise
+        try:
+            source.check_topics()
+        except KstoreError:
+            source.close()
+            engine.dispose()
+            raise
         self._store = store
-        self._source = KafkaSource(self.settings, self.group, self.topics)
+        self._source = source
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -107,8 +118,11 @@ class Worker:
         batches = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
-            # Poll without waiting while work is queued, so processing never stalls on the network.
-            source.poll(0 if source.queued() else self.settings.poll_timeout_ms)
+            # Poll without waiting while work is queued, so processing never stalls on
+            # the network; skip fetching more while a full poll's worth is still queued.
+            queued = source.queued()
+            if queued < self.settings.max_poll_records:
+                source.poll(0 if queued else self.settings.poll_timeout_ms)
             self._apply_events()
             self._claim_pending()
             if self._process_next():

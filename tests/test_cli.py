@@ -1,0 +1,103 @@
+"""Bad configuration gets one clear line on stderr, a non-zero exit, no traceback, no password."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import TESTS_DIR
+
+PASSWORD = "s3cret-Pa55word"
+
+
+def kstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=timeout, cwd=TESTS_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR), "KSTORE_CONNECT_TIMEOUT_S": "3", **(env or {})},
+    )
+
+
+def assert_one_clear_line(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    assert lines[0].startswith("kstore: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    assert "Traceback" not in result.stderr + result.stdout
+    assert PASSWORD not in result.stderr + result.stdout
+
+
+def test_unreachable_database(kafka: str, new_topic: Any) -> None:
+    topic = new_topic(partitions=1)
+    dsn = f"postgresql+psycopg2://kstore:{PASSWORD}@127.0.0.1:1/nodb"
+    r = kstore("worker", "processors:Recorder", "--dsn", dsn, "--bootstrap-servers", kafka, "--topic", topic)
+    assert_one_clear_line(r, "cannot connect to database", "127.0.0.1:1/nodb", "***")
+
+
+def test_wrong_password_is_never_printed(postgresql: Any, kafka: str, new_topic: Any) -> None:
+    """Even when the server itself reports the failure, the password stays out of the output."""
+    info = postgresql.info
+    dsn = f"postgresql+psycopg2://nosuchuser:{PASSWORD}@{info.host}:{info.port}/{info.dbname}"
+    r = kstore("migrate", "--dsn", dsn)
+    assert_one_clear_line(r, "nosuchuser")
+
+
+def test_malformed_dsn() -> None:
+    r = kstore("migrate", "--dsn", "not a url")
+    assert_one_clear_line(r, "malformed DSN")
+
+
+def test_unknown_processor(sqlite_dsn: str, kafka: str) -> None:
+    r = kstore("worker", "nosuchmodule:Thing", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "cannot import processor module 'nosuchmodule'")
+    r = kstore("worker", "processors:NoSuchClass", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "has no 'NoSuchClass'")
+    r = kstore("worker", "processors:effects", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "not a kstore.Processor subclass")
+    r = kstore("worker", "processors", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "MODULE:CLASS")
+
+
+def test_tables_not_migrated(tmp_path: Path, kafka: str, new_topic: Any) -> None:
+    topic = new_topic(partitions=1)
+    dsn = f"sqlite:///{tmp_path / 'empty.db'}"
+    r = kstore("worker", "processors:Recorder", "--dsn", dsn, "--bootstrap-servers", kafka, "--topic", topic)
+    assert_one_clear_line(r, "has no kstore tables", "kstore migrate")
+
+
+def test_unreachable_brokers(sqlite_dsn: str) -> None:
+    r = kstore("worker", "processors:Recorder", "--dsn", sqlite_dsn, "--bootstrap-servers", "127.0.0.1:1",
+               "--topic", "t")
+    assert_one_clear_line(r, "cannot reach Kafka at 127.0.0.1:1")
+
+
+def test_unknown_topic(sqlite_dsn: str, kafka: str) -> None:
+    r = kstore("worker", "processors:Recorder", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka,
+               "--topic", "no-such-topic")
+    assert_one_clear_line(r, "unknown topic(s) no-such-topic")
+
+
+def test_unknown_environment_setting(sqlite_dsn: str) -> None:
+    r = kstore("migrate", "--dsn", sqlite_dsn, env={"KSTORE_MAX_BATCH": "5"})
+    assert_one_clear_line(r, "unknown setting in environment: KSTORE_MAX_BATCH")
+
+
+def test_debug_shows_the_traceback() -> None:
+    r = kstore("--debug", "migrate", "--dsn", "not a url")
+    assert r.returncode == 2
+    assert "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize("dsn_kind", ["sqlite"])
+def test_migrate_is_idempotent_and_reports_the_revision(tmp_path: Path, dsn_kind: str) -> None:
+    dsn = f"sqlite:///{tmp_path / 'm.db'}"
+    for _ in range(2):
+        r = kstore("migrate", "--dsn", dsn)
+        assert r.returncode == 0, r.stderr
+        assert "kstore tables are at migration 0001" in r.stdout

@@ -1,0 +1,164 @@
+"""reset_offsets: locked, queue-flushing, persisted; the origin bug and every kind of target."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from kstore import EARLIEST, LATEST, InvalidOffsetError, Message, Processor, Settings, Worker
+
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .processors import effects as effects_table
+
+
+class Gate(Processor):
+    """Records every delivery (committed or not); can hold a batch open until released."""
+
+    group = "resets"
+    value_format = "str"
+
+    def __init__(self, hold_first: bool = False) -> None:
+        self.delivered: list[int] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        self.delivered.extend(m.offset for m in msgs)
+        self.session.execute(effects_table.insert(), [
+            {"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": m.value} for m in msgs
+        ])
+        if not self.release.is_set():
+            self.entered.set()
+            self.release.wait(30)
+
+
+def start(dsn: str, kafka: str, topic: str, proc: Processor, **kw: Any) -> tuple[Worker, threading.Thread]:
+    settings = Settings(dsn=dsn, bootstrap_servers=kafka, topics=(topic,), session_timeout_ms=6000,
+                        heartbeat_interval_ms=1000, **kw)
+    w = Worker(proc, settings)
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    return w, t
+
+
+def stop(w: Worker, t: threading.Thread) -> None:
+    w.request_stop()
+    t.join(30)
+    assert not t.is_alive()
+
+
+def history(dsn: str) -> list[tuple[int | None, int | None, str]]:
+    engine = sa.create_engine(dsn)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT from_offset, to_offset, reason FROM kstore_offset_history ORDER BY id"))
+        out = [(r[0], r[1], r[2]) for r in rows]
+    engine.dispose()
+    return out
+
+
+def test_reset_flushes_queued_messages_the_origin_bug(pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
+    """Messages queued in kstore, a batch in flight, reset to 50 from another thread:
+    the next delivery is 50, held_offsets says 50, and nothing stale moves the offset back."""
+    topic = new_topic(partitions=1)
+    produce(topic, (f"v{i}" for i in range(100)))
+    gate = Gate(hold_first=True)
+    w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=5, max_poll_records=100)
+    assert gate.entered.wait(30), "first batch never arrived"
+    assert gate.delivered == [0, 1, 2, 3, 4]
+    assert w._src.queued() > 0, "the test needs messages queued in kstore when it resets"
+
+    assert w.reset_offsets({(topic, 0): 50}) == {(topic, 0): 50}
+    assert w.held_offsets == {(topic, 0): 50}
+    assert stored_offsets(pg_dsn, "resets") == {(topic, 0): 50}
+
+    gate.release.set()  # the in-flight batch (0-4) now tries to commit under the old epoch
+    wait_until(lambda: stored_offsets(pg_dsn, "resets")[(topic, 0)] == 100, 30, what="offset 100 stored")
+    stop(w, t)
+
+    assert gate.delivered[5] == 50, f"after the reset the next delivery must be 50, got {gate.delivered[5:10]}"
+    assert gate.delivered[5:] == list(range(50, 100))
+    assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(50, 100)})
+    # The stale in-flight batch never committed, so the stored offset only went 50 -> 100.
+    assert [h[1] for h in history(pg_dsn)][-1] == 50
+
+
+def test_reset_from_inside_the_handler(pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
+    topic = new_topic(partitions=1)
+    produce(topic, (f"v{i}" for i in range(60)))
+
+    class SelfReset(Gate):
+        worker: Worker
+
+        def handle_batch(self, msgs: Sequence[Message]) -> None:
+            super().handle_batch(msgs)
+            if msgs[0].offset == 0:
+                self.worker.reset_offsets({(topic, 0): 30})
+
+    proc = SelfReset()
+    w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=10, max_poll_records=60)
+    proc.worker = w
+    wait_until(lambda: stored_offsets(pg_dsn, "resets").get((topic, 0)) == 60, 30)
+    stop(w, t)
+    assert proc.delivered == list(range(10)) + list(range(30, 60))
+    assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(30, 60)})
+
+
+def test_reset_targets_offset_datetime_earliest_latest(pg_dsn: str, kafka: str, new_topic: Any, produce: Any,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    topic = new_topic(partitions=1)
+    tp = (topic, 0)
+    produce(topic, (f"a{i}" for i in range(20)))
+    time.sleep(0.05)
+    between = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    produce(topic, (f"b{i}" for i in range(20)))
+    gate = Gate()
+    w, t = start(pg_dsn, kafka, topic, gate)
+    try:
+        wait_until(lambda: w.held_offsets.get(tp) == 40, 30, what="all 40 processed")
+
+        def replay(target: Any, expect_from: int) -> None:
+            gate.delivered.clear()
+            assert w.reset_offsets({tp: target}) == {tp: expect_from}
+            assert w.held_offsets[tp] == expect_from
+            wait_until(lambda: w.held_offsets.get(tp) == 40, 30, what=f"replay from {expect_from}")
+            assert gate.delivered == list(range(expect_from, 40))
+
+        replay(25, 25)
+        replay(between, 20)
+        replay(EARLIEST, 0)
+        gate.delivered.clear()
+        assert w.reset_offsets([(tp, LATEST)]) == {tp: 40}
+        produce(topic, ["c0"])
+        wait_until(lambda: w.held_offsets.get(tp) == 41, 30)
+        assert gate.delivered == [40]
+
+        # Invalid: past the log end -> logged error, start policy (earliest) instead.
+        gate.delivered.clear()
+        with caplog.at_level(logging.ERROR, logger="kstore"):
+            assert w.reset_offsets({tp: 10_000}) == {tp: 0}
+        assert any("past the log end" in r.getMessage() for r in caplog.records)
+        wait_until(lambda: w.held_offsets.get(tp) == 41, 30)
+        assert gate.delivered == list(range(41))
+
+        # A time after every record has no offset: invalid too.
+        with pytest.raises(InvalidOffsetError, match="no record at or after"):
+            w.reset_offsets({tp: datetime(2100, 1, 1, tzinfo=timezone.utc)}, strict=True)
+        # Strict mode raises and moves nothing.
+        with pytest.raises(InvalidOffsetError, match="past the log end"):
+            w.reset_offsets({tp: 10_000}, strict=True)
+        assert w.held_offsets == {tp: 41}
+        assert stored_offsets(pg_dsn, "resets") == {tp: 41}
+    finally:
+        stop(w, t)
+    reasons = [h[2] for h in history(pg_dsn)]
+    assert any("past the log end" in r for r in reasons), reasons
