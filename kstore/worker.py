@@ -347,6 +347,9 @@ class Worker:
                 owned = self._owned.get(tp)
                 if owned is not None and owned.epoch == epoch:
                     owned.committed = nxt
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("committed %d messages: %s", len(batch), ", ".join(
+                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(positions.items())))
         return True
 
     def _transact(self, batch: Sequence[Record], positions: Mapping[TP, tuple[int, int]]) -> set[TP]:

@@ -136,7 +136,7 @@ def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]
             "KSTORE_TEST_WORKER_NAME": name,
             **(env or {}),
         }
-        cli = ["worker", processor, "--dsn", dsn, "--bootstrap-servers", kafka,
+        cli = ["--log-level", "DEBUG", "worker", processor, "--dsn", dsn, "--bootstrap-servers", kafka,
                "--group", group, "--topic", topic, *args]
         proc = WorkerProcess(cli, full_env, tmp_path / f"{name}.log")
         started.append(proc)

@@ -1,0 +1,150 @@
+"""Exactly-once under rebalances, kill -9, SIGSTOPped zombies and failing processors.
+
+Every test runs real ``kstore worker`` processes against real Kafka and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+
+
+class BackgroundProducer:
+    """Produces ``batch`` messages every ``interval`` seconds until stopped."""
+
+    def __init__(self, produce: Any, topic: str, batch: int = 20, interval: float = 0.1) -> None:
+        self.sent: set[tuple[str, int, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce, topic, batch, interval), daemon=True)
+        self._thread.start()
+
+    def _run(self, produce: Any, topic: str, batch: int, interval: float) -> None:
+        i = 0
+        while not self._stop.is_set():
+            self.sent.update(produce(topic, (f"m{i + j}" for j in range(batch))))
+            i += batch
+            time.sleep(interval)
+
+    def stop(self) -> set[tuple[str, int, int]]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.sent
+
+
+def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
+    """6 partitions, messages produced throughout, 1 -> 2 -> 3 -> 1 workers: every effect exactly once."""
+    topic = new_topic(partitions=6)
+    producer = BackgroundProducer(produce, topic)
+    slow = {"KSTORE_TEST_BATCH_SLEEP": "0.02"}
+    w1 = workers(pg_dsn, topic, "reb", env=slow)
+    w1.wait_for_log(r"claimed")
+    w2 = workers(pg_dsn, topic, "reb", env=slow)
+    w2.wait_for_log(r"claimed")
+    time.sleep(2)
+    w3 = workers(pg_dsn, topic, "reb", env=slow)
+    w3.wait_for_log(r"claimed")
+    time.sleep(2)
+    assert w3.terminate() == 0
+    time.sleep(2)
+    assert w2.terminate() == 0
+    w1.wait_for_log(r"claimed", count=4)  # 1 -> 2 -> 3 -> 2 -> 1: w1 claimed at each step
+    time.sleep(1)
+    sent = producer.stop()
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what=f"{len(sent)} effects")
+    time.sleep(1)
+    assert w1.terminate() == 0
+    counts = effects(pg_dsn)
+    assert_exactly_once(counts, sent)
+    # Each of the three workers really did part of the work.
+    assert len(sent) > 500
+
+
+def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
+                                                   tmp_path: Path) -> None:
+    topic = new_topic(partitions=2)
+    sent = set(produce(topic, (f"v{i}" for i in range(400))))
+    hang = tmp_path / "hang"
+    w1 = workers(pg_dsn, topic, "crash", env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang)},
+                 args=["--max-batch-size", "25"])
+    wait_until(hang.exists, 60, what="the processor to write its batch and hang")
+    in_flight = {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang.read_text().split(","))}
+    assert len(in_flight) == 25
+    w1.kill()
+
+    before = effects(pg_dsn)
+    assert not in_flight & set(before), "effects of the uncommitted batch survived kill -9"
+    stored = stored_offsets(pg_dsn, "crash")
+    for t, p, o in in_flight:
+        assert stored[(t, p)] <= o, "offsets moved past a batch that never committed"
+
+    w2 = workers(pg_dsn, topic, "crash")
+    wait_until(lambda: len(effects(pg_dsn)) >= 400, 60, what="all 400 effects after restart")
+    assert w2.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+
+
+def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
+                                     tmp_path: Path) -> None:
+    """A worker paused mid-batch loses its partitions; when it wakes, its commit is fenced."""
+    topic = new_topic(partitions=2)
+    sent = set(produce(topic, (f"v{i}" for i in range(300))))
+    hang = tmp_path / "hang"
+    zombie = workers(pg_dsn, topic, "zombie", args=["--max-batch-size", "20"], env={
+        "KSTORE_TEST_HANG_AT": "60", "KSTORE_TEST_HANG_FILE": str(hang), "KSTORE_TEST_HANG_SECONDS": "2",
+        # Let the zombie's transaction survive the pause, so it is the epoch that stops it.
+        "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "600000",
+    })
+    wait_until(hang.exists, 60, interval=0.01, what="the zombie to be mid-batch")
+    zombie.pause()
+    in_flight = {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang.read_text().split(","))}
+
+    healthy = workers(pg_dsn, topic, "zombie")
+    wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
+    zombie.resume()
+    # The zombie wakes inside its batch and tries to commit; give it time to do so.
+    wait_until(lambda: "fenced on" in zombie.log or "committed 20 messages" in zombie.log, 30, what="the zombie's commit attempt")
+    time.sleep(2)
+    assert_exactly_once(effects(pg_dsn), sent)
+    assert healthy.terminate() == 0
+    assert zombie.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+    assert "fenced on" in zombie.log and "rolled back" in zombie.log
+    import sqlalchemy as sa
+    engine = sa.create_engine(pg_dsn)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT topic, partition_id, kafka_offset, worker FROM effects")).all()
+    engine.dispose()
+    by = {(r[0], r[1], r[2]): r[3] for r in rows}
+    assert all(by[m] == "w2" for m in in_flight), "the zombie's in-flight batch must not have landed"
+
+
+def test_processor_exception_commits_nothing_and_stops(pg_dsn: str, new_topic: Any, produce: Any,
+                                                       workers: Any) -> None:
+    topic = new_topic(partitions=1)
+    produce(topic, (f"v{i}" for i in range(100)))
+    w = workers(pg_dsn, topic, "boom", env={"KSTORE_TEST_FAIL_AT": "35"}, args=["--max-batch-size", "10"])
+    code = w.wait(60)
+    assert code == 1
+    last = w.log.strip().splitlines()[-1]
+    assert last.startswith("kstore: error: processor Recorder failed"), last
+    assert "ValueError: cannot handle offset 35" in last
+    assert "Traceback" not in w.log
+    assert stored_offsets(pg_dsn, "boom") == {(topic, 0): 30}
+    assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(30)})
+
+
+def test_sqlite_default_single_worker_end_to_end(sqlite_dsn: str, new_topic: Any, produce: Any,
+                                                 workers: Any) -> None:
+    topic = new_topic(partitions=3)
+    sent = set(produce(topic, (f"v{i}" for i in range(300))))
+    w = workers(sqlite_dsn, topic, "lite")
+    wait_until(lambda: len(effects(sqlite_dsn)) >= 300, 60, what="300 effects in SQLite")
+    more = set(produce(topic, (f"w{i}" for i in range(30))))
+    wait_until(lambda: len(effects(sqlite_dsn)) >= 330, 60)
+    assert w.terminate() == 0
+    assert_exactly_once(effects(sqlite_dsn), sent | more)
+    assert sum(v or 0 for v in stored_offsets(sqlite_dsn, "lite").values()) == 330
