@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
 Format = Literal["bytes", "str", "json"]
@@ -57,6 +58,9 @@ class Processor:
 
     #: The SQLAlchemy session of the batch in flight; set by the worker.
     session: Session
+    #: The worker's engine, set before :meth:`setup` (e.g. to create the processor's tables).
+    #: Writes through it are NOT part of a batch's transaction: use :attr:`session` for effects.
+    engine: Engine
 
     def setup(self) -> None:
         """Called once before the first message, after the worker connected."""

@@ -106,6 +106,7 @@ class Worker:
         source = self._src
         log.info("worker for group %r on %s: database %s, brokers %s", self.group,
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
+        self.processor.engine = self._db.engine
         self.processor.setup()
         try:
             source.subscribe()

@@ -106,7 +106,8 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
     zombie.resume()
     # The zombie wakes inside its batch and tries to commit; give it time to do so.
-    wait_until(lambda: "fenced on" in zombie.log or "committed 20 messages" in zombie.log, 30, what="the zombie's commit attempt")
+    wait_until(lambda: "fenced on" in zombie.log or "committed 20 messages" in zombie.log, 30,
+               what="the zombie's commit attempt")
     time.sleep(2)
     assert_exactly_once(effects(pg_dsn), sent)
     assert healthy.terminate() == 0
