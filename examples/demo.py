@@ -128,7 +128,7 @@ def counted(dsn: str) -> int:
     try:
         with engine.connect() as conn:
             return int(conn.execute(sa.text("SELECT COALESCE(SUM(views), 0) FROM page_views")).scalar_one())
-    except sa.exc.OperationalError:
+    except (sa.exc.OperationalError, sa.exc.ProgrammingError):
         return 0  # the worker has not created its table yet
     finally:
         engine.dispose()
