@@ -166,7 +166,13 @@ class KafkaSource:
             for ktp, krecords in batches.items():
                 tp = (ktp.topic, ktp.partition)
                 q = self._queues.get(tp)
-                if q is None or before.get(tp) != q.generation:
+                if q is None:
+                    continue  # not ours (any more); a claim will seek it before it is resumed
+                if before.get(tp) != q.generation:
+                    # Flushed and sought while poll() ran. These records may come from
+                    # before or after that seek, but kafka-python's position moved past
+                    # them either way: seek again, or records after the seek are lost.
+                    self.consumer.seek(ktp, q.next_fetch)
                     continue
                 for kr in krecords:
                     if kr.offset < q.next_fetch:
