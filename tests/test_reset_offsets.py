@@ -212,3 +212,35 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
             del pending[: pending.index(batch[0]) + 1]
         expected_next = batch[-1] + 1
     assert expected_next == 3000
+
+
+def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
+    """The worst interleaving, made deterministic: a reset completes after the poller noted the
+    partition's generation and before poll() fetches from the new position. Those records are
+    dropped as fetched under an older generation, so the partition must be sought back, not skipped."""
+    topic = new_topic(partitions=1)
+    tp = (topic, 0)
+    produce(topic, (f"v{i}" for i in range(100)))
+    gate = Gate()
+    w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=10, max_poll_records=10)
+    try:
+        wait_until(lambda: w.held_offsets.get(tp) == 100, 30, what="drained")
+        consumer = w._src.consumer
+        real_poll = consumer.poll
+        injected: list[dict[TopicPartitionKey, int]] = []
+
+        def poll_with_reset(*args: Any, **kwargs: Any) -> Any:
+            if not injected:
+                injected.append(w.reset_offsets({tp: 40}))
+            return real_poll(*args, **kwargs)
+
+        gate.delivered.clear()
+        consumer.poll = poll_with_reset
+        wait_until(lambda: injected and w.held_offsets.get(tp) == 100, 30, what="replayed from 40")
+    finally:
+        stop(w, t)
+    assert injected == [{tp: 40}]
+    assert gate.delivered == list(range(40, 100))
+
+
+TopicPartitionKey = tuple[str, int]
