@@ -84,8 +84,9 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 class KafkaSource:
     """The narrow seam between the worker and Kafka."""
 
-    def __init__(self, settings: Settings, group: str, topics: Sequence[str]) -> None:
+    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> None:
         self.settings = settings
+        self.worker_id = worker_id
         self.group = group
         self.topics = list(topics)
         #: Held while queues change and while a partition is flushed and sought.
@@ -101,7 +102,7 @@ class KafkaSource:
             consumer = KafkaConsumer(
                 bootstrap_servers=s.bootstrap_servers.split(","),
                 group_id=self.group,
-                client_id=s.client_id,
+                client_id=s.client_id or f"kstore-{self.worker_id.replace(':', '-')}",
                 # Offsets live in the database; Kafka's committed offsets are
                 # never written (kafka-python seeks to any it finds).
                 enable_auto_commit=False,

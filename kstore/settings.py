@@ -43,7 +43,6 @@ class Settings:
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
     max_poll_records: int = 500
     poll_timeout_ms: int = 200
-    client_id: str = "kstore"
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000
@@ -52,8 +51,12 @@ class Settings:
     #: PostgreSQL: a paused zombie's open transaction is ended after this long,
     #: so it cannot hold the offsets' row locks past the Kafka session timeout.
     idle_in_transaction_timeout_ms: int = 10_000
-    #: Seconds to wait for the first assignment and for brokers at start-up.
+    #: Seconds to wait for the brokers at start-up.
     connect_timeout_s: float = 30.0
+    #: How often a worker checks its partitions' epochs, to pick up an operator's reset.
+    epoch_check_interval_s: float = 1.0
+    #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
+    client_id: str | None = None
     schema: str | None = None
     table_prefix: str = "kstore_"
 

@@ -54,6 +54,32 @@ class Claim:
     epoch: int
 
 
+@dataclass(frozen=True)
+class Row:
+    """A stored partition row, as read without claiming it."""
+
+    next_offset: int | None
+    epoch: int
+    owner: str | None
+    updated_at: datetime | None
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One recorded reset."""
+
+    consumer_group: str
+    topic: str
+    partition_id: int
+    from_offset: int | None
+    to_offset: int | None
+    epoch: int
+    at: datetime
+    by_user: str
+    by_host: str
+    reason: str
+
+
 def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Table, Table]:
     """The offsets and reset-history tables, named with ``prefix`` inside ``schema``."""
     md = MetaData(schema=schema)
@@ -67,6 +93,7 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Ta
         Column("epoch", BigInteger, nullable=False),
         Column("updated_at", DateTime(timezone=True), nullable=False),
         Column("metadata", Text, nullable=True),
+        Column("owner", String(255), nullable=True),
     )
     history = Table(
         f"{prefix}offset_history",
@@ -150,8 +177,8 @@ class Store:
                 f"cannot connect to database {self.settings.safe_dsn}: {_first_line(exc)}"
             ) from None
 
-    def claim(self, group: str, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, Claim]:
-        """Claim partitions for this worker: bump each row's epoch (creating missing rows).
+    def claim(self, group: str, partitions: Iterable[TopicPartition], owner: str) -> dict[TopicPartition, Claim]:
+        """Claim partitions for worker ``owner``: bump each row's epoch (creating missing rows).
 
         One statement for all partitions. The returned epochs fence every
         earlier owner: their commits ``WHERE epoch = <theirs>`` now match nothing.
@@ -159,7 +186,7 @@ class Store:
         stamp = now()
         rows = [
             {"consumer_group": group, "topic": t, "partition_id": p, "next_offset": None,
-             "epoch": 1, "updated_at": stamp}
+             "epoch": 1, "updated_at": stamp, "owner": owner}
             for t, p in partitions
         ]
         if not rows:
@@ -167,7 +194,7 @@ class Store:
         o = self.offsets
         stmt = self._insert(o).values(rows).on_conflict_do_update(
             index_elements=[o.c.consumer_group, o.c.topic, o.c.partition_id],
-            set_={"epoch": o.c.epoch + 1, "updated_at": stamp},
+            set_={"epoch": o.c.epoch + 1, "updated_at": stamp, "owner": owner},
         ).returning(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch)
         with self.engine.begin() as conn:
             if conn.dialect.name == "postgresql":
@@ -215,8 +242,9 @@ class Store:
         """Set a partition's ``next_offset``, bump its epoch and record it in the history.
 
         With ``expected_epoch`` the reset only happens if this caller still
-        owns that epoch (else :class:`FencedError`); without, it always wins
-        (an admin reset) and the owner notices the new epoch. Returns the new epoch.
+        owns that epoch (else :class:`FencedError`). Without, it always wins (an
+        admin reset; the row is created if missing) and keeps the owner, who
+        notices the new epoch and adopts the new position. Returns the new epoch.
         """
         o = self.offsets
         where = [o.c.consumer_group == group, o.c.topic == tp[0], o.c.partition_id == tp[1]]
@@ -224,16 +252,26 @@ class Store:
             where.append(o.c.epoch == expected_epoch)
         with self.engine.begin() as conn:
             before = conn.execute(select(o.c.next_offset).where(*where).with_for_update()).first()
-            if before is None:
+            if before is None and expected_epoch is not None:
                 raise FencedError(f"{tp[0]}[{tp[1]}] of group {group!r} is no longer held at epoch {expected_epoch}")
-            stmt = (
-                o.update().where(*where)
-                .values(next_offset=to_offset, epoch=o.c.epoch + 1, updated_at=now())
-                .returning(o.c.epoch)
-            )
-            epoch = int(conn.execute(stmt).scalar_one())
-            self._record(conn, group, tp, before.next_offset, to_offset, epoch, reason)
+            if before is None:
+                conn.execute(o.insert().values(consumer_group=group, topic=tp[0], partition_id=tp[1],
+                                               next_offset=to_offset, epoch=1, updated_at=now()))
+                epoch = 1
+            else:
+                stmt = (
+                    o.update().where(*where)
+                    .values(next_offset=to_offset, epoch=o.c.epoch + 1, updated_at=now())
+                    .returning(o.c.epoch)
+                )
+                epoch = int(conn.execute(stmt).scalar_one())
+            self._record(conn, group, tp, None if before is None else before.next_offset, to_offset, epoch, reason)
             return epoch
+
+    def note(self, group: str, tp: TopicPartition, offset: int | None, epoch: int, reason: str) -> None:
+        """Record an event in the history without moving anything (e.g. a partition held back)."""
+        with self.engine.begin() as conn:
+            self._record(conn, group, tp, offset, offset, epoch, reason)
 
     def _record(
         self, conn: Connection, group: str, tp: TopicPartition,
@@ -245,26 +283,39 @@ class Store:
             to_offset=to_offset, epoch=epoch, at=now(), by_user=user, by_host=host, reason=reason,
         ))
 
-    def load(self, group: str, topic: str | None = None) -> dict[TopicPartition, Claim]:
-        """The stored rows of a group (optionally one topic), without claiming them."""
+    def rows(
+        self, group: str, topic: str | None = None, partitions: Iterable[TopicPartition] | None = None
+    ) -> dict[TopicPartition, Row]:
+        """Stored rows of a group (optionally one topic, or some partitions), without claiming them."""
         o = self.offsets
-        stmt = select(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch).where(o.c.consumer_group == group)
+        stmt = select(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch, o.c.owner, o.c.updated_at).where(
+            o.c.consumer_group == group
+        )
         if topic is not None:
             stmt = stmt.where(o.c.topic == topic)
+        if partitions is not None:
+            keys = list(partitions)
+            if not keys:
+                return {}
+            stmt = stmt.where(tuple_(o.c.topic, o.c.partition_id).in_(keys))
         with self.engine.connect() as conn:
-            return {(r.topic, r.partition_id): Claim(r.next_offset, r.epoch) for r in conn.execute(stmt)}
+            return {
+                (r.topic, r.partition_id): Row(r.next_offset, r.epoch, r.owner, r.updated_at)
+                for r in conn.execute(stmt)
+            }
 
-    def current_epochs(self, group: str, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        """The epochs stored now for ``partitions`` (one query), to notice admin resets."""
-        keys = list(partitions)
-        if not keys:
-            return {}
-        o = self.offsets
-        stmt = select(o.c.topic, o.c.partition_id, o.c.epoch).where(
-            o.c.consumer_group == group, tuple_(o.c.topic, o.c.partition_id).in_(keys)
-        )
+    def history_entries(self, group: str, topic: str | None = None, limit: int = 50) -> list[HistoryEntry]:
+        """The most recent resets of a group, newest first."""
+        h = self.history
+        stmt = select(h).where(h.c.consumer_group == group).order_by(h.c.id.desc()).limit(limit)
+        if topic is not None:
+            stmt = stmt.where(h.c.topic == topic)
         with self.engine.connect() as conn:
-            return {(r.topic, r.partition_id): r.epoch for r in conn.execute(stmt)}
+            return [
+                HistoryEntry(r.consumer_group, r.topic, r.partition_id, r.from_offset, r.to_offset, r.epoch,
+                             r.at, r.by_user, r.by_host, r.reason)
+                for r in conn.execute(stmt)
+            ]
 
 
 def _first_line(exc: BaseException) -> str:

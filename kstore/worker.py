@@ -7,38 +7,33 @@ installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from .consumer import TP, KafkaSource, Record, ms_to_datetime
-from .errors import ConfigurationError, FencedError, InvalidOffsetError, KstoreError, ProcessorError
+from .errors import ConfigurationError, KstoreError, ProcessorError
 from .migration import check_migrated
+from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor
-from .settings import Settings, parse_start_policy
-from .store import Claim, Store, make_engine
-from .targets import Target, check_target, policy_offset
+from .settings import Settings
+from .store import Store, make_engine
+from .targets import Target
 
 log = logging.getLogger(__name__)
 
 #: First and longest wait before retrying a database that failed (claim or commit).
 DB_RETRY_DELAY = 0.5
 DB_RETRY_MAX_DELAY = 10.0
-
-
-@dataclass
-class _Owned:
-    """A partition this worker holds: the epoch it claimed and the offset stored for it."""
-
-    epoch: int
-    committed: int
 
 
 class _HandlerFailed(Exception):
@@ -53,48 +48,43 @@ class Worker:
         self.settings = settings or Settings()
         group = self.settings.group or processor.group
         topics = list(self.settings.topics or processor.topics)
+        name = type(processor).__name__
         if not group:
-            raise ConfigurationError(f"{type(processor).__name__} has no group: set `group = ...` or --group")
+            raise ConfigurationError(f"{name} has no group: set `group = ...` or --group")
         if not topics:
-            raise ConfigurationError(f"{type(processor).__name__} has no topics: set `topics = [...]` or --topic")
+            raise ConfigurationError(f"{name} has no topics: set `topics = [...]` or --topic")
         self.group: str = group
         self.topics = topics
-        self._policy = parse_start_policy(self.settings.start_from)
+        #: Written into each claimed row: an admin reset keeps it, another worker's claim replaces it.
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
-        self._owned: dict[TP, _Owned] = {}
-        self._pending: set[TP] = set()
-        self._db_delay = DB_RETRY_DELAY
-        self._claim_retry_at = 0.0
+        self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
+        self._next_epoch_check = 0.0
         self._store: Store | None = None
         self._source: KafkaSource | None = None
+        self._ledger: Ledger | None = None
 
     # -- lifecycle ----------------------------------------------------------
 
     def connect(self) -> None:
-        """Check the database (reachable, migrated) and the brokers; idempotent."""
+        """Check the database (reachable, migrated), the brokers and the topics; idempotent."""
         if self._source is not None:
             return
         engine = make_engine(self.settings)
         store = Store(engine, self.settings)
+        source: KafkaSource | None = None
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
-        except KstoreError:
-            engine.dispose()
-            raise
-        try:
-            source = KafkaSource(self.settings, self.group, self.topics)
-        except KstoreError:
-            engine.dispose()
-            raise
-        try:
+            source = KafkaSource(self.settings, self.group, self.topics, self.worker_id)
             source.check_topics()
         except KstoreError:
-            source.close()
+            if source is not None:
+                source.close()
             engine.dispose()
             raise
-        self._store = store
-        self._source = source
+        self._store, self._source = store, source
+        self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -103,19 +93,18 @@ class Worker:
         stop once partitions are held and no record arrived for that many seconds.
         """
         self.connect()
-        source = self._src
-        log.info("worker for group %r on %s: database %s, brokers %s", self.group,
+        log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
         self.processor.engine = self._db.engine
         self.processor.setup()
         try:
-            source.subscribe()
+            self._src.subscribe()
             self._loop(max_batches, idle_timeout)
         finally:
             self.close()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
-        source = self._src
+        source, ledger = self._src, self._led
         batches = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
@@ -126,12 +115,13 @@ class Worker:
                 source.poll(0 if queued else self.settings.poll_timeout_ms)
             self._apply_events()
             self._claim_pending()
+            self._check_epochs()
             if self._process_next():
                 batches += 1
                 last_activity = time.monotonic()
                 if max_batches is not None and batches >= max_batches:
                     return
-            elif self._pending or not self._owned:
+            elif ledger.pending or not ledger.owned:
                 last_activity = time.monotonic()
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
@@ -148,8 +138,6 @@ class Worker:
         try:
             self.processor.teardown()
         finally:
-            with source.lock:
-                self._owned.clear()
             source.close()
             if self._store is not None:
                 self._store.engine.dispose()
@@ -167,67 +155,62 @@ class Worker:
             raise KstoreError("worker is not connected: call run() or connect() first")
         return self._store
 
+    @property
+    def _led(self) -> Ledger:
+        if self._ledger is None:
+            raise KstoreError("worker is not connected: call run() or connect() first")
+        return self._ledger
+
     # -- partition ownership --------------------------------------------------
 
     def _apply_events(self) -> None:
         """Act on the rebalance events the listener recorded during ``poll()``, in order."""
         for kind, tps in self._src.take_events():
             if kind == "assigned":
-                self._pending.update(tps)
-                log.info("assigned %s; claiming before any delivery", _fmt(tps))
+                self._led.pending.update(tps)
+                log.info("assigned %s; claiming before any delivery", fmt(tps))
             else:
-                self._pending.difference_update(tps)
-                self._drop(tps, kind)
+                self._revoked(self._led.drop(tps), kind)
 
-    def _drop(self, tps: Iterable[TP], why: str, pause: bool = False) -> None:
-        with self._src.lock:
-            dropped = [tp for tp in tps if self._owned.pop(tp, None) is not None]
-            self._src.disown(tps, pause=pause)
-        if dropped:
-            log.info("%s %s", why, _fmt(dropped))
-            self.processor.on_revoked(dropped)
+    def _revoked(self, tps: list[TP], why: str) -> None:
+        if tps:
+            log.info("%s %s", why, fmt(tps))
+            self.processor.on_revoked(tps)
 
     def _claim_pending(self) -> None:
-        """Claim newly assigned partitions, seek them to their stored offsets, resume them.
-
-        If the database fails, the partitions stay paused and the claim is
-        retried with backoff: kstore never falls back to Kafka's own offsets.
-        """
-        if not self._pending or time.monotonic() < self._claim_retry_at:
-            return
-        source = self._src
-        self._pending &= source.assignment()
-        tps = sorted(self._pending)
-        if not tps:
+        """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
+        ledger = self._led
+        if not ledger.pending or not self._db_backoff.ready():
             return
         try:
-            claims = self._db.claim(self.group, tps)
-            with source.lock:
-                starts = self._start_offsets(claims)
-                for tp in tps:
-                    self._take_ownership(tp, claims[tp], starts[tp])
+            claimed = ledger.claim_pending()
         except SQLAlchemyError as exc:
-            self._claim_retry_at = time.monotonic() + self._db_backoff(f"claim {_fmt(tps)}", exc)
+            self._db_backoff.failed(f"claim {fmt(ledger.pending)} (they stay paused)", exc)
             return
-        self._db_delay = DB_RETRY_DELAY
-        self._pending.difference_update(tps)
-        log.info("claimed %s", ", ".join(f"{t}[{p}]@{self._owned[(t, p)].committed}" for t, p in tps))
-        self.processor.on_assigned(tps)
+        self._db_backoff.succeeded()
+        if claimed:
+            offsets = ledger.offsets()
+            log.info("claimed %s", ", ".join(
+                f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
+            self.processor.on_assigned([tp for tp in claimed if tp in offsets])
 
-    def _start_offsets(self, claims: Mapping[TP, Claim]) -> dict[TP, tuple[int, str | None]]:
-        """Where each claimed partition starts, and why if that is not its stored offset."""
-        targets: dict[TP, Target | None] = {tp: c.next_offset for tp, c in claims.items()}
-        return self._resolve(targets, strict=False)
+    def _check_epochs(self) -> None:
+        """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""
+        if time.monotonic() < self._next_epoch_check:
+            return
+        self._next_epoch_check = time.monotonic() + self.settings.epoch_check_interval_s
+        try:
+            stale = self._led.stale()
+            if stale:
+                self._recheck(stale)
+        except SQLAlchemyError as exc:
+            self._db_backoff.failed("check the partitions' epochs", exc)
 
-    def _take_ownership(self, tp: TP, claim: Claim, start: tuple[int, str | None]) -> None:
-        offset, why = start
-        epoch = claim.epoch
-        if why is not None:
-            # Persist where we start, so a restart before the first commit resumes
-            # at the same offset (a "latest" resolved again later would skip records).
-            epoch = self._db.reset(self.group, tp, offset, expected_epoch=epoch, reason=why)
-        self._owned[tp] = _Owned(epoch, offset)
-        self._src.own(tp, offset)
+    def _recheck(self, tps: list[TP]) -> None:
+        _adopted, dropped = self._led.recheck(tps)
+        if dropped:
+            log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
+            self._revoked(dropped, "fenced")
 
     # -- resets ---------------------------------------------------------------
 
@@ -251,103 +234,48 @@ class Worker:
         """
         targets = dict(pairs.items() if isinstance(pairs, Mapping) else pairs)
         strict = self.settings.strict_resets if strict is None else strict
-        source = self._src
-        with source.lock:
-            foreign = [tp for tp in targets if tp not in self._owned]
-            if foreign:
-                raise KstoreError(
-                    f"this worker does not hold {_fmt(foreign)}; move others with `kstore offsets set`"
-                )
-            resolved = self._resolve(dict(targets), strict=strict)
-            for tp, (offset, why) in resolved.items():
-                note = reason if why is None else f"{reason}: {why}"
-                epoch = self._db.reset(self.group, tp, offset, expected_epoch=self._owned[tp].epoch, reason=note)
-                self._owned[tp] = _Owned(epoch, offset)
-                source.own(tp, offset)
-                log.info("reset %s[%d] to %d (%s)", tp[0], tp[1], offset, note)
-        return {tp: offset for tp, (offset, _why) in resolved.items()}
+        return self._led.reset(targets, strict, reason)
 
     @property
     def held_offsets(self) -> dict[TP, int]:
-        """``{(topic, partition_id): next_offset}`` for the partitions this worker holds now."""
-        source = self._source
-        if source is None:
-            return {}
-        with source.lock:
-            return {tp: owned.committed for tp, owned in self._owned.items()}
-
-    def _resolve(self, targets: Mapping[TP, Target | None], strict: bool) -> dict[TP, tuple[int, str | None]]:
-        """Check targets against the logs; an invalid or missing one gets the start policy.
-
-        Returns ``{tp: (offset, why)}`` where ``why`` is None if the target was
-        used as given, else the reason the policy was applied.
-        """
-        source = self._src
-        bounds = source.log_bounds(list(targets))
-        times = {tp: t for tp, t in targets.items() if isinstance(t, datetime)}
-        if isinstance(self._policy, datetime):
-            times.update({tp: self._policy for tp, t in targets.items() if t is None or not isinstance(t, datetime)})
-        found = source.offsets_for_times(times) if times else {}
-        out: dict[TP, tuple[int, str | None]] = {}
-        for tp, target in targets.items():
-            problem = "no stored offset"
-            if target is not None:
-                offset, problem_or_none = check_target(target, bounds[tp], found.get(tp))
-                if offset is not None:
-                    out[tp] = (offset, None)
-                    continue
-                problem = problem_or_none or "invalid target"
-                if strict:
-                    raise InvalidOffsetError(f"{tp[0]}[{tp[1]}]: {problem}")
-                log.error("%s[%d]: %s; using start_from=%s instead", tp[0], tp[1], problem, self.settings.start_from)
-            policy_time = found.get(tp) if isinstance(self._policy, datetime) else None
-            offset = policy_offset(self._policy, bounds[tp], policy_time)
-            out[tp] = (offset, f"{problem}: start_from={self.settings.start_from}")
-        return out
+        """``{(topic, partition_id): next_offset}`` for the partitions this worker delivers now."""
+        return {} if self._ledger is None else self._ledger.offsets()
 
     # -- processing -----------------------------------------------------------
 
     def _process_next(self) -> bool:
         """Take one batch and process it; True if a batch committed."""
-        source = self._src
+        source, ledger = self._src, self._led
         with source.lock:
             batch = source.take_batch(self.settings.max_batch_size)
             if not batch:
                 return False
             tps = {r.tp for r in batch}
             generations = {tp: source.generation(tp) or 0 for tp in tps}
-            epochs = {tp: self._owned[tp].epoch for tp in tps}
+            epochs = ledger.epochs(tps)
         positions: dict[TP, tuple[int, int]] = {}
         for r in batch:  # records of a partition are in offset order
             positions[r.tp] = (r.offset + 1, epochs[r.tp])
         try:
             fenced = self._transact(batch, positions)
         except _HandlerFailed as exc:
+            # Messages of a batch that did not commit go back in front of their queues.
             source.requeue(batch, generations)
             cause = exc.__cause__ or exc
             if isinstance(cause, OperationalError):
-                self._stop.wait(self._db_backoff("process a batch", cause))
+                self._stop.wait(self._db_backoff.failed("process a batch", cause))
                 return False
-            first = batch[0]
-            raise ProcessorError(
-                f"processor {type(self.processor).__name__} failed on {first.topic}[{first.partition}] "
-                f"at offset {first.offset} (batch of {len(batch)}): {type(cause).__name__}: {cause}; "
-                "nothing of the batch was committed"
-            ) from cause
+            raise ProcessorError(_failure(self.processor, batch, cause)) from cause
         except SQLAlchemyError as exc:
             source.requeue(batch, generations)
-            self._stop.wait(self._db_backoff("commit a batch", exc))
+            self._stop.wait(self._db_backoff.failed("commit a batch", exc))
             return False
-        self._db_delay = DB_RETRY_DELAY
+        self._db_backoff.succeeded()
         if fenced:
             self._on_fenced(fenced, epochs)
             source.requeue(batch, generations)
             return False
-        with source.lock:
-            for tp, (nxt, epoch) in positions.items():
-                owned = self._owned.get(tp)
-                if owned is not None and owned.epoch == epoch:
-                    owned.committed = nxt
+        ledger.committed(positions)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("committed %d messages: %s", len(batch), ", ".join(
                 f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(positions.items())))
@@ -388,36 +316,31 @@ class Worker:
         return Message(r.topic, r.partition, r.offset, key, value, r.headers, ms_to_datetime(r.timestamp_ms))
 
     def _on_fenced(self, fenced: set[TP], epochs: Mapping[TP, int]) -> None:
-        """Some rows no longer carry our epoch: roll back (done), stop delivering those partitions.
+        """Some rows no longer carry our epoch; the transaction was rolled back.
 
-        A partition whose epoch moved because this worker reset it meanwhile is
-        still ours (the reset already flushed and sought it). Any other was
-        claimed by another worker or reset by an admin: pause it and forget it;
-        the rest of the batch is retried under the same epochs.
+        A partition this worker reset itself meanwhile is still ours (the reset
+        already flushed and sought it). For the others, the row says whether an
+        operator moved it (adopt the new position) or another worker claimed it
+        (drop it); the rest of the batch is retried under the same epochs.
         """
-        with self._src.lock:
-            lost = [tp for tp in fenced if tp in self._owned and self._owned[tp].epoch == epochs[tp]]
+        lost = self._led.still_ours(fenced, epochs)
         if lost:
-            log.warning("fenced on %s: another worker or an admin took them; rolled back", _fmt(lost))
-            self._drop(lost, "fenced", pause=True)
-
-    def _db_backoff(self, what: str, exc: BaseException) -> float:
-        delay = self._db_delay
-        self._db_delay = min(self._db_delay * 2, DB_RETRY_MAX_DELAY)
-        orig = getattr(exc, "orig", None) or exc
-        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first, delay)
-        return delay
+            log.warning("fenced on %s: their epoch moved; rolled back", fmt(lost))
+            try:
+                self._recheck(lost)
+            except SQLAlchemyError:
+                self._revoked(self._led.drop(lost, pause=True), "fenced")
 
 
-def _fmt(tps: Iterable[TP]) -> str:
-    return ", ".join(f"{t}[{p}]" for t, p in sorted(tps)) or "nothing"
+def _failure(processor: Processor, batch: Sequence[Record], cause: BaseException) -> str:
+    first = batch[0]
+    return (f"processor {type(processor).__name__} failed on a batch of {len(batch)} starting at "
+            f"{first.topic}[{first.partition}] offset {first.offset}: {type(cause).__name__}: {cause}; "
+            "nothing of the batch was committed")
 
 
 def load_processor(path: str) -> Processor:
     """Import ``MODULE:CLASS`` and instantiate it; a clear error if it is not a Processor."""
-    import importlib
-
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(f"processor must be MODULE:CLASS, got {path!r}")
@@ -432,6 +355,3 @@ def load_processor(path: str) -> Processor:
         raise ConfigurationError(f"{path} is not a kstore.Processor subclass")
     instance: Processor = cls()
     return instance
-
-
-__all__ = ["FencedError", "Worker", "load_processor"]

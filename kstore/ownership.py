@@ -1,0 +1,246 @@
+"""Which partitions this worker holds, at which epoch, and where each one reads from.
+
+The ledger behind the worker: claiming assigned partitions, placing each at its
+stored offset (or the start policy), holding back a partition whose stored offset
+lies past the log end, adopting an operator's reset, dropping a partition another
+worker claimed, and ``reset_offsets``. Every change of position happens under
+:attr:`KafkaSource.lock`, together with the flush and seek of the partition's queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from .consumer import TP, KafkaSource
+from .errors import InvalidOffsetError, KstoreError
+from .settings import Settings, parse_start_policy
+from .store import Row, Store
+from .targets import Target, check_target, policy_offset
+
+log = logging.getLogger("kstore.worker")
+
+
+@dataclass
+class Owned:
+    """A partition this worker delivers: the epoch it holds and the offset stored for it."""
+
+    epoch: int
+    committed: int
+
+
+def fmt(tps: Iterable[TP]) -> str:
+    return ", ".join(f"{t}[{p}]" for t, p in sorted(tps)) or "nothing"
+
+
+class Ledger:
+    """Owned, held and pending partitions of one worker."""
+
+    def __init__(self, settings: Settings, group: str, worker_id: str, store: Store, source: KafkaSource) -> None:
+        self.settings = settings
+        self.group = group
+        self.worker_id = worker_id
+        self.store = store
+        self.source = source
+        self.policy = parse_start_policy(settings.start_from)
+        self.owned: dict[TP, Owned] = {}
+        #: Claimed but not delivered: stored offset past the log end; waits for an operator.
+        self.held: dict[TP, int] = {}
+        #: Assigned by Kafka, not yet claimed.
+        self.pending: set[TP] = set()
+
+    # -- claiming ---------------------------------------------------------------
+
+    def claim_pending(self) -> list[TP]:
+        """Claim the pending partitions still assigned and place each one; returns them.
+
+        Raises SQLAlchemyError if the database fails: the partitions then stay
+        paused and pending, and kstore never falls back to Kafka's own offsets.
+        """
+        self.pending &= self.source.assignment()
+        tps = sorted(self.pending)
+        if not tps:
+            return []
+        claims = self.store.claim(self.group, tps, self.worker_id)
+        bounds = self.source.log_bounds(tps)
+        with self.source.lock:
+            for tp in tps:
+                self._place(tp, claims[tp].epoch, claims[tp].next_offset, bounds[tp])
+        self.pending.difference_update(tps)
+        return tps
+
+    def _place(self, tp: TP, epoch: int, stored: int | None, bounds: tuple[int, int]) -> None:
+        """Start delivering ``tp`` from its stored offset, or the start policy, or hold it. Lock held."""
+        start, end = bounds
+        if stored is not None and stored > end:
+            self._hold(tp, epoch, stored, end)
+            return
+        offset = stored
+        if stored is None or stored < start:
+            why = "no stored offset" if stored is None else (
+                f"stored offset {stored} is below the log start {start} (deleted by retention?)")
+            offset = self._policy_offset(tp, bounds)
+            if stored is not None:
+                log.warning("%s[%d]: %s; MESSAGES %d..%d WERE NEVER PROCESSED; starting at %d (start_from=%s)",
+                            tp[0], tp[1], why, stored, start - 1, offset, self.settings.start_from)
+            # Persist where we start, so a restart before the first commit resumes
+            # here (a "latest" resolved again later would skip records).
+            epoch = self.store.reset(self.group, tp, offset, expected_epoch=epoch,
+                                     reason=f"{why}: start_from={self.settings.start_from}")
+        assert offset is not None
+        self.held.pop(tp, None)
+        self.owned[tp] = Owned(epoch, offset)
+        self.source.own(tp, offset)
+
+    def _hold(self, tp: TP, epoch: int, stored: int, end: int) -> None:
+        """A stored offset past the log end means the topic was recreated (or the row is wrong):
+        consuming from anywhere would be a guess, so wait for an operator's reset."""
+        if self.held.get(tp) != epoch:
+            why = (f"stored offset {stored} is past the log end {end} (topic recreated?): partition held, "
+                   f"nothing consumed until `kstore offsets set --group {self.group} --topic {tp[0]} "
+                   f"--partition {tp[1]} ... --execute`")
+            log.error("%s[%d]: %s", tp[0], tp[1], why)
+            self.store.note(self.group, tp, stored, epoch, why)
+        self.held[tp] = epoch
+        self.owned.pop(tp, None)
+        self.source.disown([tp], pause=True)
+
+    def _policy_offset(self, tp: TP, bounds: tuple[int, int]) -> int:
+        found = self.source.offsets_for_times({tp: self.policy}) if isinstance(self.policy, datetime) else {}
+        return policy_offset(self.policy, bounds, found.get(tp))
+
+    # -- losing and re-checking ---------------------------------------------------
+
+    def drop(self, tps: Iterable[TP], pause: bool = False) -> list[TP]:
+        """Forget partitions (revoked, lost, or claimed elsewhere); returns those that were delivered."""
+        tps = list(tps)
+        self.pending.difference_update(tps)
+        with self.source.lock:
+            dropped = [tp for tp in tps if self.owned.pop(tp, None) is not None]
+            for tp in tps:
+                self.held.pop(tp, None)
+            self.source.disown(tps, pause=pause)
+        return dropped
+
+    def stale(self) -> list[TP]:
+        """Partitions whose stored epoch is no longer ours (one query): an admin reset or another owner."""
+        with self.source.lock:
+            ours = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
+        rows = self.store.rows(self.group, partitions=ours)
+        return [tp for tp, epoch in ours.items() if tp in rows and rows[tp].epoch != epoch]
+
+    def recheck(self, tps: Iterable[TP]) -> tuple[list[TP], list[TP]]:
+        """Re-read rows whose epoch moved: adopt an operator's reset, drop what another worker claimed.
+
+        Returns ``(adopted, dropped)``. An admin reset keeps the row's owner,
+        a claim by another worker replaces it: that is how the two are told apart.
+        """
+        rows = self.store.rows(self.group, partitions=list(tps))
+        mine = {tp: row for tp, row in rows.items() if row.owner == self.worker_id}
+        others = [tp for tp in tps if tp not in mine]
+        if mine:
+            bounds = self.source.log_bounds(list(mine))
+            with self.source.lock:
+                for tp, row in mine.items():
+                    self._adopt(tp, row, bounds[tp])
+        return list(mine), self.drop(others, pause=True)
+
+    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int]) -> None:
+        current = self.owned.get(tp)
+        if current is not None and current.epoch == row.epoch:
+            return  # adopted already (by the periodic check or a fence in between)
+        log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
+                 row.next_offset, row.epoch)
+        self._place(tp, row.epoch, row.next_offset, bounds)
+
+    # -- explicit resets --------------------------------------------------------
+
+    def reset(self, targets: Mapping[TP, Target], strict: bool, reason: str) -> dict[TP, int]:
+        """Move held or owned partitions to targets, persisting each with an epoch bump. See Worker.reset_offsets."""
+        with self.source.lock:
+            epochs = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
+            foreign = [tp for tp in targets if tp not in epochs]
+            if foreign:
+                raise KstoreError(f"this worker does not hold {fmt(foreign)}; move others with `kstore offsets set`")
+            resolved = self._resolve(targets, strict)
+            for tp, (offset, why) in resolved.items():
+                note = reason if why is None else f"{reason}: {why}"
+                epoch = self.store.reset(self.group, tp, offset, expected_epoch=epochs[tp], reason=note)
+                self.held.pop(tp, None)
+                self.owned[tp] = Owned(epoch, offset)
+                self.source.own(tp, offset)
+                log.info("reset %s[%d] to %d (%s)", tp[0], tp[1], offset, note)
+        return {tp: offset for tp, (offset, _why) in resolved.items()}
+
+    def _resolve(self, targets: Mapping[TP, Target], strict: bool) -> dict[TP, tuple[int, str | None]]:
+        """Check targets against the logs; an invalid one gets the start policy (or raises, if strict).
+
+        Returns ``{tp: (offset, why)}``, ``why`` None when the target was used as given.
+        """
+        bounds = self.source.log_bounds(list(targets))
+        times = {tp: t for tp, t in targets.items() if isinstance(t, datetime)}
+        found = self.source.offsets_for_times(times) if times else {}
+        out: dict[TP, tuple[int, str | None]] = {}
+        for tp, target in targets.items():
+            offset, problem = check_target(target, bounds[tp], found.get(tp))
+            if offset is not None:
+                out[tp] = (offset, None)
+                continue
+            if strict:
+                raise InvalidOffsetError(f"{tp[0]}[{tp[1]}]: {problem}")
+            fallback = self._policy_offset(tp, bounds[tp])
+            log.error("%s[%d]: %s; using start_from=%s (offset %d) instead", tp[0], tp[1], problem,
+                      self.settings.start_from, fallback)
+            out[tp] = (fallback, f"{problem}: start_from={self.settings.start_from}")
+        return out
+
+    # -- for the batch loop -------------------------------------------------------
+
+    def epochs(self, tps: Iterable[TP]) -> dict[TP, int]:
+        return {tp: self.owned[tp].epoch for tp in tps}
+
+    def committed(self, positions: Mapping[TP, tuple[int, int]]) -> None:
+        """Note committed positions, for partitions still held at the batch's epoch."""
+        with self.source.lock:
+            for tp, (nxt, epoch) in positions.items():
+                owned = self.owned.get(tp)
+                if owned is not None and owned.epoch == epoch:
+                    owned.committed = nxt
+
+    def still_ours(self, tps: Iterable[TP], epochs: Mapping[TP, int]) -> list[TP]:
+        """Of fenced partitions, those this worker has not itself moved since the batch began."""
+        with self.source.lock:
+            return [tp for tp in tps if tp in self.owned and self.owned[tp].epoch == epochs[tp]]
+
+    def offsets(self) -> dict[TP, int]:
+        with self.source.lock:
+            return {tp: o.committed for tp, o in self.owned.items()}
+
+
+class Backoff:
+    """Exponential delay between database retries, reset by a success."""
+
+    def __init__(self, first: float, longest: float) -> None:
+        self.first = first
+        self.longest = longest
+        self.delay = first
+        self.not_before = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.not_before
+
+    def failed(self, what: str, exc: BaseException) -> float:
+        delay = self.delay
+        self.delay = min(self.delay * 2, self.longest)
+        self.not_before = time.monotonic() + delay
+        orig = getattr(exc, "orig", None) or exc
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first, delay)
+        return delay
+
+    def succeeded(self) -> None:
+        self.delay = self.first
+        self.not_before = 0.0
