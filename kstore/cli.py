@@ -6,15 +6,19 @@ exits non-zero; ``--debug`` shows the traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, NoReturn
 
 import click
 
+from . import admin
 from .errors import KstoreError
 from .migration import migrate as migrate_db
 from .settings import Settings
@@ -107,6 +111,98 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
         w.run()
 
     _run(ctx, lambda: Settings.from_env(topics=tuple(topics) or None, **options), start)
+
+
+@main.group()
+def offsets() -> None:
+    """See where a pipeline stands and move it (replay, skip, start at the end)."""
+
+
+def _kafka_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--bootstrap-servers", default=None, help="Kafka brokers [env KSTORE_BOOTSTRAP_SERVERS]")(f)
+    f = dsn_option(f)
+    f = click.option("--group", required=True, help="Pipeline name (Kafka group id).")(f)
+    return f
+
+
+@offsets.command("show")
+@_kafka_options
+@click.option("--topic", default=None, help="Only this topic (default: every topic the group has offsets for).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def offsets_show(ctx: click.Context, /, group: str, topic: str | None, as_json: bool, **opts: Any) -> None:
+    """Stored offset, log start and end, lag, epoch, last update and live owner of each partition."""
+    rows = _run(ctx, lambda: Settings.from_env(**opts), lambda s: admin.show_offsets(s, group, topic))
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    click.echo(_table(["TOPIC", "PARTITION", "NEXT_OFFSET", "LOG_START", "LOG_END", "LAG", "EPOCH", "UPDATED", "OWNER"],
+                      [[r.topic, r.partition, r.next_offset, r.log_start, r.log_end, r.lag, r.epoch,
+                        r.updated_at.strftime("%Y-%m-%d %H:%M:%S") if r.updated_at else None, r.owner]
+                       for r in rows]))
+
+
+@offsets.command("set")
+@_kafka_options
+@click.option("--topic", required=True)
+@click.option("--partition", "partitions", type=int, multiple=True, help="Repeatable; default: every partition.")
+@click.option("--to-offset", type=int, default=None)
+@click.option("--to-datetime", default=None, callback=lambda _c, _p, v: None if v is None else _iso_time(v),
+              help="ISO 8601 with a timezone, e.g. 2026-11-30T08:00:00Z")
+@click.option("--to-earliest", is_flag=True)
+@click.option("--to-latest", is_flag=True)
+@click.option("--shift-by", type=int, default=None, help="Move by N from the stored offset (negative: replay).")
+@click.option("--clamp", is_flag=True, help="Move out-of-range targets to the nearest end instead of refusing.")
+@click.option("--reason", default=None, help="Recorded in the reset history.")
+@click.option("--execute", is_flag=True, help="Apply the plan; without it, only print it.")
+@click.pass_context
+def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple[int, ...], **opts: Any) -> None:
+    """Move a group's partitions on a topic; prints the plan, and applies it with --execute."""
+    names = ("to_offset", "to_datetime", "to_earliest", "to_latest", "shift_by", "clamp", "reason", "execute")
+    params = {k: opts.pop(k) for k in names}
+    plan = _run(ctx, lambda: Settings.from_env(**opts),
+                lambda s: admin.set_offsets(s, group, topic, partitions or None, **params))
+    click.echo(_table(["TOPIC", "PARTITION", "FROM", "TO", "NOTE"],
+                      [[p.topic, p.partition, p.from_offset, p.to_offset, p.note] for p in plan]))
+    if params["execute"]:
+        click.echo(f"applied: running workers of {group!r} pick it up within a few seconds")
+    else:
+        click.echo("dry run: nothing changed; add --execute to apply")
+
+
+@offsets.command("history")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--topic", default=None)
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit: int, as_json: bool,
+                    dsn: str | None) -> None:
+    """Every reset of a group, newest first: when, who, from, to, why."""
+    rows = _run(ctx, lambda: Settings.from_env(dsn=dsn), lambda s: admin.offset_history(s, group, topic, limit))
+    if as_json:
+        click.echo(json.dumps([{**dataclasses.asdict(r), "at": r.at.isoformat()} for r in rows], indent=2))
+        return
+    click.echo(_table(["AT", "TOPIC", "PARTITION", "FROM", "TO", "EPOCH", "BY", "REASON"],
+                      [[r.at.strftime("%Y-%m-%d %H:%M:%S"), r.topic, r.partition_id, r.from_offset, r.to_offset,
+                        r.epoch, f"{r.by_user}@{r.by_host}", r.reason] for r in rows]))
+
+
+def _iso_time(raw: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"not an ISO 8601 time: {raw!r}") from None
+    if when.tzinfo is None:
+        raise click.BadParameter(f"give a timezone, e.g. {raw}+00:00 or {raw}Z")
+    return when
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
 def _install_signals(w: Worker) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError, KafkaTimeoutError
 
 from .errors import BrokerError, ConfigurationError
@@ -242,20 +242,76 @@ class KafkaSource:
 
     def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
         """``(log start, log end)`` offsets of each partition, asked of the brokers."""
-        ktps = [TopicPartition(*tp) for tp in tps]
-        starts = self.consumer.beginning_offsets(ktps)
-        ends = self.consumer.end_offsets(ktps)
-        return {(k.topic, k.partition): (starts[k], ends[k]) for k in ktps}
+        return log_bounds(self.consumer, tps)
 
     def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
         """The first offset at or after each time, or None when no record is that recent."""
-        query = {TopicPartition(*tp): int(when.timestamp() * 1000) for tp, when in targets.items()}
-        found = self.consumer.offsets_for_times(query)
-        return {(k.topic, k.partition): (v.offset if v is not None else None) for k, v in found.items()}
+        return offsets_for_times(self.consumer, targets)
 
     def close(self) -> None:
         """Leave the group without committing anything to Kafka."""
         self.consumer.close(autocommit=False)
+
+
+def log_bounds(consumer: Any, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
+    ktps = [TopicPartition(*tp) for tp in tps]
+    if not ktps:
+        return {}
+    starts = consumer.beginning_offsets(ktps)
+    ends = consumer.end_offsets(ktps)
+    return {(k.topic, k.partition): (starts[k], ends[k]) for k in ktps}
+
+
+def offsets_for_times(consumer: Any, targets: dict[TP, datetime]) -> dict[TP, int | None]:
+    query = {TopicPartition(*tp): int(when.timestamp() * 1000) for tp, when in targets.items()}
+    found = consumer.offsets_for_times(query)
+    return {(k.topic, k.partition): (v.offset if v is not None else None) for k, v in found.items()}
+
+
+class KafkaInspector:
+    """Read-only questions to the brokers for ``kstore offsets``: partitions, log bounds, group members."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        servers = settings.bootstrap_servers.split(",")
+        timeout_ms = int(settings.connect_timeout_s * 1000)
+        try:
+            self.consumer = KafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False,
+                                          allow_auto_create_topics=False, bootstrap_timeout_ms=timeout_ms)
+            self.admin = KafkaAdminClient(bootstrap_servers=servers, bootstrap_timeout_ms=timeout_ms)
+        except KafkaTimeoutError:
+            raise BrokerError(
+                f"cannot reach Kafka at {settings.bootstrap_servers} within {settings.connect_timeout_s:g}s: "
+                "check --bootstrap-servers"
+            ) from None
+
+    def partitions(self, topic: str) -> list[int]:
+        found = self.consumer.partitions_for_topic(topic)
+        if not found:
+            raise ConfigurationError(f"unknown topic {topic!r} at {self.settings.bootstrap_servers}")
+        return sorted(found)
+
+    def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
+        return log_bounds(self.consumer, tps)
+
+    def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
+        return offsets_for_times(self.consumer, targets)
+
+    def live_owners(self, group: str) -> dict[TP, str]:
+        """Which live member of the Kafka group is assigned each partition: ``client_id@host``."""
+        described = self.admin.describe_groups([group]).get(group, {})
+        owners: dict[TP, str] = {}
+        for member in described.get("members", []):
+            who = f"{member.get('client_id')}@{str(member.get('client_host', '')).lstrip('/')}"
+            assignment = member.get("member_assignment") or {}
+            for entry in assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []:
+                for partition in entry.get("partitions", []):
+                    owners[(entry["topic"], partition)] = who
+        return owners
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+        self.admin.close()
 
 
 def _to_record(kr: Any) -> Record:

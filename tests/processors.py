@@ -33,6 +33,8 @@ class Recorder(Processor):
     batch holding that offset, create the file and sleep (so a test can kill or stop the
     process between the processor's writes and the commit).
     KSTORE_TEST_FAIL_AT: raise on the message with that offset.
+    KSTORE_TEST_PAUSE_FILE: while that file exists, a batch waits before writing (and its
+    first offset is written to the file + ".batch"), so a test can act while a batch is in flight.
     """
 
     group = "recorder"
@@ -45,8 +47,13 @@ class Recorder(Processor):
         self.hang_file = os.environ.get("KSTORE_TEST_HANG_FILE")
         self.hang_seconds = float(os.environ.get("KSTORE_TEST_HANG_SECONDS", "3600"))
         self.fail_at = int(os.environ.get("KSTORE_TEST_FAIL_AT", "-1"))
+        self.pause_file = os.environ.get("KSTORE_TEST_PAUSE_FILE")
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
+        if self.pause_file and Path(self.pause_file).exists():
+            Path(self.pause_file + ".batch").write_text(f"{msgs[0].partition}:{msgs[0].offset}")
+            while Path(self.pause_file).exists():
+                time.sleep(0.02)
         for m in msgs:
             if m.offset == self.fail_at:
                 raise ValueError(f"cannot handle offset {m.offset}")
