@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import click
 
-from . import admin
+from . import admin, deadletters
 from .errors import KstoreError
 from .migration import migrate as migrate_db
 from .settings import Settings
@@ -34,7 +34,7 @@ dsn_option = click.option("--dsn", default=None, help="Database URL [env KSTORE_
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
-def main(ctx: click.Context, debug: bool, log_level: str) -> None:
+def cli(ctx: click.Context, debug: bool, log_level: str) -> None:
     """kstore: exactly-once Kafka pipelines writing to a SQL database."""
     debug = debug or os.environ.get("KSTORE_DEBUG", "") not in ("", "0")
     ctx.obj = {"debug": debug}
@@ -82,7 +82,7 @@ def _scrub(message: str, settings: Settings | None) -> str:
     return line
 
 
-@main.command()
+@cli.command()
 @dsn_option
 @click.pass_context
 def migrate(ctx: click.Context, dsn: str | None) -> None:
@@ -91,7 +91,7 @@ def migrate(ctx: click.Context, dsn: str | None) -> None:
     click.echo(f"kstore tables are at migration {revision}")
 
 
-@main.command()
+@cli.command()
 @click.argument("processor")
 @dsn_option
 @click.option("--bootstrap-servers", default=None, help="Kafka brokers, HOST:PORT[,...] [env KSTORE_BOOTSTRAP_SERVERS]")
@@ -99,6 +99,9 @@ def migrate(ctx: click.Context, dsn: str | None) -> None:
 @click.option("--topic", "topics", multiple=True, help="Topic to consume (repeatable); overrides the processor's.")
 @click.option("--start-from", default=None, help="earliest, latest or ISO 8601 time, if no stored offset.")
 @click.option("--max-batch-size", type=int, default=None, help="Most messages per transaction.")
+@click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
+              help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
+@click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
 @click.pass_context
 def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
     """Run PROCESSOR (MODULE:CLASS) until SIGTERM/SIGINT, exactly once."""
@@ -106,14 +109,12 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
 
     def start(settings: Settings) -> None:
         sys.path.insert(0, os.getcwd())
-        w = Worker(load_processor(processor), settings)
-        _install_signals(w)
-        w.run()
+        _run_worker(Worker(load_processor(processor), settings), settings.shutdown_timeout_s)
 
     _run(ctx, lambda: Settings.from_env(topics=tuple(topics) or None, **options), start)
 
 
-@main.group()
+@cli.group()
 def offsets() -> None:
     """See where a pipeline stands and move it (replay, skip, start at the end)."""
 
@@ -189,6 +190,76 @@ def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit:
                         r.epoch, f"{r.by_user}@{r.by_host}", r.reason] for r in rows]))
 
 
+@cli.group("dead-letters")
+def dead_letters() -> None:
+    """Messages that failed every attempt: list, show, replay."""
+
+
+@dead_letters.command("list")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--all", "show_all", is_flag=True, help="Include replayed ones.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, dsn: str | None) -> None:
+    """The group's dead letters (not yet replayed, unless --all)."""
+    def find(s: Settings) -> list[deadletters.DeadLetter]:
+        store = deadletters.DeadLetters(s)
+        try:
+            return store.find(group, status=None if show_all else deadletters.DEAD)
+        finally:
+            store.close()
+
+    letters = _run(ctx, lambda: Settings.from_env(dsn=dsn), find)
+    if as_json:
+        click.echo(json.dumps([d.summary() for d in letters], indent=2))
+        return
+    click.echo(_table(["ID", "TOPIC", "PARTITION", "OFFSET", "ATTEMPTS", "LAST_FAILURE", "STATUS", "ERROR"],
+                      [[d.id, d.topic, d.partition_id, d.offset, d.attempts,
+                        d.last_failure_at.strftime("%Y-%m-%d %H:%M:%S"), d.status, d.error[:80]] for d in letters]))
+
+
+@dead_letters.command("show")
+@dsn_option
+@click.argument("dead_letter_id", type=int)
+@click.pass_context
+def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, dsn: str | None) -> None:
+    """One dead letter in full: the message, the error and its traceback."""
+    def get(s: Settings) -> deadletters.DeadLetter:
+        store = deadletters.DeadLetters(s)
+        try:
+            return store.get(dead_letter_id)
+        finally:
+            store.close()
+
+    d = _run(ctx, lambda: Settings.from_env(dsn=dsn), get)
+    for name, value in d.summary().items():
+        click.echo(f"{name}: {value}")
+    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}\ntraceback:\n{d.traceback}")
+
+
+@dead_letters.command("replay")
+@click.argument("processor")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
+@click.pass_context
+def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...],
+                        dsn: str | None) -> None:
+    """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects."""
+    def replay(s: Settings) -> deadletters.ReplayResult:
+        sys.path.insert(0, os.getcwd())
+        return deadletters.replay_dead_letters(s, load_processor(processor), group, ids or None)
+
+    result = _run(ctx, lambda: Settings.from_env(dsn=dsn), replay)
+    click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "
+               f"of {group!r}), failed {len(result.failed)}")
+    for letter_id, error in result.failed.items():
+        click.echo(f"dead letter {letter_id} failed again: {error}", err=True)
+    if result.failed:
+        ctx.exit(1)
+
+
 def _iso_time(raw: str) -> datetime:
     try:
         when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
@@ -205,22 +276,68 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
-def _install_signals(w: Worker) -> None:
-    """First SIGTERM/SIGINT: finish the batch in flight and leave. Second: stop now, committing nothing more."""
-    received = []
+class _ShutdownTimeout(BaseException):
+    """Raised in the main thread when the batch in flight outlives ``shutdown_timeout_s``.
 
-    def handler(signum: int, _frame: Any) -> None:
+    A BaseException, so that no ``except Exception`` (the processor's or kstore's)
+    swallows it: it unwinds the batch, whose transaction rolls back.
+    """
+
+
+class _ForcedExit(BaseException):
+    """Raised in the main thread by a second SIGTERM/SIGINT."""
+
+
+def _install_signals(w: Worker, timeout_s: float) -> None:
+    """First SIGTERM/SIGINT: finish the batch in flight (for at most ``timeout_s``), commit it, leave.
+    Second: stop at once; the batch in flight rolls back, nothing partial is committed."""
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
         received.append(signum)
-        if len(received) == 1:
-            log.info("%s received: finishing the batch in flight, then leaving the group",
-                     signal.Signals(signum).name)
-            w.request_stop()
-            return
-        # Raised in the main thread wherever it is: the open transaction rolls back.
-        raise SystemExit(128 + signum)
+        if len(received) > 1:
+            raise _ForcedExit(128 + signum)
+        log.info("%s received: finishing the batch in flight (at most %gs), then leaving the group",
+                 signal.Signals(signum).name, timeout_s)
+        w.request_stop()
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    def on_alarm(_signum: int, _frame: Any) -> None:
+        if w.busy:  # otherwise the loop is already on its way out: let it leave the group cleanly
+            raise _ShutdownTimeout()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGALRM, on_alarm)
+
+
+def _run_worker(w: Worker, timeout_s: float) -> None:
+    _install_signals(w, timeout_s)
+    try:
+        w.run()
+    except _ShutdownTimeout:
+        log.warning("the batch in flight did not finish within %gs of the stop signal: rolled back, "
+                    "it will be processed again after a restart", timeout_s)
+    except _ForcedExit as exc:
+        log.warning("second stop signal: stopped at once; the batch in flight was rolled back")
+        sys.exit(exc.args[0])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kstore`` command: a usage error is one line on stderr and exit 2."""
+    try:
+        code = cli.main(args=argv, prog_name="kstore", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        click.echo(f"kstore: error: {exc.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

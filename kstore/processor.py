@@ -12,7 +12,10 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
+from .retry import RetryPolicy
+
 Format = Literal["bytes", "str", "json"]
+OnError = Literal["stop", "dead_letter"]
 TopicPartition = tuple[str, int]
 
 
@@ -55,6 +58,11 @@ class Processor:
     #: How :meth:`deserialize` turns keys and values into Python values.
     key_format: ClassVar[Format] = "bytes"
     value_format: ClassVar[Format] = "bytes"
+    #: How a failing message is retried (attempts, backoff); see :mod:`kstore.retry`.
+    retry: ClassVar[RetryPolicy] = RetryPolicy()
+    #: After the last attempt: ``"stop"`` the worker (offset stays before the message) or
+    #: ``"dead_letter"`` it (into kstore_dead_letters, in the transaction that moves past it).
+    on_error: ClassVar[OnError] = "stop"
 
     #: The SQLAlchemy session of the batch in flight; set by the worker.
     session: Session

@@ -36,6 +36,10 @@ class Settings:
     topics: tuple[str, ...] = ()
     #: Where a partition with no stored offset starts: earliest, latest or an ISO 8601 time.
     start_from: str = "earliest"
+    #: Overrides the processor's ``on_error``: "stop" or "dead_letter".
+    on_error: str | None = None
+    #: Overrides the processor's ``retry.max_attempts``.
+    max_attempts: int | None = None
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
     strict_resets: bool = False
     #: Most messages per transaction.
@@ -53,6 +57,8 @@ class Settings:
     idle_in_transaction_timeout_ms: int = 10_000
     #: Seconds to wait for the brokers at start-up.
     connect_timeout_s: float = 30.0
+    #: After SIGTERM/SIGINT, how long the batch in flight may run before it is rolled back.
+    shutdown_timeout_s: float = 30.0
     #: How often a worker checks its partitions' epochs, to pick up an operator's reset.
     epoch_check_interval_s: float = 1.0
     #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
@@ -67,6 +73,10 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         parse_start_policy(self.start_from)
+        if self.on_error not in (None, "stop", "dead_letter"):
+            raise ConfigurationError(f"on_error must be stop or dead_letter, got {self.on_error!r}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
         try:
             make_url(self.dsn)
         except ArgumentError:

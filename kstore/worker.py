@@ -7,6 +7,7 @@ installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -20,11 +21,13 @@ from typing import Any
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from . import deadletters
 from .consumer import TP, KafkaSource, Record, ms_to_datetime
 from .errors import ConfigurationError, KstoreError, ProcessorError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor
+from .retry import Failure, Failures
 from .settings import Settings
 from .store import Store, make_engine
 from .targets import Target
@@ -57,7 +60,15 @@ class Worker:
         self.topics = topics
         #: Written into each claimed row: an admin reset keeps it, another worker's claim replaces it.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        policy = processor.retry
+        if self.settings.max_attempts is not None:
+            policy = dataclasses.replace(policy, max_attempts=self.settings.max_attempts)
+        self._failures = Failures(policy)
+        self.on_error = self.settings.on_error or processor.on_error
+        self._dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
         self._stop = threading.Event()
+        #: True while a batch's transaction is open (for the CLI's shutdown timeout).
+        self.busy = False
         self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
         self._next_epoch_check = 0.0
         self._store: Store | None = None
@@ -245,9 +256,12 @@ class Worker:
 
     def _process_next(self) -> bool:
         """Take one batch and process it; True if a batch committed."""
-        source, ledger = self._src, self._led
+        source, ledger, failures = self._src, self._led, self._failures
+        if not failures.ready():
+            return False  # a failed message waits for its next attempt; polling goes on
         with source.lock:
-            batch = source.take_batch(self.settings.max_batch_size)
+            failures.retain(ledger.owned)
+            batch = source.take_batch(failures.batch_size(self.settings.max_batch_size))
             if not batch:
                 return False
             tps = {r.tp for r in batch}
@@ -259,13 +273,16 @@ class Worker:
         try:
             fenced = self._transact(batch, positions)
         except _HandlerFailed as exc:
-            # Messages of a batch that did not commit go back in front of their queues.
-            source.requeue(batch, generations)
             cause = exc.__cause__ or exc
+            settled = False
             if isinstance(cause, OperationalError):
                 self._stop.wait(self._db_backoff.failed("process a batch", cause))
-                return False
-            raise ProcessorError(_failure(self.processor, batch, cause)) from cause
+            else:
+                settled = self._handler_failed(batch, cause, epochs)
+            if not settled:
+                # Messages of a batch that did not commit go back in front of their queues.
+                source.requeue(batch, generations)
+            return False
         except SQLAlchemyError as exc:
             source.requeue(batch, generations)
             self._stop.wait(self._db_backoff.failed("commit a batch", exc))
@@ -276,9 +293,56 @@ class Worker:
             source.requeue(batch, generations)
             return False
         ledger.committed(positions)
+        failures.done([(r.topic, r.partition, r.offset) for r in batch])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("committed %d messages: %s", len(batch), ", ".join(
                 f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(positions.items())))
+        return True
+
+    def _handler_failed(self, batch: Sequence[Record], cause: BaseException, epochs: Mapping[TP, int]) -> bool:
+        """Decide what a processor failure means; True if the batch is settled (dead-lettered)."""
+        failures = self._failures
+        if len(batch) > 1:
+            log.warning("a batch of %d failed (%s: %s); processing its messages one by one to find the bad one",
+                        len(batch), type(cause).__name__, cause)
+            failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
+            return False
+        record = batch[0]
+        failure = failures.message_failed((record.topic, record.partition, record.offset), cause)
+        where = f"{record.topic}[{record.partition}] offset {record.offset}"
+        if not failures.exhausted(failure):
+            log.warning("%s failed (attempt %d of %d): %s; retrying", where, failure.attempts,
+                        failures.policy.max_attempts, failure.error)
+            return False
+        if self.on_error != "dead_letter":
+            raise ProcessorError(
+                f"processor {type(self.processor).__name__} failed on {where} after {failure.attempts} attempt(s): "
+                f"{failure.error}; its offset was not committed (on_error=stop)"
+            ) from cause
+        return self._dead_letter(record, failure, epochs)
+
+    def _dead_letter(self, record: Record, failure: Failure, epochs: Mapping[TP, int]) -> bool:
+        """Write the message to the dead letters in the same transaction that moves its offset past it."""
+        positions = {record.tp: (record.offset + 1, epochs[record.tp])}
+        try:
+            with self._db.engine.connect() as conn:
+                trans = conn.begin()
+                deadletters.write(conn, self._dead_letters, self.group, record, failure)
+                fenced = self._db.commit_offsets(conn, self.group, positions)
+                if fenced:
+                    trans.rollback()
+                else:
+                    trans.commit()
+        except SQLAlchemyError as exc:
+            self._stop.wait(self._db_backoff.failed("write a dead letter", exc))
+            return False
+        if fenced:
+            self._on_fenced(fenced, epochs)
+            return False
+        self._led.committed(positions)
+        self._failures.done([(record.topic, record.partition, record.offset)])
+        log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
+                    record.offset, failure.attempts, failure.error)
         return True
 
     def _transact(self, batch: Sequence[Record], positions: Mapping[TP, tuple[int, int]]) -> set[TP]:
@@ -287,6 +351,7 @@ class Worker:
         Returns the fenced partitions (the transaction was rolled back) or an empty set (committed).
         """
         store = self._db
+        self.busy = True
         with store.engine.connect() as conn:
             trans = conn.begin()
             # rollback_only: a session.commit() by the processor flushes but
@@ -307,6 +372,7 @@ class Worker:
                 trans.commit()
                 return set()
             finally:
+                self.busy = False
                 session.close()
                 if trans.is_active:
                     trans.rollback()
@@ -330,13 +396,6 @@ class Worker:
                 self._recheck(lost)
             except SQLAlchemyError:
                 self._revoked(self._led.drop(lost, pause=True), "fenced")
-
-
-def _failure(processor: Processor, batch: Sequence[Record], cause: BaseException) -> str:
-    first = batch[0]
-    return (f"processor {type(processor).__name__} failed on a batch of {len(batch)} starting at "
-            f"{first.topic}[{first.partition}] offset {first.offset}: {type(cause).__name__}: {cause}; "
-            "nothing of the batch was committed")
 
 
 def load_processor(path: str) -> Processor:

@@ -123,19 +123,24 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     assert all(by[m] == "w2" for m in in_flight), "the zombie's in-flight batch must not have landed"
 
 
-def test_processor_exception_commits_nothing_and_stops(pg_dsn: str, new_topic: Any, produce: Any,
-                                                       workers: Any) -> None:
+def test_processor_exception_rolls_back_the_batch_then_stops_before_the_bad_message(
+        pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
+    """The failing batch (30-39) rolls back whole; its good messages then commit one by one, the bad one
+    (35) is retried and, with on_error=stop, the worker stops with the offset still before it."""
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(100)))
-    w = workers(pg_dsn, topic, "boom", env={"KSTORE_TEST_FAIL_AT": "35"}, args=["--max-batch-size", "10"])
+    w = workers(pg_dsn, topic, "boom", env={"KSTORE_TEST_FAIL_AT": "35"},
+                args=["--max-batch-size", "10", "--on-error", "stop", "--max-attempts", "2"])
     code = w.wait(60)
     assert code == 1
     last = w.log.strip().splitlines()[-1]
-    assert last.startswith("kstore: error: processor Recorder failed"), last
-    assert "ValueError: cannot handle offset 35" in last
+    assert last.startswith("kstore: error: processor Recorder failed on ") and "offset 35 after 2 attempt(s)" in last
+    assert "ValueError: cannot handle offset 35" in last and "on_error=stop" in last
     assert "Traceback" not in w.log
-    assert stored_offsets(pg_dsn, "boom") == {(topic, 0): 30}
-    assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(30)})
+    assert "a batch of 10 failed" in w.log
+    assert stored_offsets(pg_dsn, "boom") == {(topic, 0): 35}
+    # 30..34 were written by the failed batch too: had it not rolled back, they would be there twice.
+    assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(35)})
 
 
 def test_sqlite_default_single_worker_end_to_end(sqlite_dsn: str, new_topic: Any, produce: Any,
