@@ -16,6 +16,7 @@ from .errors import (
 )
 from .migration import migrate
 from .processor import Message, Processor
+from .retry import Retry, RetryPolicy
 from .settings import Settings
 from .targets import EARLIEST, LATEST
 from .worker import Worker, load_processor
@@ -24,6 +25,8 @@ __all__ = [
     # writing a pipeline
     "Message",
     "Processor",
+    "Retry",
+    "RetryPolicy",
     # running it
     "Settings",
     "Worker",

@@ -7,6 +7,7 @@ exits non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -84,10 +85,11 @@ def _scrub(message: str, settings: Settings | None) -> str:
 
 @cli.command()
 @dsn_option
+@click.option("--revision", default="head", show_default=True, help="Migrate to this revision.")
 @click.pass_context
-def migrate(ctx: click.Context, dsn: str | None) -> None:
+def migrate(ctx: click.Context, dsn: str | None, revision: str) -> None:
     """Create or upgrade kstore's tables (its own Alembic history, kstore_alembic_version)."""
-    revision = _run(ctx, lambda: Settings.from_env(dsn=dsn), migrate_db)
+    revision = _run(ctx, lambda: Settings.from_env(dsn=dsn), lambda s: migrate_db(s, revision))
     click.echo(f"kstore tables are at migration {revision}")
 
 
@@ -313,6 +315,8 @@ def _install_signals(w: Worker, timeout_s: float) -> None:
 
 def _run_worker(w: Worker, timeout_s: float) -> None:
     _install_signals(w, timeout_s)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: for a worker that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         w.run()
     except _ShutdownTimeout:

@@ -6,10 +6,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from .errors import DatabaseError, NotMigratedError
+from .errors import ConfigurationError, DatabaseError, NotMigratedError
 from .settings import Settings
 from .store import _first_line, make_engine
 
@@ -40,6 +41,8 @@ def migrate(settings: Settings, revision: str = "head") -> str:
         return current_revision(engine, settings) or "base"
     except SQLAlchemyError as exc:
         raise DatabaseError(f"cannot migrate {settings.safe_dsn}: {_first_line(exc)}") from None
+    except CommandError as exc:
+        raise ConfigurationError(f"cannot migrate to {revision!r}: {exc}") from None
     finally:
         engine.dispose()
 

@@ -85,10 +85,14 @@ class WorkerProcess:
         return code
 
     def cleanup(self) -> None:
+        """Kill it if the test left it running, after printing its stacks and log (shown if the test failed)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
             self.proc.kill()
             self.proc.wait(30)
+            print(f"--- {self.log_path.name} (killed at teardown) ---\n{self.log[-6000:]}")
         self._log_file.close()
 
 

@@ -47,6 +47,7 @@ class Recorder(Processor):
         self.hang_file = os.environ.get("KSTORE_TEST_HANG_FILE")
         self.hang_seconds = float(os.environ.get("KSTORE_TEST_HANG_SECONDS", "3600"))
         self.fail_at = int(os.environ.get("KSTORE_TEST_FAIL_AT", "-1"))
+        self.fail_value = os.environ.get("KSTORE_TEST_FAIL_VALUE")
         self.pause_file = os.environ.get("KSTORE_TEST_PAUSE_FILE")
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
@@ -57,8 +58,10 @@ class Recorder(Processor):
         for m in msgs:
             if m.offset == self.fail_at:
                 raise ValueError(f"cannot handle offset {m.offset}")
+            if self.fail_value is not None and m.value == self.fail_value:
+                raise ValueError(f"poison message at {m.topic}[{m.partition}] offset {m.offset}")
         rows = [
-            {"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": m.value,
+            {"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": str(m.value),
              "worker": self.name}
             for m in msgs
         ]
@@ -71,3 +74,9 @@ class Recorder(Processor):
             if not path.exists():  # hang once, not again after a restart
                 path.write_text(",".join(f"{m.topic}:{m.partition}:{m.offset}" for m in msgs))
                 time.sleep(self.hang_seconds)
+
+
+class JsonRecorder(Recorder):
+    """Recorder for JSON values: a value that is not JSON fails to deserialize."""
+
+    value_format = "json"
