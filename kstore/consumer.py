@@ -49,6 +49,11 @@ class Record:
     def tp(self) -> TP:
         return (self.topic, self.partition)
 
+    @property
+    def size(self) -> int:
+        """Approximate memory held for this record, for the buffer bound."""
+        return 200 + len(self.key or b"") + len(self.value or b"")
+
 
 @dataclass
 class _Queue:
@@ -91,7 +96,13 @@ class KafkaSource:
         self.topics = list(topics)
         #: Held while queues change and while a partition is flushed and sought.
         self.lock = threading.RLock()
+        #: Notified (under :attr:`lock`) when records were queued or the group changed.
+        self.changed = threading.Condition(self.lock)
         self._queues: dict[TP, _Queue] = {}
+        self._queued_records = 0
+        self._queued_bytes = 0
+        #: Fetching is paused for every owned partition while the queues hold too much.
+        self._throttled = False
         self._events: list[tuple[EventKind, list[TP]]] = []
         self._events_lock = threading.Lock()  # the only lock the IO thread takes
         self.consumer = self._connect()
@@ -175,17 +186,52 @@ class KafkaSource:
                     # them either way: seek again, or records after the seek are lost.
                     self.consumer.seek(ktp, q.next_fetch)
                     continue
-                for kr in krecords:
-                    if kr.offset < q.next_fetch:
-                        continue  # stale: fetched before a seek backwards
-                    q.records.append(_to_record(kr))
-                    q.next_fetch = kr.offset + 1
-                    queued += 1
+                queued += self._enqueue(q, krecords)
+            if queued:
+                self._throttle()
+                self.changed.notify_all()
         return queued
 
+    def _enqueue(self, q: _Queue, krecords: Sequence[Any]) -> int:
+        n = 0
+        for kr in krecords:
+            if kr.offset < q.next_fetch:
+                continue  # stale: fetched before a seek backwards
+            record = _to_record(kr)
+            q.records.append(record)
+            q.next_fetch = kr.offset + 1
+            self._queued_bytes += record.size
+            n += 1
+        self._queued_records += n
+        return n
+
+    def _throttle(self) -> None:
+        """Pause fetching while the queues hold ``max_buffered_bytes``; resume below half. Lock held.
+
+        Memory is bounded by this setting, not by the topic's size, and the
+        fetcher keeps calling poll() meanwhile, so the group membership stays alive.
+        """
+        limit = self.settings.max_buffered_bytes
+        if not self._throttled and self._queued_bytes >= limit:
+            self._throttled = True
+            self.consumer.pause(*[TopicPartition(*tp) for tp in self._queues])
+        elif self._throttled and self._queued_bytes <= limit // 2:
+            self._throttled = False
+            self.consumer.resume(*[TopicPartition(*tp) for tp in self._queues])
+
     def queued(self) -> int:
+        return self._queued_records
+
+    def wake(self) -> None:
+        """Wake a :meth:`wait` (the group changed, or the worker should look at its state)."""
         with self.lock:
-            return sum(len(q.records) for q in self._queues.values())
+            self.changed.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until records are queued or :meth:`wake` is called, at most ``timeout_s``."""
+        with self.lock:
+            if not self._queued_records:
+                self.changed.wait(timeout_s)
 
     def take_batch(self, max_records: int) -> list[Record]:
         """Up to ``max_records`` queued records, taken round-robin across partitions."""
@@ -198,6 +244,10 @@ class KafkaSource:
                     for _ in range(min(share, len(q.records), max_records - len(batch))):
                         batch.append(q.records.popleft())
                 queues = [q for q in queues if q.records]
+            self._queued_records -= len(batch)
+            self._queued_bytes -= sum(r.size for r in batch)
+            if self._throttled:
+                self._throttle()
         return batch
 
     def generation(self, tp: TP) -> int | None:
@@ -216,24 +266,34 @@ class KafkaSource:
                 q = self._queues.get(record.tp)
                 if q is not None and q.generation == generations.get(record.tp):
                     q.records.appendleft(record)
+                    self._queued_records += 1
+                    self._queued_bytes += record.size
 
     # -- ownership and position ------------------------------------------
 
     def own(self, tp: TP, offset: int) -> None:
         """Start delivering ``tp`` from ``offset``: flush, seek, resume. Caller holds :attr:`lock`."""
         q = self._queues.setdefault(tp, _Queue())
-        q.records.clear()
-        q.generation += 1
+        self._flush(q)
         q.next_fetch = offset
         ktp = TopicPartition(*tp)
         self.consumer.seek(ktp, offset)
-        self.consumer.resume(ktp)
+        if not self._throttled:
+            self.consumer.resume(ktp)
+
+    def _flush(self, q: _Queue) -> None:
+        self._queued_records -= len(q.records)
+        self._queued_bytes -= sum(r.size for r in q.records)
+        q.records.clear()
+        q.generation += 1
 
     def disown(self, tps: Iterable[TP], pause: bool = False) -> None:
         """Stop delivering ``tps`` and flush their queues (revoked, lost or fenced)."""
         with self.lock:
             for tp in tps:
-                self._queues.pop(tp, None)
+                q = self._queues.pop(tp, None)
+                if q is not None:
+                    self._flush(q)
                 if pause and tp in self.assignment():
                     self.consumer.pause(TopicPartition(*tp))
 

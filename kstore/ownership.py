@@ -60,16 +60,20 @@ class Ledger:
         Raises SQLAlchemyError if the database fails: the partitions then stay
         paused and pending, and kstore never falls back to Kafka's own offsets.
         """
-        self.pending &= self.source.assignment()
-        tps = sorted(self.pending)
+        assigned = self.source.assignment()
+        with self.source.lock:
+            self.pending &= assigned
+            tps = sorted(self.pending)
         if not tps:
             return []
         claims = self.store.claim(self.group, tps, self.worker_id)
         bounds = self.source.log_bounds(tps)
         with self.source.lock:
+            # Revoked while the claim ran: the fetcher thread already dropped it from pending.
+            tps = [tp for tp in tps if tp in self.pending]
             for tp in tps:
                 self._place(tp, claims[tp].epoch, claims[tp].next_offset, bounds[tp])
-        self.pending.difference_update(tps)
+            self.pending.difference_update(tps)
         return tps
 
     def _place(self, tp: TP, epoch: int, stored: int | None, bounds: tuple[int, int]) -> None:
@@ -117,8 +121,8 @@ class Ledger:
     def drop(self, tps: Iterable[TP], pause: bool = False) -> list[TP]:
         """Forget partitions (revoked, lost, or claimed elsewhere); returns those that were delivered."""
         tps = list(tps)
-        self.pending.difference_update(tps)
         with self.source.lock:
+            self.pending.difference_update(tps)
             dropped = [tp for tp in tps if self.owned.pop(tp, None) is not None]
             for tp in tps:
                 self.held.pop(tp, None)

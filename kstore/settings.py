@@ -47,6 +47,8 @@ class Settings:
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
     max_poll_records: int = 500
     poll_timeout_ms: int = 200
+    #: Fetching pauses while records waiting in kstore's queues take this much memory.
+    max_buffered_bytes: int = 32 * 2**20
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_poll_interval_ms: int = 300_000

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from . import deadletters
 from .consumer import TP, KafkaSource, Record, ms_to_datetime
-from .errors import ConfigurationError, KstoreError, ProcessorError
+from .errors import BrokerError, ConfigurationError, KstoreError, ProcessorError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor
@@ -34,6 +34,8 @@ from .targets import Target
 
 log = logging.getLogger(__name__)
 
+#: Longest sleep of the main loop when there is nothing to do (it wakes at once for new records).
+IDLE_WAIT_S = 0.1
 #: First and longest wait before retrying a database that failed (claim or commit).
 DB_RETRY_DELAY = 0.5
 DB_RETRY_MAX_DELAY = 10.0
@@ -67,6 +69,9 @@ class Worker:
         self.on_error = self.settings.on_error or processor.on_error
         self._dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
         self._stop = threading.Event()
+        self._closing = threading.Event()
+        self._fetch_error: BaseException | None = None
+        self._revoked_notices: list[list[TP]] = []
         #: True while a batch's transaction is open (for the CLI's shutdown timeout).
         self.busy = False
         self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
@@ -108,23 +113,38 @@ class Worker:
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
         self.processor.engine = self._db.engine
         self.processor.setup()
+        fetcher = threading.Thread(target=self._fetch_loop, name="kstore-fetch", daemon=True)
         try:
             self._src.subscribe()
+            fetcher.start()
             self._loop(max_batches, idle_timeout)
         finally:
+            # Stop fetching before leaving the group: poll() and close() must not overlap.
+            self._closing.set()
+            if fetcher.is_alive():
+                fetcher.join(self.settings.poll_timeout_ms / 1000 + 10)
             self.close()
+
+    def _fetch_loop(self) -> None:
+        """The fetcher thread: polls Kafka all the time, so the group membership stays alive
+        however long a batch runs, and acts on rebalance events (which happen inside poll())."""
+        source = self._src
+        try:
+            while not self._closing.is_set():
+                source.poll(self.settings.poll_timeout_ms)
+                self._apply_events()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._fetch_error = exc
+            source.wake()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
         source, ledger = self._src, self._led
         batches = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
-            # Poll without waiting while work is queued, so processing never stalls on
-            # the network; skip fetching more while a full poll's worth is still queued.
-            queued = source.queued()
-            if queued < self.settings.max_poll_records:
-                source.poll(0 if queued else self.settings.poll_timeout_ms)
-            self._apply_events()
+            if self._fetch_error is not None:
+                raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
+            self._notify_revoked()
             self._claim_pending()
             self._check_epochs()
             if self._process_next():
@@ -132,14 +152,21 @@ class Worker:
                 last_activity = time.monotonic()
                 if max_batches is not None and batches >= max_batches:
                     return
-            elif ledger.pending or not ledger.owned:
+                continue
+            if ledger.pending or not ledger.owned:
                 last_activity = time.monotonic()
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
+            if source.queued() and self._failures.ready() and self._db_backoff.ready():
+                continue
+            # Nothing to do now: sleep until records arrive or the group changes (or a retry is due).
+            source.wait(IDLE_WAIT_S)
 
     def request_stop(self) -> None:
         """Finish the batch in flight, commit it, leave the group. Safe from any thread or signal handler."""
         self._stop.set()
+        if self._source is not None:
+            threading.Thread(target=self._source.wake, daemon=True).start()  # no lock in a signal handler
 
     def close(self) -> None:
         """Call the processor's teardown, leave the group and close the database pool."""
@@ -175,13 +202,32 @@ class Worker:
     # -- partition ownership --------------------------------------------------
 
     def _apply_events(self) -> None:
-        """Act on the rebalance events the listener recorded during ``poll()``, in order."""
-        for kind, tps in self._src.take_events():
-            if kind == "assigned":
-                self._led.pending.update(tps)
-                log.info("assigned %s; claiming before any delivery", fmt(tps))
-            else:
-                self._revoked(self._led.drop(tps), kind)
+        """On the fetcher thread: act on the rebalance events recorded during ``poll()``, in order.
+
+        Revoked and lost partitions are flushed at once, so no record of theirs
+        is delivered after; the processor hears of it on the main thread.
+        """
+        source, ledger = self._src, self._led
+        events = source.take_events()
+        if not events:
+            return
+        with source.lock:
+            for kind, tps in events:
+                if kind == "assigned":
+                    ledger.pending.update(tps)
+                    log.info("assigned %s; claiming before any delivery", fmt(tps))
+                else:
+                    dropped = ledger.drop(tps)
+                    if dropped:
+                        log.info("%s %s", kind, fmt(dropped))
+                        self._revoked_notices.append(dropped)
+            source.changed.notify_all()
+
+    def _notify_revoked(self) -> None:
+        with self._src.lock:
+            notices, self._revoked_notices = self._revoked_notices, []
+        for tps in notices:
+            self.processor.on_revoked(tps)
 
     def _revoked(self, tps: list[TP], why: str) -> None:
         if tps:
@@ -257,8 +303,8 @@ class Worker:
     def _process_next(self) -> bool:
         """Take one batch and process it; True if a batch committed."""
         source, ledger, failures = self._src, self._led, self._failures
-        if not failures.ready():
-            return False  # a failed message waits for its next attempt; polling goes on
+        if not failures.ready() or not self._db_backoff.ready():
+            return False  # a failed message or the database waits for its next attempt; fetching goes on
         with source.lock:
             failures.retain(ledger.owned)
             batch = source.take_batch(failures.batch_size(self.settings.max_batch_size))
@@ -276,7 +322,7 @@ class Worker:
             cause = exc.__cause__ or exc
             settled = False
             if isinstance(cause, OperationalError):
-                self._stop.wait(self._db_backoff.failed("process a batch", cause))
+                self._db_backoff.failed("process a batch", cause)
             else:
                 settled = self._handler_failed(batch, cause, epochs)
             if not settled:
@@ -285,7 +331,7 @@ class Worker:
             return False
         except SQLAlchemyError as exc:
             source.requeue(batch, generations)
-            self._stop.wait(self._db_backoff.failed("commit a batch", exc))
+            self._db_backoff.failed("commit a batch", exc)
             return False
         self._db_backoff.succeeded()
         if fenced:
@@ -334,7 +380,7 @@ class Worker:
                 else:
                     trans.commit()
         except SQLAlchemyError as exc:
-            self._stop.wait(self._db_backoff.failed("write a dead letter", exc))
+            self._db_backoff.failed("write a dead letter", exc)
             return False
         if fenced:
             self._on_fenced(fenced, epochs)
