@@ -51,6 +51,9 @@ class Ledger:
         self.held: dict[TP, int] = {}
         #: Assigned by Kafka, not yet claimed.
         self.pending: set[TP] = set()
+        #: Dropped because another worker claimed them, and when. If Kafka still assigns one
+        #: to this worker a session timeout later, that claimer was a zombie: claim it again.
+        self.fenced_at: dict[TP, float] = {}
 
     # -- claiming ---------------------------------------------------------------
 
@@ -123,6 +126,9 @@ class Ledger:
         tps = list(tps)
         with self.source.lock:
             self.pending.difference_update(tps)
+            if not pause:  # revoked by Kafka: nothing to claim again later
+                for tp in tps:
+                    self.fenced_at.pop(tp, None)
             dropped = [tp for tp in tps if self.owned.pop(tp, None) is not None]
             for tp in tps:
                 self.held.pop(tp, None)
@@ -145,6 +151,7 @@ class Ledger:
         rows = self.store.rows(self.group, partitions=list(tps))
         mine = {tp: row for tp, row in rows.items() if row.owner == self.worker_id}
         others = [tp for tp in tps if tp not in mine]
+        self.fenced_at.update({tp: time.monotonic() for tp in others})
         if mine:
             bounds = self.source.log_bounds(list(mine))
             with self.source.lock:
@@ -159,6 +166,27 @@ class Ledger:
         log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
                  row.next_offset, row.epoch)
         self._place(tp, row.epoch, row.next_offset, bounds)
+
+    def reclaim_orphans(self) -> list[TP]:
+        """Partitions fenced a session timeout ago that Kafka still assigns here go back to pending.
+
+        Re-claiming at once would let a zombie and this worker take a partition from
+        each other in turn; after a session timeout a zombie has been evicted, and a
+        partition Kafka still gives this worker would otherwise be consumed by nobody.
+        """
+        if not self.fenced_at:
+            return []
+        due = [tp for tp, at in self.fenced_at.items()
+               if time.monotonic() - at > self.settings.session_timeout_ms / 1000]
+        if not due:
+            return []
+        assigned = self.source.assignment()
+        with self.source.lock:
+            orphans = [tp for tp in due if tp in assigned and tp not in self.owned and tp not in self.held]
+            self.pending.update(orphans)
+            for tp in due:
+                del self.fenced_at[tp]
+        return orphans
 
     # -- explicit resets --------------------------------------------------------
 

@@ -256,6 +256,9 @@ class Worker:
         if time.monotonic() < self._next_epoch_check:
             return
         self._next_epoch_check = time.monotonic() + self.settings.epoch_check_interval_s
+        orphans = self._led.reclaim_orphans()
+        if orphans:
+            log.warning("%s still assigned here a session timeout after being fenced: claiming again", fmt(orphans))
         try:
             stale = self._led.stale()
             if stale:
