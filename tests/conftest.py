@@ -136,8 +136,8 @@ def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]
             "KSTORE_TEST_WORKER_NAME": name,
             **(env or {}),
         }
-        cli = ["--log-level", "DEBUG", "worker", processor, "--dsn", dsn, "--bootstrap-servers", kafka,
-               "--group", group, "--topic", topic, *args]
+        cli = ["--log-level", "DEBUG", "worker", processor, "--dsn", dsn, "--group", group, "--topic", topic,
+               *(args if "--bootstrap-servers" in args else ["--bootstrap-servers", kafka, *args])]
         proc = WorkerProcess(cli, full_env, tmp_path / f"{name}.log")
         started.append(proc)
         return proc
