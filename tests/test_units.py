@@ -1,0 +1,107 @@
+"""Unit tests of pure logic: reset targets, settings, retry policy and bookkeeping."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timezone
+
+import pytest
+
+from kstore import EARLIEST, LATEST, ConfigurationError, RetryPolicy, Settings
+from kstore.retry import Failures, Retry
+from kstore.targets import check_target, policy_offset
+
+BOUNDS = (10, 100)
+
+
+@pytest.mark.parametrize(("target", "expected"), [
+    (10, 10), (55, 55), (100, 100), (EARLIEST, 10), (LATEST, 100),
+])
+def test_valid_targets(target: object, expected: int) -> None:
+    assert check_target(target, BOUNDS, None) == (expected, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("target", "problem"), [
+    (9, "below the log start 10"), (101, "past the log end 100"),
+])
+def test_invalid_targets_say_why(target: int, problem: str) -> None:
+    offset, why = check_target(target, BOUNDS, None)
+    assert offset is None and why is not None and problem in why
+
+
+def test_datetime_target_uses_kafkas_answer_or_is_invalid() -> None:
+    when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert check_target(when, BOUNDS, 42) == (42, None)
+    offset, why = check_target(when, BOUNDS, None)
+    assert offset is None and why is not None and "no record at or after 2026-01-01" in why
+
+
+def test_bad_target_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        check_target("10", BOUNDS, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        check_target(True, BOUNDS, None)
+
+
+def test_policy_offsets() -> None:
+    assert policy_offset("earliest", BOUNDS, None) == 10
+    assert policy_offset("latest", BOUNDS, None) == 100
+    when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert policy_offset(when, BOUNDS, 33) == 33
+    assert policy_offset(when, BOUNDS, None) == 100, "a time after every record starts at the end"
+
+
+def test_settings_from_env_types_and_overrides() -> None:
+    s = Settings.from_env({"KSTORE_MAX_BATCH_SIZE": "7", "KSTORE_TOPICS": "a, b", "KSTORE_STRICT_RESETS": "yes",
+                           "KSTORE_TEST_WHATEVER": "ignored", "PATH": "/bin"}, group="g", dsn=None)
+    assert (s.max_batch_size, s.topics, s.strict_resets, s.group) == (7, ("a", "b"), True, "g")
+    assert s.dsn == "sqlite:///kstore.db"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"KSTORE_MAX_BATCH": "5"}, "unknown setting in environment: KSTORE_MAX_BATCH"),
+    ({"KSTORE_MAX_BATCH_SIZE": "x"}, "KSTORE_MAX_BATCH_SIZE='x' is not a valid int"),
+    ({"KSTORE_MAX_BATCH_SIZE": "0"}, "max_batch_size must be positive"),
+    ({"KSTORE_START_FROM": "2026-01-01T00:00:00"}, "needs a timezone"),
+    ({"KSTORE_ON_ERROR": "ignore"}, "on_error must be stop or dead_letter"),
+])
+def test_bad_settings_are_clear_errors(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(")):
+        Settings.from_env(env)
+
+
+def test_safe_dsn_masks_the_password() -> None:
+    s = Settings(dsn="postgresql+psycopg2://app:hunter2@db/app")
+    assert "hunter2" not in s.safe_dsn and "app:***@db" in s.safe_dsn
+
+
+def test_backoff_grows_is_capped_and_jittered() -> None:
+    policy = RetryPolicy(backoff_s=1, multiplier=2, max_backoff_s=5, jitter=0.2)
+    rng = random.Random(1)
+    delays = [policy.delay(n, rng) for n in (1, 2, 3, 4, 10)]
+    for got, base in zip(delays, [1, 2, 4, 5, 5], strict=True):
+        assert 0.8 * base <= got <= 1.2 * base
+
+
+def test_failures_isolate_a_failed_batch_until_past_it() -> None:
+    failures = Failures(RetryPolicy(max_attempts=2, backoff_s=0))
+    assert failures.batch_size(500) == 500
+    failures.batch_failed([("t", 0, 5), ("t", 0, 6), ("t", 1, 9)])
+    assert failures.batch_size(500) == 1
+    failures.done([("t", 0, 5), ("t", 0, 6)])
+    assert failures.batch_size(500) == 1, "partition 1 is still being isolated"
+    failure = failures.message_failed(("t", 1, 9), ValueError("bad"))
+    assert (failure.attempts, failures.exhausted(failure)) == (1, False)
+    assert failure.error == "ValueError: bad"
+    failure = failures.message_failed(("t", 1, 9), Retry("later", delay=0))
+    assert failures.exhausted(failure)
+    failures.done([("t", 1, 9)])
+    assert failures.batch_size(500) == 500
+
+
+def test_failures_forget_partitions_no_longer_owned() -> None:
+    failures = Failures(RetryPolicy())
+    failures.batch_failed([("t", 0, 5), ("t", 1, 5)])
+    failures.retain({("t", 1)})
+    failures.done([("t", 1, 5)])
+    assert failures.batch_size(10) == 10
