@@ -1,0 +1,58 @@
+"""Helpers for testing your own processors without Kafka.
+
+::
+
+    from kstore.testing import make_message, run_batch
+
+    def test_counts_views(tmp_path):
+        engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 't.db'}")
+        counter = PageViewCounter()
+        run_batch(counter, [make_message({"page": "/"}), make_message({"page": "/"}, offset=1)], engine)
+        ...
+
+``run_batch`` runs ``handle_batch`` the way the worker does: in one transaction,
+through ``processor.session`` (a ``session.commit()`` inside only flushes), with
+``setup()`` called first; if the processor raises, nothing of the batch commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session
+
+from .processor import Message, Processor
+
+
+def make_message(
+    value: Any,
+    *,
+    topic: str = "test",
+    partition: int = 0,
+    offset: int = 0,
+    key: Any = None,
+    headers: Sequence[tuple[str, bytes | None]] = (),
+    timestamp: datetime | None = None,
+) -> Message:
+    """A :class:`Message` as the processor would receive it (key and value already deserialized)."""
+    return Message(topic, partition, offset, key, value, tuple(headers), timestamp or datetime.now(timezone.utc))
+
+
+def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> None:
+    """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL)."""
+    if isinstance(engine, str):
+        engine = create_engine(engine)
+    if getattr(processor, "engine", None) is not engine:
+        processor.engine = engine
+        processor.setup()
+    with engine.connect() as conn, conn.begin():
+        session = Session(bind=conn, join_transaction_mode="rollback_only")
+        try:
+            processor.session = session
+            processor.handle_batch(list(messages))
+            session.flush()
+        finally:
+            session.close()

@@ -1,0 +1,33 @@
+"""kstore.testing: a user's processor tested without Kafka (the page-view example)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from kstore.testing import make_message, run_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from pageviews import PageViewCounter
+
+
+def test_run_batch_commits_the_processors_writes(tmp_path: Path) -> None:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 't.db'}")
+    counter = PageViewCounter()
+    run_batch(counter, [make_message({"page": "/"}), make_message({"page": "/a"}, offset=1),
+                        make_message({"page": "/"}, offset=2)], engine)
+    run_batch(counter, [make_message({"page": "/"}, offset=3)], engine)
+    with engine.connect() as conn:
+        assert dict(conn.execute(sa.text("SELECT page, views FROM page_views")).all()) == {"/": 3, "/a": 1}
+
+
+def test_run_batch_rolls_back_when_the_processor_raises(tmp_path: Path) -> None:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 't.db'}")
+    counter = PageViewCounter()
+    with pytest.raises(KeyError):
+        run_batch(counter, [make_message({"page": "/"}), make_message({"no page": 1}, offset=1)], engine)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT COUNT(*) FROM page_views")).scalar_one() == 0
