@@ -83,6 +83,11 @@ class Failures:
     def ready(self) -> bool:
         return time.monotonic() >= self._not_before
 
+    @property
+    def active(self) -> bool:
+        """Whether any message is failing or being isolated (else :meth:`done` has nothing to do)."""
+        return bool(self._failures or self._isolating)
+
     def batch_size(self, normal: int) -> int:
         return 1 if self._isolating else normal
 

@@ -116,7 +116,9 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Ta
 def make_engine(settings: Settings) -> Engine:
     """An engine for ``settings.dsn`` with kstore's per-connection safety settings."""
     url = settings.dsn
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    # No pool_pre_ping: it would cost a round trip per batch. A connection that died
+    # (database restarted) fails its batch, which is rolled back and retried.
+    kwargs: dict[str, Any] = {}
     if url.startswith("postgresql"):
         # A zombie paused inside a transaction must not hold the offsets' row
         # locks past the Kafka session timeout, or the new owner's claim stalls.

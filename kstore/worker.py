@@ -41,6 +41,17 @@ DB_RETRY_DELAY = 0.5
 DB_RETRY_MAX_DELAY = 10.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    records: list[Record]
+    #: Queue generation per partition when taken: a partition flushed since keeps its new position.
+    generations: dict[TP, int]
+    #: Epoch per partition when taken: the commit is fenced if it moved.
+    epochs: dict[TP, int]
+    #: (next offset, epoch) per partition, for the commit.
+    positions: dict[TP, tuple[int, int]]
+
+
 class _HandlerFailed(Exception):
     """The processor (or deserializing a message) raised; wraps the original."""
 
@@ -305,48 +316,60 @@ class Worker:
 
     def _process_next(self) -> bool:
         """Take one batch and process it; True if a batch committed."""
-        source, ledger, failures = self._src, self._led, self._failures
-        if not failures.ready() or not self._db_backoff.ready():
+        if not self._failures.ready() or not self._db_backoff.ready():
             return False  # a failed message or the database waits for its next attempt; fetching goes on
-        with source.lock:
-            failures.retain(ledger.owned)
-            batch = source.take_batch(failures.batch_size(self.settings.max_batch_size))
-            if not batch:
-                return False
-            tps = {r.tp for r in batch}
-            generations = {tp: source.generation(tp) or 0 for tp in tps}
-            epochs = ledger.epochs(tps)
-        positions: dict[TP, tuple[int, int]] = {}
-        for r in batch:  # records of a partition are in offset order
-            positions[r.tp] = (r.offset + 1, epochs[r.tp])
+        taken = self._take()
+        if taken is None:
+            return False
         try:
-            fenced = self._transact(batch, positions)
+            fenced = self._transact(taken.records, taken.positions)
         except _HandlerFailed as exc:
             cause = exc.__cause__ or exc
-            settled = False
             if isinstance(cause, OperationalError):
                 self._db_backoff.failed("process a batch", cause)
-            else:
-                settled = self._handler_failed(batch, cause, epochs)
-            if not settled:
-                # Messages of a batch that did not commit go back in front of their queues.
-                source.requeue(batch, generations)
+            elif self._handler_failed(taken.records, cause, taken.epochs):
+                return False  # settled: dead-lettered
+            self._requeue(taken)
             return False
         except SQLAlchemyError as exc:
-            source.requeue(batch, generations)
+            self._requeue(taken)
             self._db_backoff.failed("commit a batch", exc)
             return False
         self._db_backoff.succeeded()
         if fenced:
-            self._on_fenced(fenced, epochs)
-            source.requeue(batch, generations)
+            self._on_fenced(fenced, taken.epochs)
+            self._requeue(taken)
             return False
-        ledger.committed(positions)
-        failures.done([(r.topic, r.partition, r.offset) for r in batch])
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("committed %d messages: %s", len(batch), ", ".join(
-                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(positions.items())))
+        self._committed(taken)
         return True
+
+    def _take(self) -> _Batch | None:
+        """The next batch, with what it needs to commit (epochs) or to be put back (generations)."""
+        source, ledger = self._src, self._led
+        with source.lock:
+            self._failures.retain(ledger.owned)
+            records = source.take_batch(self._failures.batch_size(self.settings.max_batch_size))
+            if not records:
+                return None
+            tps = {r.tp for r in records}
+            generations = {tp: source.generation(tp) or 0 for tp in tps}
+            epochs = ledger.epochs(tps)
+        positions: dict[TP, tuple[int, int]] = {}
+        for r in records:  # records of a partition are in offset order
+            positions[r.tp] = (r.offset + 1, epochs[r.tp])
+        return _Batch(records, generations, epochs, positions)
+
+    def _requeue(self, taken: _Batch) -> None:
+        """Messages of a batch that did not commit go back in front of their queues."""
+        self._src.requeue(taken.records, taken.generations)
+
+    def _committed(self, taken: _Batch) -> None:
+        self._led.committed(taken.positions)
+        if self._failures.active:
+            self._failures.done([(r.topic, r.partition, r.offset) for r in taken.records])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("committed %d messages: %s", len(taken.records), ", ".join(
+                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(taken.positions.items())))
 
     def _handler_failed(self, batch: Sequence[Record], cause: BaseException, epochs: Mapping[TP, int]) -> bool:
         """Decide what a processor failure means; True if the batch is settled (dead-lettered)."""

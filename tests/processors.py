@@ -52,7 +52,9 @@ class Recorder(Processor):
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         if self.pause_file and Path(self.pause_file).exists():
-            Path(self.pause_file + ".batch").write_text(f"{msgs[0].partition}:{msgs[0].offset}")
+            tmp = Path(self.pause_file + ".tmp")
+            tmp.write_text(f"{msgs[0].partition}:{msgs[0].offset}")
+            tmp.rename(self.pause_file + ".batch")
             while Path(self.pause_file).exists():
                 time.sleep(0.02)
         for m in msgs:
@@ -72,7 +74,10 @@ class Recorder(Processor):
         if self.hang_file and any(m.offset == self.hang_at for m in msgs):
             path = Path(self.hang_file)
             if not path.exists():  # hang once, not again after a restart
-                path.write_text(",".join(f"{m.topic}:{m.partition}:{m.offset}" for m in msgs))
+                # Written whole, then renamed: a test that sees the file can read all of it.
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(",".join(f"{m.topic}:{m.partition}:{m.offset}" for m in msgs))
+                tmp.rename(path)
                 time.sleep(self.hang_seconds)
 
 

@@ -130,6 +130,7 @@ def test_database_outage_rides_through(postgresql_proc: Any, pg_dsn: str, new_to
     postgresql_proc.stop()
     time.sleep(10)
     postgresql_proc.start()
+    wait_until(lambda: _accepts_connections(pg_dsn), 60, what="PostgreSQL back up")
     producer.join(60)
     wait_until(lambda: len(effects(pg_dsn)) >= 2000, 90, what="all 2,000 effects after the outage")
     time.sleep(1)
@@ -137,6 +138,18 @@ def test_database_outage_rides_through(postgresql_proc: Any, pg_dsn: str, new_to
     counts = effects(pg_dsn)
     assert len(counts) == 2000 and set(counts.values()) == {1}
     assert "database error" in w.log and "retrying in" in w.log
+
+
+def _accepts_connections(dsn: str) -> bool:
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        return True
+    except sa.exc.OperationalError:
+        return False
+    finally:
+        engine.dispose()
 
 
 def test_sigterm_mid_batch_commits_it_and_exits_0(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
