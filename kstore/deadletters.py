@@ -30,12 +30,11 @@ from sqlalchemy import (
     Text,
     select,
 )
-from sqlalchemy.orm import Session
 
 from .consumer import Record, ms_to_datetime
 from .errors import KstoreError
 from .migration import check_migrated
-from .processor import Message, Processor
+from .processor import Message, Processor, run_handler
 from .retry import Failure
 from .settings import Settings
 from .store import make_engine, now
@@ -157,11 +156,8 @@ class DeadLetters:
         msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers, letter.timestamp)
         with self.engine.connect() as conn:
             trans = conn.begin()
-            session = Session(bind=conn, join_transaction_mode="rollback_only")
             try:
-                processor.session = session
-                processor.handle_batch([msg])
-                session.flush()
+                run_handler(processor, conn, [msg])
                 marked = conn.execute(
                     t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(status=REPLAYED, replayed_at=now())
                 ).rowcount
@@ -171,7 +167,6 @@ class DeadLetters:
                 trans.commit()
                 return True
             finally:
-                session.close()
                 if trans.is_active:
                     trans.rollback()
 

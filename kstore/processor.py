@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from sqlalchemy.orm import Session
+
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
-    from sqlalchemy.orm import Session
+    from sqlalchemy import Connection, Engine
 
 from .retry import RetryPolicy
 
@@ -94,3 +95,19 @@ class Processor:
         """Process a batch; the default calls :meth:`handle` for each message in order."""
         for msg in msgs:
             self.handle(msg)
+
+
+def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message]) -> None:
+    """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
+
+    The session joins the caller's transaction as ``rollback_only``: a
+    ``session.commit()`` by the processor only flushes, so the caller commits the
+    processor's writes together with its own (the offsets, a dead letter's mark).
+    """
+    session = Session(bind=conn, join_transaction_mode="rollback_only")
+    try:
+        processor.session = session
+        processor.handle_batch(msgs)
+        session.flush()
+    finally:
+        session.close()

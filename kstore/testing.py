@@ -22,9 +22,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.orm import Session
 
-from .processor import Message, Processor
+from .processor import Message, Processor, run_handler
 
 
 def make_message(
@@ -49,10 +48,4 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
         processor.engine = engine
         processor.setup()
     with engine.connect() as conn, conn.begin():
-        session = Session(bind=conn, join_transaction_mode="rollback_only")
-        try:
-            processor.session = session
-            processor.handle_batch(list(messages))
-            session.flush()
-        finally:
-            session.close()
+        run_handler(processor, conn, list(messages))

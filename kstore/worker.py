@@ -19,14 +19,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
-from sqlalchemy.orm import Session
 
 from . import deadletters
 from .consumer import TP, KafkaSource, Record, ms_to_datetime
 from .errors import BrokerError, ConfigurationError, KstoreError, ProcessorError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
-from .processor import Message, Processor
+from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
 from .settings import Settings
 from .store import Store, make_engine
@@ -426,14 +425,9 @@ class Worker:
         self.busy = True
         with store.engine.connect() as conn:
             trans = conn.begin()
-            # rollback_only: a session.commit() by the processor flushes but
-            # cannot commit the transaction that the offsets must share.
-            session = Session(bind=conn, join_transaction_mode="rollback_only")
             try:
                 try:
-                    self.processor.session = session
-                    self.processor.handle_batch([self._message(r) for r in batch])
-                    session.flush()
+                    run_handler(self.processor, conn, [self._message(r) for r in batch])
                 except Exception as exc:
                     raise _HandlerFailed(str(exc)) from exc
                 # Last statement before COMMIT: the row locks are held as briefly as possible.
@@ -445,7 +439,6 @@ class Worker:
                 return set()
             finally:
                 self.busy = False
-                session.close()
                 if trans.is_active:
                     trans.rollback()
 
