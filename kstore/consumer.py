@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError, KafkaTimeoutError
@@ -33,33 +33,47 @@ TP = tuple[str, int]
 EventKind = Literal["assigned", "revoked", "lost"]
 
 
-@dataclass
-class Record:
-    """A record as fetched, before the processor deserializes it."""
+class Record(Protocol):
+    """A record as fetched (kafka-python's ConsumerRecord), before the processor deserializes it.
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    timestamp_ms: int | None
+    kstore queues kafka-python's own record objects rather than copying each one:
+    per-record work in the fetcher is what bounds throughput.
+    """
 
     @property
-    def tp(self) -> TP:
-        return (self.topic, self.partition)
-
+    def topic(self) -> str: ...
     @property
-    def size(self) -> int:
-        """Approximate memory held for this record, for the buffer bound."""
-        return 200 + len(self.key or b"") + len(self.value or b"")
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
+    @property
+    def serialized_key_size(self) -> int: ...
+    @property
+    def serialized_value_size(self) -> int: ...
+
+
+#: Bookkeeping bytes counted per queued record, besides its key and value.
+RECORD_OVERHEAD = 200
+
+
+def record_size(r: Record) -> int:
+    """Approximate memory held for a queued record, for the ``max_buffered_bytes`` bound."""
+    return RECORD_OVERHEAD + max(r.serialized_key_size, 0) + max(r.serialized_value_size, 0)
 
 
 @dataclass
 class _Queue:
     """Records of one owned partition that kstore fetched but has not delivered yet."""
 
-    records: deque[Record] = field(default_factory=deque)
+    records: deque[Any] = field(default_factory=deque)
     #: Offset the next fetched record must have at least; anything below is stale.
     next_fetch: int = 0
     #: Bumped on every flush: records fetched under an older generation are dropped.
@@ -193,17 +207,16 @@ class KafkaSource:
         return queued
 
     def _enqueue(self, q: _Queue, krecords: Sequence[Any]) -> int:
-        n = 0
-        for kr in krecords:
-            if kr.offset < q.next_fetch:
-                continue  # stale: fetched before a seek backwards
-            record = _to_record(kr)
-            q.records.append(record)
-            q.next_fetch = kr.offset + 1
-            self._queued_bytes += record.size
-            n += 1
-        self._queued_records += n
-        return n
+        if krecords[0].offset < q.next_fetch:
+            # Stale: fetched before a seek backwards. Records come in offset order.
+            krecords = [kr for kr in krecords if kr.offset >= q.next_fetch]
+            if not krecords:
+                return 0
+        q.records.extend(krecords)
+        q.next_fetch = krecords[-1].offset + 1
+        self._queued_bytes += sum(map(record_size, krecords))
+        self._queued_records += len(krecords)
+        return len(krecords)
 
     def _throttle(self) -> None:
         """Pause fetching while the queues hold ``max_buffered_bytes``; resume below half. Lock held.
@@ -245,7 +258,7 @@ class KafkaSource:
                         batch.append(q.records.popleft())
                 queues = [q for q in queues if q.records]
             self._queued_records -= len(batch)
-            self._queued_bytes -= sum(r.size for r in batch)
+            self._queued_bytes -= sum(map(record_size, batch))
             if self._throttled:
                 self._throttle()
         return batch
@@ -263,11 +276,12 @@ class KafkaSource:
         """
         with self.lock:
             for record in reversed(records):
-                q = self._queues.get(record.tp)
-                if q is not None and q.generation == generations.get(record.tp):
+                tp = (record.topic, record.partition)
+                q = self._queues.get(tp)
+                if q is not None and q.generation == generations.get(tp):
                     q.records.appendleft(record)
                     self._queued_records += 1
-                    self._queued_bytes += record.size
+                    self._queued_bytes += record_size(record)
 
     # -- ownership and position ------------------------------------------
 
@@ -283,7 +297,7 @@ class KafkaSource:
 
     def _flush(self, q: _Queue) -> None:
         self._queued_records -= len(q.records)
-        self._queued_bytes -= sum(r.size for r in q.records)
+        self._queued_bytes -= sum(map(record_size, q.records))
         q.records.clear()
         q.generation += 1
 
@@ -374,17 +388,6 @@ class KafkaInspector:
         self.admin.close()
 
 
-def _to_record(kr: Any) -> Record:
-    return Record(
-        topic=kr.topic,
-        partition=kr.partition,
-        offset=kr.offset,
-        key=kr.key,
-        value=kr.value,
-        headers=tuple(kr.headers or ()),
-        timestamp_ms=kr.timestamp if kr.timestamp is not None and kr.timestamp >= 0 else None,
-    )
-
-
 def ms_to_datetime(ms: int | None) -> datetime | None:
-    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    """A record's timestamp (milliseconds; -1 or None when it has none) as an aware datetime."""
+    return None if ms is None or ms < 0 else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)

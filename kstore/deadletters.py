@@ -34,7 +34,7 @@ from sqlalchemy import (
 from .consumer import Record, ms_to_datetime
 from .errors import KstoreError
 from .migration import check_migrated
-from .processor import Message, Processor, run_handler
+from .processor import Message, Processor, run_handler, to_ms
 from .retry import Failure
 from .settings import Settings
 from .store import make_engine, now
@@ -109,8 +109,8 @@ def write(conn: Connection, table: Table, group: str, record: Record, failure: F
     """Insert a dead letter; the caller's transaction also moves the offset past the message."""
     conn.execute(table.insert().values(
         consumer_group=group, topic=record.topic, partition_id=record.partition, offset=record.offset,
-        key=record.key, value=record.value, headers=_encode_headers(record.headers),
-        timestamp=ms_to_datetime(record.timestamp_ms), error=failure.error, traceback=failure.traceback,
+        key=record.key, value=record.value, headers=_encode_headers(record.headers or ()),
+        timestamp=ms_to_datetime(record.timestamp), error=failure.error, traceback=failure.traceback,
         attempts=failure.attempts, first_failure_at=failure.first_at, last_failure_at=failure.last_at,
         status=DEAD,
     ))
@@ -153,7 +153,8 @@ class DeadLetters:
         """
         t = self.table
         key, value = processor.deserialize(letter.key, letter.value)
-        msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers, letter.timestamp)
+        msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
+                      to_ms(letter.timestamp))
         with self.engine.connect() as conn:
             trans = conn.begin()
             try:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -20,17 +19,32 @@ OnError = Literal["stop", "dead_letter"]
 TopicPartition = tuple[str, int]
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One Kafka record, as the processor sees it (key and value deserialized)."""
+class Message(NamedTuple):
+    """One Kafka record, as the processor sees it (key and value deserialized). Immutable.
+
+    A named tuple rather than a dataclass: one is built per message, and a tuple is
+    the cheapest immutable object Python makes. The time is kept in milliseconds
+    and turned into a datetime only when asked for.
+    """
 
     topic: str
     partition: int
     offset: int
     key: Any
     value: Any
-    headers: tuple[tuple[str, bytes | None], ...]
-    timestamp: datetime | None
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+    #: Kafka's timestamp in milliseconds since the epoch (None when the record has none).
+    timestamp_ms: int | None = None
+
+    @property
+    def timestamp(self) -> datetime | None:
+        """The record's timestamp as an aware UTC datetime (None when it has none)."""
+        ms = self.timestamp_ms
+        return None if ms is None or ms < 0 else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def to_ms(when: datetime | None) -> int | None:
+    return None if when is None else int(when.timestamp() * 1000)
 
 
 def decode(data: bytes | None, fmt: Format) -> Any:

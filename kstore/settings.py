@@ -42,10 +42,11 @@ class Settings:
     max_attempts: int | None = None
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
     strict_resets: bool = False
-    #: Most messages per transaction.
-    max_batch_size: int = 500
+    #: Most messages per transaction. Each transaction costs a few round trips (the
+    #: offsets UPDATE, COMMIT), so larger batches amortise them; see docs/benchmarks.md.
+    max_batch_size: int = 1000
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
-    max_poll_records: int = 500
+    max_poll_records: int = 1000
     poll_timeout_ms: int = 200
     #: Fetching pauses while records waiting in kstore's queues take this much memory.
     max_buffered_bytes: int = 32 * 2**20

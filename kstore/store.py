@@ -144,6 +144,10 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # timeout makes a second writer wait instead of failing at once.
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA busy_timeout=10000")
+    # In WAL mode, NORMAL skips the fsync per commit. A power loss may then undo the
+    # last commits, but effects and offsets are undone together: those messages are
+    # processed again, so exactly-once holds, at a fraction of the cost per batch.
+    cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
 
 

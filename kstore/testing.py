@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from .processor import Message, Processor, run_handler
+from .processor import Message, Processor, run_handler, to_ms
 
 
 def make_message(
@@ -37,7 +37,7 @@ def make_message(
     timestamp: datetime | None = None,
 ) -> Message:
     """A :class:`Message` as the processor would receive it (key and value already deserialized)."""
-    return Message(topic, partition, offset, key, value, tuple(headers), timestamp or datetime.now(timezone.utc))
+    return Message(topic, partition, offset, key, value, tuple(headers), to_ms(timestamp or datetime.now(timezone.utc)))
 
 
 def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> None:

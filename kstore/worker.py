@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from . import deadletters
-from .consumer import TP, KafkaSource, Record, ms_to_datetime
+from .consumer import TP, KafkaSource, Record
 from .errors import BrokerError, ConfigurationError, KstoreError, ProcessorError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
@@ -77,6 +77,9 @@ class Worker:
             policy = dataclasses.replace(policy, max_attempts=self.settings.max_attempts)
         self._failures = Failures(policy)
         self.on_error = self.settings.on_error or processor.on_error
+        # Raw bytes with the default deserialize(): skip a call per message.
+        self._raw = (type(processor).deserialize is Processor.deserialize
+                     and processor.key_format == "bytes" and processor.value_format == "bytes")
         self._dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
         self._stop = threading.Event()
         self._closing = threading.Event()
@@ -350,12 +353,13 @@ class Worker:
             records = source.take_batch(self._failures.batch_size(self.settings.max_batch_size))
             if not records:
                 return None
-            tps = {r.tp for r in records}
+            tps = {(r.topic, r.partition) for r in records}
             generations = {tp: source.generation(tp) or 0 for tp in tps}
             epochs = ledger.epochs(tps)
         positions: dict[TP, tuple[int, int]] = {}
         for r in records:  # records of a partition are in offset order
-            positions[r.tp] = (r.offset + 1, epochs[r.tp])
+            tp = (r.topic, r.partition)
+            positions[tp] = (r.offset + 1, epochs[tp])
         return _Batch(records, generations, epochs, positions)
 
     def _requeue(self, taken: _Batch) -> None:
@@ -394,7 +398,8 @@ class Worker:
 
     def _dead_letter(self, record: Record, failure: Failure, epochs: Mapping[TP, int]) -> bool:
         """Write the message to the dead letters in the same transaction that moves its offset past it."""
-        positions = {record.tp: (record.offset + 1, epochs[record.tp])}
+        tp = (record.topic, record.partition)
+        positions = {tp: (record.offset + 1, epochs[tp])}
         try:
             with self._db.engine.connect() as conn:
                 trans = conn.begin()
@@ -443,8 +448,12 @@ class Worker:
                     trans.rollback()
 
     def _message(self, r: Record) -> Message:
-        key, value = self.processor.deserialize(r.key, r.value)
-        return Message(r.topic, r.partition, r.offset, key, value, r.headers, ms_to_datetime(r.timestamp_ms))
+        if self._raw:
+            key, value = r.key, r.value
+        else:
+            key, value = self.processor.deserialize(r.key, r.value)
+        headers = tuple(r.headers) if r.headers else ()
+        return Message(r.topic, r.partition, r.offset, key, value, headers, r.timestamp)
 
     def _on_fenced(self, fenced: set[TP], epochs: Mapping[TP, int]) -> None:
         """Some rows no longer carry our epoch; the transaction was rolled back.
