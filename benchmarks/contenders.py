@@ -1,0 +1,82 @@
+"""The seven contenders of issue 6, and the ratios the issue sets targets for.
+
+This module is imported by the parent only to know what to run; the code that
+runs in each child is named by ``entry`` and imported there alone, so a raw
+kafka-python child never loads SQLAlchemy and its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Contender:
+    number: int
+    name: str
+    label: str
+    #: ``module:function`` run in the child process: ``function(config, meter)``.
+    entry: str
+    #: Writes one row per message into its effects table (checked exactly-once afterwards).
+    writes_rows: bool = False
+    #: A kstore worker: its stored offsets are checked too.
+    kstore: bool = False
+    #: Drains the small backlog (``--per-message-txn-messages``): one transaction per message is slow.
+    small: bool = False
+    #: kstore Settings fields this contender changes from their defaults.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+CONTENDERS: tuple[Contender, ...] = (
+    Contender(1, "kafka-python", "raw kafka-python loop", "benchmarks.raw_loops:kafka_python"),
+    Contender(2, "confluent-kafka", "raw confluent-kafka loop", "benchmarks.raw_loops:confluent"),
+    Contender(3, "at-least-once", "at-least-once: kafka-python + psycopg2", "benchmarks.baseline_loop:run",
+              writes_rows=True),
+    Contender(4, "kstore-noop", "kstore, no-op processor", "benchmarks.kstore_loop:noop", kstore=True),
+    Contender(5, "kstore-handle", "kstore, INSERT in handle()", "benchmarks.kstore_loop:handle",
+              writes_rows=True, kstore=True),
+    Contender(6, "kstore-batch", "kstore, bulk INSERT in handle_batch()", "benchmarks.kstore_loop:batch",
+              writes_rows=True, kstore=True),
+    Contender(7, "kstore-txn-per-msg", "kstore, one transaction per message", "benchmarks.kstore_loop:handle",
+              writes_rows=True, kstore=True, small=True, settings={"max_batch_size": 1}),
+)
+
+BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Throughput of ``numerator`` over ``denominator``; ``target`` is the issue's minimum (None: reference)."""
+
+    numerator: int
+    denominator: int
+    target: float | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.numerator}/{self.denominator}"
+
+
+RATIOS: tuple[Ratio, ...] = (
+    Ratio(4, 1, 0.85),
+    Ratio(5, 3, 0.8),
+    Ratio(6, 3, 1.0),
+    Ratio(2, 1, None),
+)
+
+#: The issue's memory target for the kstore contenders on the full 1,000,000-message run.
+RSS_TARGET_MB = 300
+
+
+def select(only: str | None) -> list[Contender]:
+    """The contenders named (or numbered) in a comma-separated ``--only``, in their fixed order."""
+    if not only:
+        return list(CONTENDERS)
+    keys = [k.strip() for k in only.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in BY_KEY]
+    if unknown:
+        names = ", ".join(f"{c.number}={c.name}" for c in CONTENDERS)
+        raise ValueError(f"unknown contender(s) {', '.join(unknown)}; choose from {names}")
+    wanted = {BY_KEY[k].number for k in keys}
+    return [c for c in CONTENDERS if c.number in wanted]

@@ -1,0 +1,56 @@
+"""The benchmark of issue 6 (``python -m benchmarks``) still runs end to end, at a tiny size.
+
+Not a performance test: the numbers are not judged, only that every contender
+ran, drained its messages and passed the exactly-once check. Uses the test
+session's broker and this test's own PostgreSQL database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import REPO_DIR
+
+pytestmark = pytest.mark.integration
+
+CONTENDERS = [
+    "kafka-python", "confluent-kafka", "at-least-once",
+    "kstore-noop", "kstore-handle", "kstore-batch", "kstore-txn-per-msg",
+]
+
+
+def run_benchmark(kafka: str, dsn: str, out: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "benchmarks",
+        "--messages", "2000", "--partitions", "2", "--per-message-txn-messages", "200",
+        "--rate", "1000", "--latency-seconds", "2", "--broker-warmup", "0",
+        "--bootstrap-servers", kafka, "--dsn", dsn, "--out", str(out),
+    ]
+    return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any, tmp_path: Path) -> None:
+    info = postgresql.info
+    dsn = f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
+
+    done = run_benchmark(kafka, dsn, tmp_path)
+
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [c["name"] for c in results["contenders"]] == CONTENDERS
+    for c in results["contenders"]:
+        assert c["throughput_msgs_per_s"] > 0, c["name"]
+        assert c["exactly_once"]["passed"], c["name"]
+        assert c["latency"]["exactly_once"]["passed"], c["name"]
+        assert c["latency"]["count"] > 0 and c["latency"]["p99_ms"] >= c["latency"]["p50_ms"] > 0, c["name"]
+    assert results["contenders"][-1]["messages"] == 200
+    assert [r["ratio"] for r in results["ratios"]] == ["4/1", "5/3", "6/3", "2/1"]
+    assert (tmp_path / "benchmark.png").stat().st_size > 0
+    assert "throughput ratios" in done.stdout
