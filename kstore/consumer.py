@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -245,6 +246,16 @@ class KafkaSource:
         with self.lock:
             if not self._queued_records:
                 self.changed.wait(timeout_s)
+
+    def wait_for(self, count: int, timeout_s: float) -> None:
+        """Wait until ``count`` records are queued, at most ``timeout_s`` (the batch linger)."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self._queued_records < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.changed.wait(remaining)
 
     def take_batch(self, max_records: int) -> list[Record]:
         """Up to ``max_records`` queued records, taken round-robin across partitions."""

@@ -45,6 +45,10 @@ class Settings:
     #: Most messages per transaction. Each transaction costs a few round trips (the
     #: offsets UPDATE, COMMIT), so larger batches amortise them; see docs/benchmarks.md.
     max_batch_size: int = 1000
+    #: How long a batch may wait for more messages when fewer than max_batch_size are
+    #: queued: a steady stream then commits a few larger batches instead of many tiny
+    #: ones (each commit costs round trips and an fsync), for at most this much latency.
+    batch_linger_ms: int = 5
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
     max_poll_records: int = 1000
     poll_timeout_ms: int = 200

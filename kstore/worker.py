@@ -320,7 +320,10 @@ class Worker:
         """Take one batch and process it; True if a batch committed."""
         if not self._failures.ready() or not self._db_backoff.ready():
             return False  # a failed message or the database waits for its next attempt; fetching goes on
-        taken = self._take()
+        size = self._failures.batch_size(self.settings.max_batch_size)
+        if self.settings.batch_linger_ms and 0 < self._src.queued() < size:
+            self._src.wait_for(size, self.settings.batch_linger_ms / 1000)
+        taken = self._take(size)
         if taken is None:
             return False
         try:
@@ -345,12 +348,12 @@ class Worker:
         self._committed(taken)
         return True
 
-    def _take(self) -> _Batch | None:
+    def _take(self, size: int) -> _Batch | None:
         """The next batch, with what it needs to commit (epochs) or to be put back (generations)."""
         source, ledger = self._src, self._led
         with source.lock:
             self._failures.retain(ledger.owned)
-            records = source.take_batch(self._failures.batch_size(self.settings.max_batch_size))
+            records = source.take_batch(size)
             if not records:
                 return None
             tps = {(r.topic, r.partition) for r in records}
