@@ -54,3 +54,16 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
     assert [r["ratio"] for r in results["ratios"]] == ["4/1", "5/3", "6/3", "2/1"]
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     assert "throughput ratios" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_wide_join_benchmark_runs(kafka: str, postgresql: Any) -> None:
+    """``python -m benchmarks.wide`` at 20 partitions: every partition claimed, each message delivered."""
+    info = postgresql.info
+    dsn = f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wide", "--partitions", "20", "--bootstrap-servers", kafka, "--dsn", dsn],
+        cwd=REPO_DIR, capture_output=True, text=True, timeout=110, check=False,
+    )
+    assert "20 stored partitions: claimed and sought" in done.stdout, done.stdout + done.stderr
+    assert "20 messages delivered" in done.stdout
