@@ -8,7 +8,7 @@ Threading (kafka-python 3): rebalance callbacks run on the client's IO thread
 while the polling thread waits inside ``poll()``. They must not block, and must
 not take :attr:`KafkaSource.lock` (the polling thread may hold it: deadlock).
 So the listener only pauses the partitions and records what happened; the
-worker acts on those events on its own thread after ``poll()`` returns.
+worker's fetch thread acts on those events after ``poll()`` returns.
 """
 
 from __future__ import annotations

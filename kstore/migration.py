@@ -12,7 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .errors import ConfigurationError, DatabaseError, NotMigratedError
 from .settings import Settings
-from .store import _first_line, make_engine
+from .store import first_line, make_engine
 
 
 def alembic_config(settings: Settings) -> Config:
@@ -40,7 +40,7 @@ def migrate(settings: Settings, revision: str = "head") -> str:
             command.upgrade(cfg, revision)
         return current_revision(engine, settings) or "base"
     except SQLAlchemyError as exc:
-        raise DatabaseError(f"cannot migrate {settings.safe_dsn}: {_first_line(exc)}") from None
+        raise DatabaseError(f"cannot migrate {settings.safe_dsn}: {first_line(exc)}") from None
     except CommandError as exc:
         raise ConfigurationError(f"cannot migrate to {revision!r}: {exc}") from None
     finally:
@@ -63,7 +63,7 @@ def check_migrated(engine: Engine, settings: Settings) -> None:
         current = current_revision(engine, settings)
     except SQLAlchemyError as exc:
         raise DatabaseError(
-            f"cannot connect to database {settings.safe_dsn}: {_first_line(exc)}"
+            f"cannot connect to database {settings.safe_dsn}: {first_line(exc)}"
         ) from None
     if current != head:
         state = "has no kstore tables" if current is None else f"is at migration {current}, need {head}"

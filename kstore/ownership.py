@@ -18,7 +18,7 @@ from datetime import datetime
 from .consumer import TP, KafkaSource
 from .errors import InvalidOffsetError, KstoreError
 from .settings import Settings, parse_start_policy
-from .store import Row, Store
+from .store import Row, Store, first_line
 from .targets import Target, check_target, policy_offset
 
 log = logging.getLogger("kstore.worker")
@@ -268,9 +268,7 @@ class Backoff:
         delay = self.delay
         self.delay = min(self.delay * 2, self.longest)
         self.not_before = time.monotonic() + delay
-        orig = getattr(exc, "orig", None) or exc
-        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first, delay)
+        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first_line(exc), delay)
         return delay
 
     def succeeded(self) -> None:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.base import Executable
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection, Engine
+    from sqlalchemy import Engine
 
 from .retry import RetryPolicy
 
@@ -124,14 +125,12 @@ class BatchSession(Session):
     """
 
     def execute(self, statement: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
-        conn = self._batch_connection
-        if (conn is not None and not args and not kwargs and isinstance(statement, Executable)
+        conn = self.bind
+        if (isinstance(conn, Connection) and not args and not kwargs and isinstance(statement, Executable)
                 and not statement._propagate_attrs and not self.dispatch.do_orm_execute):
             self._autoflush()
             return conn.execute(statement, params)
         return super().execute(statement, params, *args, **kwargs)
-
-    _batch_connection: Connection | None = None
 
 
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message]) -> None:
@@ -142,7 +141,6 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message])
     processor's writes together with its own (the offsets, a dead letter's mark).
     """
     session = BatchSession(bind=conn, join_transaction_mode="rollback_only")
-    session._batch_connection = conn
     try:
         processor.session = session
         processor.handle_batch(msgs)

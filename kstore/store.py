@@ -180,7 +180,7 @@ class Store:
                 conn.execute(text("SELECT 1"))
         except SQLAlchemyError as exc:
             raise DatabaseError(
-                f"cannot connect to database {self.settings.safe_dsn}: {_first_line(exc)}"
+                f"cannot connect to database {self.settings.safe_dsn}: {first_line(exc)}"
             ) from None
 
     def claim(self, group: str, partitions: Iterable[TopicPartition], owner: str) -> dict[TopicPartition, Claim]:
@@ -324,7 +324,7 @@ class Store:
             ]
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """The driver's own message, first line only (SQLAlchemy appends SQL and a URL)."""
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines()

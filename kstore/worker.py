@@ -15,9 +15,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from . import deadletters
@@ -404,14 +405,8 @@ class Worker:
         tp = (record.topic, record.partition)
         positions = {tp: (record.offset + 1, epochs[tp])}
         try:
-            with self._db.engine.connect() as conn:
-                trans = conn.begin()
-                deadletters.write(conn, self._dead_letters, self.group, record, failure)
-                fenced = self._db.commit_offsets(conn, self.group, positions)
-                if fenced:
-                    trans.rollback()
-                else:
-                    trans.commit()
+            fenced = self._commit_with(
+                positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
         except SQLAlchemyError as exc:
             self._db_backoff.failed("write a dead letter", exc)
             return False
@@ -425,19 +420,30 @@ class Worker:
         return True
 
     def _transact(self, batch: Sequence[Record], positions: Mapping[TP, tuple[int, int]]) -> set[TP]:
-        """One transaction: the processor's writes, then the offsets ``WHERE epoch = ours``.
+        """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`."""
+
+        def handle(conn: Connection) -> None:
+            try:
+                run_handler(self.processor, conn, [self._message(r) for r in batch])
+            except Exception as exc:
+                raise _HandlerFailed(str(exc)) from exc
+
+        self.busy = True
+        try:
+            return self._commit_with(positions, handle)
+        finally:
+            self.busy = False
+
+    def _commit_with(self, positions: Mapping[TP, tuple[int, int]], write: Callable[[Connection], None]) -> set[TP]:
+        """One transaction: ``write(conn)``, then ``next_offset`` for each partition ``WHERE epoch = ours``.
 
         Returns the fenced partitions (the transaction was rolled back) or an empty set (committed).
         """
         store = self._db
-        self.busy = True
         with store.engine.connect() as conn:
             trans = conn.begin()
             try:
-                try:
-                    run_handler(self.processor, conn, [self._message(r) for r in batch])
-                except Exception as exc:
-                    raise _HandlerFailed(str(exc)) from exc
+                write(conn)
                 # Last statement before COMMIT: the row locks are held as briefly as possible.
                 fenced = store.commit_offsets(conn, self.group, positions)
                 if fenced:
@@ -446,7 +452,6 @@ class Worker:
                 trans.commit()
                 return set()
             finally:
-                self.busy = False
                 if trans.is_active:
                     trans.rollback()
 
