@@ -14,6 +14,7 @@ worker's fetch thread acts on those events after ``poll()`` returns.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -64,10 +65,18 @@ class Record(Protocol):
 #: Bookkeeping bytes counted per queued record, besides its key and value.
 RECORD_OVERHEAD = 200
 
+_key_sizes = operator.attrgetter("serialized_key_size")
+_value_sizes = operator.attrgetter("serialized_value_size")
 
-def record_size(r: Record) -> int:
-    """Approximate memory held for a queued record, for the ``max_buffered_bytes`` bound."""
-    return RECORD_OVERHEAD + max(r.serialized_key_size, 0) + max(r.serialized_value_size, 0)
+
+def records_size(records: Sequence[Record]) -> int:
+    """Approximate memory held for queued records, for the ``max_buffered_bytes`` bound.
+
+    Summed by C loops (``map`` over attribute getters): this runs for every record
+    fetched and delivered. A null key or value counts as -1 byte instead of 0.
+    """
+    payload: int = sum(map(_key_sizes, records)) + sum(map(_value_sizes, records))
+    return RECORD_OVERHEAD * len(records) + payload
 
 
 @dataclass
@@ -178,8 +187,8 @@ class KafkaSource:
 
     # -- fetching ---------------------------------------------------------
 
-    def poll(self, timeout_ms: int) -> int:
-        """Poll Kafka and queue what came back for partitions this worker owns.
+    def poll(self, timeout_ms: int, max_records: int | None = None) -> int:
+        """Poll Kafka and queue what came back (at most ``max_records``) for partitions this worker owns.
 
         Returns the number of records queued. Records of a partition that was
         flushed (reset, revoked, fenced) while ``poll()`` ran are dropped: they
@@ -187,7 +196,7 @@ class KafkaSource:
         """
         with self.lock:
             before = {tp: q.generation for tp, q in self._queues.items()}
-        batches = self.consumer.poll(timeout_ms=timeout_ms)
+        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         queued = 0
         with self.lock:
             for ktp, krecords in batches.items():
@@ -215,7 +224,7 @@ class KafkaSource:
                 return 0
         q.records.extend(krecords)
         q.next_fetch = krecords[-1].offset + 1
-        self._queued_bytes += sum(map(record_size, krecords))
+        self._queued_bytes += records_size(krecords)
         self._queued_records += len(krecords)
         return len(krecords)
 
@@ -232,6 +241,14 @@ class KafkaSource:
         elif self._throttled and self._queued_bytes <= limit // 2:
             self._throttled = False
             self.consumer.resume(*[TopicPartition(*tp) for tp in self._queues])
+
+    def room(self, limit: int, timeout_s: float) -> int:
+        """How many records may be queued before ``limit`` is reached; waits up to
+        ``timeout_s`` (for a batch to be taken) while there is no room."""
+        with self.lock:
+            if self._queued_records >= limit:
+                self.changed.wait(timeout_s)
+            return max(0, limit - self._queued_records)
 
     def queued(self) -> int:
         return self._queued_records
@@ -257,22 +274,29 @@ class KafkaSource:
                     return
                 self.changed.wait(remaining)
 
-    def take_batch(self, max_records: int) -> list[Record]:
-        """Up to ``max_records`` queued records, taken round-robin across partitions."""
+    def take_batch(self, max_records: int) -> tuple[list[Record], dict[TP, int]]:
+        """Up to ``max_records`` queued records, taken round-robin across partitions,
+        and the offset after the last record taken of each partition."""
         batch: list[Record] = []
+        ends: dict[TP, int] = {}
         with self.lock:
-            queues = [q for q in self._queues.values() if q.records]
+            queues = [(tp, q.records) for tp, q in self._queues.items() if q.records]
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
-                for q in queues:
-                    for _ in range(min(share, len(q.records), max_records - len(batch))):
-                        batch.append(q.records.popleft())
-                queues = [q for q in queues if q.records]
-            self._queued_records -= len(batch)
-            self._queued_bytes -= sum(map(record_size, batch))
-            if self._throttled:
-                self._throttle()
-        return batch
+                for tp, records in queues:
+                    n = min(share, len(records), max_records - len(batch))
+                    if n:
+                        take = records.popleft
+                        batch.extend([take() for _ in range(n)])
+                        ends[tp] = batch[-1].offset + 1
+                queues = [(tp, records) for tp, records in queues if records]
+            if batch:
+                self._queued_records -= len(batch)
+                self._queued_bytes -= records_size(batch)
+                if self._throttled:
+                    self._throttle()
+                self.changed.notify_all()  # room for the fetcher
+        return batch, ends
 
     def generation(self, tp: TP) -> int | None:
         q = self._queues.get(tp)
@@ -292,7 +316,7 @@ class KafkaSource:
                 if q is not None and q.generation == generations.get(tp):
                     q.records.appendleft(record)
                     self._queued_records += 1
-                    self._queued_bytes += record_size(record)
+                    self._queued_bytes += records_size([record])
 
     # -- ownership and position ------------------------------------------
 
@@ -308,7 +332,7 @@ class KafkaSource:
 
     def _flush(self, q: _Queue) -> None:
         self._queued_records -= len(q.records)
-        self._queued_bytes -= sum(map(record_size, q.records))
+        self._queued_bytes -= records_size(q.records)
         q.records.clear()
         q.generation += 1
 

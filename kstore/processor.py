@@ -34,7 +34,8 @@ class Message(NamedTuple):
     offset: int
     key: Any
     value: Any
-    headers: tuple[tuple[str, bytes | None], ...] = ()
+    #: ``(name, value)`` pairs, as Kafka delivered them (empty when there are none).
+    headers: Sequence[tuple[str, bytes | None]] = ()
     #: Kafka's timestamp in milliseconds since the epoch (None when the record has none).
     timestamp_ms: int | None = None
 
