@@ -131,6 +131,7 @@ def make_engine(settings: Settings) -> Engine:
         raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
     elif engine.dialect.name != "postgresql":
         raise ConfigurationError(
             f"unsupported database {engine.dialect.name!r}: kstore supports PostgreSQL and SQLite"
@@ -139,6 +140,10 @@ def make_engine(settings: Settings) -> Engine:
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # The sqlite3 module opens transactions itself, late (before the first write) and
+    # in ways that break SAVEPOINT; kstore opens them instead (see _sqlite_begin), as
+    # SQLAlchemy's documentation recommends, so a processor's begin_nested() works.
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     # WAL lets `kstore offsets show` read while a worker writes; the busy
     # timeout makes a second writer wait instead of failing at once.
@@ -149,6 +154,10 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # processed again, so exactly-once holds, at a fraction of the cost per batch.
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN")
 
 
 def actor() -> tuple[str, str]:
