@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.base import Executable
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
 from .retry import RetryPolicy
+from .session import BatchSession
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -81,6 +81,9 @@ class Processor:
     #: After the last attempt: ``"stop"`` the worker (offset stays before the message) or
     #: ``"dead_letter"`` it (into kstore_dead_letters, in the transaction that moves past it).
     on_error: ClassVar[OnError] = "stop"
+    #: Send one-row INSERTs executed through :attr:`session` together, as multi-row
+    #: INSERTs, when anything else needs the database (see :mod:`kstore.session`).
+    defer_inserts: ClassVar[bool] = True
 
     #: The SQLAlchemy session of the batch in flight; set by the worker.
     session: Session
@@ -114,26 +117,6 @@ class Processor:
             self.handle(msg)
 
 
-class BatchSession(Session):
-    """The processor's session: a SQLAlchemy ``Session`` with a short path for Core statements.
-
-    A processor that writes one row per message calls ``session.execute`` once per
-    message, and the ORM's general path costs about as much again as the database
-    round trip itself. For a plain Core statement (``insert(table)``, ``update``,
-    ``text(...)``) without options, this does what ``Session.execute`` does for Core
-    statements (autoflush, then execute on the session's connection) without the rest;
-    anything else (ORM statements, options, event hooks) takes the ORM's path.
-    """
-
-    def execute(self, statement: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
-        conn = self.bind
-        if (isinstance(conn, Connection) and not args and not kwargs and isinstance(statement, Executable)
-                and not statement._propagate_attrs and not self.dispatch.do_orm_execute):
-            self._autoflush()
-            return conn.execute(statement, params)
-        return super().execute(statement, params, *args, **kwargs)
-
-
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message]) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
@@ -141,7 +124,7 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message])
     ``session.commit()`` by the processor only flushes, so the caller commits the
     processor's writes together with its own (the offsets, a dead letter's mark).
     """
-    session = BatchSession(bind=conn, join_transaction_mode="rollback_only")
+    session = BatchSession(conn, defer_inserts=processor.defer_inserts, join_transaction_mode="rollback_only")
     try:
         processor.session = session
         processor.handle_batch(msgs)

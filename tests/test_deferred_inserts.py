@@ -1,0 +1,250 @@
+"""The processor's session defers one-row INSERTs and sends them together (kstore.session).
+
+Unit tests on SQLite for the session's contract (order, reading your writes,
+results, savepoints, the ORM), and one test against Kafka and PostgreSQL for
+what matters to exactly-once: an INSERT that fails when it is finally sent is
+still pinned to its own message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, InvalidRequestError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from kstore import Message, Processor, RetryPolicy, Settings, Worker
+from kstore.session import BatchSession, DeferredResult
+from kstore.store import make_engine
+from kstore.testing import make_message, run_batch
+
+from .harness import assert_exactly_once, effects
+from .processors import effects as effects_table
+from .test_failures import dead_letter_rows
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Item(Base):
+    __tablename__ = "items"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(sa.String(50), unique=True)
+    kind: Mapped[str] = mapped_column(sa.String(10), default="plain")
+
+
+items = Item.__table__
+
+
+@pytest.fixture()
+def engine(tmp_path: Path) -> Iterator[sa.Engine]:
+    eng = make_engine(Settings(dsn=f"sqlite:///{tmp_path / 'session.db'}"))  # as the worker makes it
+    Base.metadata.create_all(eng)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture()
+def statements(engine: sa.Engine) -> list[tuple[str, bool]]:
+    """Every statement sent to the database: (SQL, executemany)."""
+    seen: list[tuple[str, bool]] = []
+    sa.event.listen(engine, "before_cursor_execute",
+                    lambda conn, cursor, sql, params, context, many: seen.append((sql, many)))
+    return seen
+
+
+def in_session(engine: sa.Engine, work: Any, defer: bool = True) -> Any:
+    """Run ``work(session)`` in a BatchSession inside one committed transaction, as the worker does."""
+    with engine.connect() as conn, conn.begin():
+        session = BatchSession(conn, defer_inserts=defer, join_transaction_mode="rollback_only")
+        try:
+            out = work(session)
+            session.flush()
+            return out
+        finally:
+            session.close()
+
+
+def names(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(items.c.name).order_by(items.c.id)).scalars())
+
+
+def inserts(statements: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    return [(sql, many) for sql, many in statements if sql.startswith("INSERT")]
+
+
+def test_one_row_inserts_are_sent_together_at_the_end(engine: sa.Engine, statements: Any) -> None:
+    def work(session: BatchSession) -> None:
+        for i in range(50):
+            # A fresh statement object each time, as most code writes it.
+            result = session.execute(sa.insert(items), {"name": f"n{i}"})
+            assert isinstance(result, DeferredResult)
+        assert not inserts(statements), "nothing sent before the session needs the database"
+
+    in_session(engine, work)
+    assert names(engine) == [f"n{i}" for i in range(50)]
+    assert inserts(statements) == [(inserts(statements)[0][0], True)], "one executemany for the 50 rows"
+
+
+def test_without_deferral_each_insert_is_its_own_statement(engine: sa.Engine, statements: Any) -> None:
+    in_session(engine, lambda s: [s.execute(sa.insert(items), {"name": f"n{i}"}) for i in range(5)], defer=False)
+    assert names(engine) == [f"n{i}" for i in range(5)]
+    assert len(inserts(statements)) == 5 and not any(many for _, many in inserts(statements))
+
+
+def test_reads_see_the_writes_made_before_them(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> tuple[int, int, int]:
+        session.execute(items.insert(), {"name": "a"})
+        session.execute(items.insert(), {"name": "b"})
+        counted = session.scalar(sa.select(sa.func.count()).select_from(items))
+        session.execute(items.insert(), {"name": "c"})
+        via_execute = session.execute(sa.select(sa.func.count()).select_from(items)).scalar_one()
+        session.execute(items.insert(), {"name": "d"})
+        via_connection = session.connection().execute(sa.select(sa.func.count()).select_from(items)).scalar_one()
+        return counted, via_execute, via_connection
+
+    assert in_session(engine, work) == (2, 3, 4)
+
+
+def test_order_is_kept_between_inserts_and_other_statements(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(items.insert(), {"name": "a"})
+        session.execute(items.update().where(items.c.name == "a").values(kind="updated"))
+        session.execute(items.insert(), {"name": "b"})
+        session.execute(items.delete().where(items.c.name == "b"))
+        session.execute(items.insert(), {"name": "c"})
+
+    in_session(engine, work)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(items.c.name, items.c.kind).order_by(items.c.id)).all() == [
+            ("a", "updated"), ("c", "plain")]
+
+
+def test_statements_with_different_embedded_values_are_not_merged(engine: sa.Engine, statements: Any) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(sa.insert(items).values(kind="x"), {"name": "a"})
+        session.execute(sa.insert(items).values(kind="y"), {"name": "b"})
+        session.execute(sa.insert(items).values(kind="y"), {"name": "c"})
+        session.execute(sa.insert(items), {"name": "d", "kind": "z"})
+
+    in_session(engine, work)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(items.c.name, items.c.kind).order_by(items.c.id)).all() == [
+            ("a", "x"), ("b", "y"), ("c", "y"), ("d", "z")]
+    assert len(inserts(statements)) == 3, "b and c share a statement; a and d do not"
+
+
+def test_reading_a_result_runs_that_insert_at_once(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(items.insert(), {"name": "a"})
+        second = session.execute(items.insert(), {"name": "b"})
+        session.execute(items.insert(), {"name": "c"})
+        assert second.inserted_primary_key == (2,)
+        assert second.rowcount == 1
+        late = session.execute(items.insert(), {"name": "d"})
+        session.execute(items.insert(), {"name": "e"})
+        session.flush()
+        with pytest.raises(InvalidRequestError, match="sent together with others"):
+            _ = late.inserted_primary_key
+
+    in_session(engine, work)
+    assert names(engine) == ["a", "b", "c", "d", "e"], "reading a result early does not change the order"
+
+
+def test_rolling_back_a_savepoint_keeps_the_inserts_made_before_it(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(items.insert(), {"name": "before"})
+        session.execute(items.insert(), {"name": "taken"})
+        try:
+            with session.begin_nested():
+                session.execute(items.insert(), {"name": "inside"})
+                session.execute(items.insert(), {"name": "taken"})  # duplicate: raises here, not later
+            raise AssertionError("the duplicate inside the savepoint should have raised at once")
+        except IntegrityError:
+            pass
+        session.execute(items.insert(), {"name": "after"})
+
+    in_session(engine, work)
+    assert names(engine) == ["before", "taken", "after"]
+
+
+def test_orm_objects_and_core_inserts_keep_their_order(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.add(Item(name="orm-1"))
+        session.execute(items.insert(), {"name": "core-2"})
+        session.add(Item(name="orm-3"))
+        session.execute(items.insert(), {"name": "core-4"})
+        session.add(Item(name="orm-5"))
+
+    in_session(engine, work)
+    assert names(engine) == ["orm-1", "core-2", "orm-3", "core-4", "orm-5"]
+
+
+def test_a_failing_insert_raises_when_sent_and_rolls_back_the_batch(engine: sa.Engine) -> None:
+    class Inserter(Processor):
+        def handle(self, msg: Message) -> None:
+            self.session.execute(items.insert(), {"name": msg.value.decode()})
+
+    with pytest.raises(IntegrityError):
+        run_batch(Inserter(), [make_message(b"a"), make_message(b"b", offset=1), make_message(b"a", offset=2)],
+                  engine)
+    assert names(engine) == [], "the whole batch rolled back"
+
+
+class UniqueNames(Processor):
+    """One deferred INSERT per message into a table with a unique key, one effect row per message."""
+
+    group = "deferred"
+    value_format = "str"
+    on_error = "dead_letter"
+    retry = RetryPolicy(max_attempts=1)
+
+    def handle(self, msg: Message) -> None:
+        self.session.execute(effects_table.insert(), {
+            "topic": msg.topic, "partition_id": msg.partition, "kafka_offset": msg.offset, "value": msg.value})
+        self.session.execute(items.insert(), {"name": msg.value})
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        self.batches = getattr(self, "batches", 0) + 1
+        super().handle_batch(msgs)
+
+
+def test_a_deferred_insert_that_fails_is_pinned_to_its_own_message(
+        pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
+    """The duplicate fails only when the batch's INSERTs are sent; the batch is rolled back and
+    retried one message per transaction, so exactly the duplicate is dead-lettered."""
+    engine = sa.create_engine(pg_dsn)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+    topic = new_topic(partitions=1)
+    first = set(produce(topic, (f"v{i}" for i in range(150))))
+    (dup,) = produce(topic, ["v7"])
+    rest = set(produce(topic, (f"w{i}" for i in range(149))))
+    w = Worker(UniqueNames(), Settings(dsn=pg_dsn, bootstrap_servers=kafka, topics=(topic,), max_batch_size=100,
+                                       session_timeout_ms=6000, heartbeat_interval_ms=1000))
+    w.run(idle_timeout=2)
+    assert_exactly_once(effects(pg_dsn), first | rest)
+    (letter,) = dead_letter_rows(pg_dsn)
+    assert (letter.topic, letter.partition_id, letter.offset) == dup
+    assert "IntegrityError" in letter.error
+
+
+def test_a_savepoint_first_in_the_batch_is_still_inside_its_transaction(engine: sa.Engine) -> None:
+    """SQLite: the sqlite3 module would open no transaction before a SAVEPOINT, so releasing it
+    would commit on its own, apart from the batch's offsets. kstore's engine begins explicitly."""
+
+    class SavepointFirst(Processor):
+        def handle(self, msg: Message) -> None:
+            with self.session.begin_nested():
+                self.session.execute(items.insert(), {"name": "in a savepoint"})
+            raise ValueError("the batch fails after the savepoint was released")
+
+    with pytest.raises(ValueError):
+        run_batch(SavepointFirst(), [make_message(b"x")], engine)
+    assert names(engine) == [], "the released savepoint was rolled back with its batch"
