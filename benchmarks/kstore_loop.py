@@ -117,6 +117,12 @@ class HandleProcessor(_BenchProcessor):
         self.session.execute(self.insert, self.row(msg))
 
 
+class ImmediateHandleProcessor(HandleProcessor):
+    """Contender 5 with each INSERT sent at once (kstore's deferred INSERTs turned off)."""
+
+    defer_inserts = False
+
+
 class BatchProcessor(_BenchProcessor):
     """The same INSERT for the whole batch: one ``session.execute(insert, rows)``."""
 
@@ -152,3 +158,7 @@ def handle(config: dict[str, Any], meter: Meter) -> None:
 
 def batch(config: dict[str, Any], meter: Meter) -> None:
     _run(BatchProcessor(config, meter), config)
+
+
+def handle_immediate(config: dict[str, Any], meter: Meter) -> None:
+    _run(ImmediateHandleProcessor(config, meter), config)
