@@ -76,8 +76,12 @@ class Failures:
         self.policy = policy
         self._failures: dict[MessageKey, Failure] = {}
         #: Per partition, the last offset of a failed multi-message batch: until the worker
-        #: is past it, batches hold one message, so the failing one is found and retried alone.
+        #: is past it, batches are smaller, so the failing message is found and retried alone.
         self._isolating: dict[TP, int] = {}
+        #: Batch size while isolating: halved on each failed batch, doubled on each commit,
+        #: so a bad message in a batch of n is found in about log2(n) transactions and
+        #: the good ones around it still commit in large batches.
+        self._isolation_size = 1
         self._not_before = 0.0
 
     def ready(self) -> bool:
@@ -89,12 +93,13 @@ class Failures:
         return bool(self._failures or self._isolating)
 
     def batch_size(self, normal: int) -> int:
-        return 1 if self._isolating else normal
+        return min(self._isolation_size, normal) if self._isolating else normal
 
     def batch_failed(self, keys: list[MessageKey]) -> None:
-        """A batch of several messages failed: isolate them (no attempt is counted yet)."""
+        """A batch of several messages failed: isolate them, in batches half as large (no attempt counted)."""
         for t, p, o in keys:
             self._isolating[(t, p)] = max(o, self._isolating.get((t, p), -1))
+        self._isolation_size = max(1, len(keys) // 2)
 
     def message_failed(self, key: MessageKey, exc: BaseException) -> Failure:
         """Count an attempt; schedule the next one unless the policy is exhausted."""
@@ -116,6 +121,9 @@ class Failures:
             last = self._isolating.get((t, p))
             if last is not None and o >= last:
                 del self._isolating[(t, p)]
+        self._isolation_size *= 2
+        if not self._isolating:
+            self._isolation_size = 1
 
     def retain(self, owned: Collection[TP]) -> None:
         """Forget failures and isolation of partitions this worker no longer delivers."""

@@ -397,7 +397,7 @@ class Worker:
         """Decide what a processor failure means; True if the batch is settled (dead-lettered)."""
         failures = self._failures
         if len(batch) > 1:
-            log.warning("a batch of %d failed (%s: %s); processing its messages one by one to find the bad one",
+            log.warning("a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
                         len(batch), type(cause).__name__, cause)
             failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
             return False
