@@ -43,8 +43,10 @@ class Settings:
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
     strict_resets: bool = False
     #: Most messages per transaction. Each transaction costs a few round trips (the
-    #: offsets UPDATE, COMMIT), so larger batches amortise them; see docs/benchmarks.md.
-    max_batch_size: int = 1000
+    #: offsets UPDATE, COMMIT), so larger batches amortise them: 5000 drains a backlog
+    #: about 15% faster than 1000 (docs/benchmarks.md). A steady stream still commits
+    #: small batches (see batch_linger_ms), and a failing batch is retried in halves.
+    max_batch_size: int = 5000
     #: How long a batch may wait for more messages when fewer than max_batch_size are
     #: queued: a steady stream then commits a few larger batches instead of many tiny
     #: ones (each commit costs round trips and an fsync), for at most this much latency.
