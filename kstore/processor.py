@@ -103,6 +103,14 @@ class Processor:
     def on_revoked(self, partitions: list[TopicPartition]) -> None:
         """Called when partitions were taken away (revoked, lost or fenced)."""
 
+    def on_committed(self, msgs: Sequence[Message]) -> None:
+        """Called after a batch committed (its effects and offsets are durable), with its messages.
+
+        For work that must only follow a commit: metrics, telling another system. It is
+        at most once: a crash right after the commit skips it. An exception here is
+        logged; the batch stays committed.
+        """
+
     def deserialize(self, key: bytes | None, value: bytes | None) -> tuple[Any, Any]:
         """Turn a record's raw key and value into what :meth:`handle` receives."""
         return decode(key, self.key_format), decode(value, self.value_format)

@@ -81,3 +81,33 @@ def test_stop_from_another_thread(pg_dsn: str, kafka: str, new_topic: Any, produ
     w.request_stop()
     t.join(30)
     assert not t.is_alive()
+
+
+class CommitListener(Recorder):
+    """Records what on_committed reports; the first batch holding offset 5 fails once (rolled back)."""
+
+    def __init__(self) -> None:
+        self.committed: list[tuple[str, int, int]] = []
+        self.failed_once = False
+
+    def handle_batch(self, msgs: Any) -> None:
+        if not self.failed_once and any(m.offset == 5 for m in msgs):
+            self.failed_once = True
+            super().handle_batch(msgs)  # its writes land in the transaction, then it fails
+            raise RuntimeError("rolled back once")
+        super().handle_batch(msgs)
+
+    def on_committed(self, msgs: Any) -> None:
+        self.committed += [(m.topic, m.partition, m.offset) for m in msgs]
+
+
+def test_on_committed_hears_each_committed_message_once(pg_dsn: str, kafka: str, new_topic: Any,
+                                                        produce: Any) -> None:
+    topic = new_topic(partitions=2)
+    sent = set(produce(topic, (f"v{i}" for i in range(300))))
+    proc = CommitListener()
+    w = make_worker(pg_dsn, kafka, topic, processor=proc, max_batch_size=50)
+    w.run(idle_timeout=2)
+    assert proc.failed_once
+    assert_exactly_once(effects(pg_dsn), sent)
+    assert sorted(proc.committed) == sorted(sent), "every committed message once; the rolled-back batch not"
