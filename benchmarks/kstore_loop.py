@@ -2,18 +2,13 @@
 
 The worker runs through kstore's public Python API with its default settings
 (``KSTORE_*`` variables apply, so a setting can be tried without editing code;
-the run records the settings it used). The processor stops the worker once it
-has handled every expected message; the worker then commits that last batch
-and calls ``teardown()``, which stops the clock.
+the run records the settings it used). The processor counts messages as their
+batches commit and stops the worker once every expected message has; the worker
+then calls ``teardown()``, which stops the clock.
 
-Latency: a message is done when the transaction holding it has committed. The
-processor cannot see that from inside ``handle_batch`` (the commit comes after
-it returns), so it listens to the worker's engine: SQLAlchemy's ``commit``
-event marks the batch's transaction as committing, and the pool's ``checkin``
-event, fired when the worker hands the connection back after COMMIT returned,
-stamps the batch. Both only count for the DBAPI connection under the batch's
-session, so other connections of the worker (claims, checks, other threads)
-cannot stamp it. A rolled-back batch is not stamped; it is handled again.
+Latency: a message is done when the transaction holding it has committed, which
+the processor hears in ``on_committed(msgs)``, called by the worker after COMMIT
+returned (a rolled-back batch is not reported; it is handled again).
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event
 
 from kstore import Message, Processor, Settings, Worker
 
@@ -51,15 +45,6 @@ class _BenchProcessor(Processor):
         self.insert = effects_table(config["table"]).insert() if config.get("table") else None
         self.stop: Callable[[], None] = lambda: None
         self._assigned: set[tuple[str, int]] = set()
-        self._pending: list[bytes] = []
-        self._batch_conn: Any = None  # the DBAPI connection of the batch in flight
-        self._committing = False
-
-    def setup(self) -> None:
-        if self.meter.latency:
-            event.listen(self.engine, "commit", self._on_commit)
-            event.listen(self.engine, "rollback", self._on_rollback)
-            event.listen(self.engine, "checkin", self._on_checkin)
 
     def on_assigned(self, partitions: list[tuple[str, int]]) -> None:
         self._assigned.update(partitions)
@@ -69,34 +54,19 @@ class _BenchProcessor(Processor):
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         self.meter.started()
         self.work(msgs)
-        if self.meter.latency:
-            self._pending = [m.value for m in msgs]
-            self._batch_conn = self.session.connection().connection.dbapi_connection
-        if self.meter.counted(len(msgs)):
-            self.stop()  # the worker still commits this batch, then calls teardown()
 
     def work(self, msgs: Sequence[Message]) -> None:
         raise NotImplementedError
 
+    def on_committed(self, msgs: Sequence[Message]) -> None:
+        if self.meter.latency:
+            self.meter.stamp(m.value for m in msgs)
+        if self.meter.counted(len(msgs)):
+            self.stop()  # the worker stops after this batch and calls teardown()
+
     def teardown(self) -> None:
         if self.meter.count >= self.meter.expected:
             self.meter.finished()
-
-    def _ours(self, conn: Any) -> bool:
-        return conn.connection.dbapi_connection is self._batch_conn
-
-    def _on_commit(self, conn: Any) -> None:
-        if self._ours(conn):
-            self._committing = bool(self._pending)
-
-    def _on_rollback(self, conn: Any) -> None:
-        if self._ours(conn):
-            self._pending, self._committing = [], False
-
-    def _on_checkin(self, dbapi_conn: Any, _record: Any) -> None:
-        if self._committing and dbapi_conn is self._batch_conn:
-            self.meter.stamp(self._pending)
-            self._pending, self._committing, self._batch_conn = [], False, None
 
     def row(self, msg: Message) -> dict[str, Any]:
         return {"partition_id": msg.partition, "kafka_offset": msg.offset, "payload": msg.value}

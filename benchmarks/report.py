@@ -115,7 +115,7 @@ def table(results: dict[str, Any]) -> str:
     rows += ["", "throughput ratios"]
     for r in results["ratios"]:
         target = "" if r["target"] is None else f">= {r['target']:.2f}"
-        rows.append(f"  {r['ratio']}  {r['numerator']:<20} / {r['denominator']:<16} {r['value']:>6.2f}  "
+        rows.append(f"  {r['ratio']}  {r['numerator']:<23} / {r['denominator']:<16} {r['value']:>6.2f}  "
                     f"{target:>8}  {_met(r['met'])}")
     if any(not c["latency"].get("kept_up", True) for c in results["contenders"]):
         rows.append("  * fell behind the offered rate: its latency measures a growing backlog (see docs)")
