@@ -52,8 +52,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     add("--retries", type=int, default=0,
         help="run a phase again, up to this many times, while other processes disturbed it; the calmest "
              "attempt is reported (default 0)")
-    add("--profile", action="store_true",
-        help="sample each contender (both phases) with py-spy, which slows it down a little")
+    add("--profile", nargs="?", const="threads", choices=("threads", "gil"), default=None,
+        help="sample each contender (both phases) with py-spy, which slows it down a little; "
+             "'--profile gil' samples only the thread holding the GIL: where the interpreter's time goes")
     args = parser.parse_args(argv)
     if args.size < 20:
         parser.error("--size must be at least 20 bytes (the value carries its produce time)")

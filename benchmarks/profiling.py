@@ -25,10 +25,15 @@ def py_spy() -> str:
     return found
 
 
-def start_profiler(pid: int, path: Path) -> subprocess.Popen[bytes]:
-    """Record ``pid`` until it exits, as collapsed stacks (one ``frame;frame;... count`` per line)."""
+def start_profiler(pid: int, path: Path, gil: bool = False) -> subprocess.Popen[bytes]:
+    """Record ``pid`` until it exits, as collapsed stacks (one ``frame;frame;... count`` per line).
+
+    ``gil``: sample only the thread holding the GIL. All of a worker's threads share
+    one interpreter lock, so this shows what its Python time is spent on, by thread,
+    without the waiting threads that the idle heuristic counts as busy.
+    """
     cmd = [py_spy(), "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format", "raw",
-           "--threads", "--nonblocking", "--output", str(path)]
+           "--threads", "--nonblocking", "--output", str(path), *(["--gil"] if gil else [])]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -70,13 +75,14 @@ def _read(path: Path) -> tuple[Counter[str], Counter[str], int, int]:
     return own, total, samples, importing
 
 
-def summarize(path: Path, top: int = 25) -> str:
+def summarize(path: Path, top: int = 25, gil: bool = False) -> str:
     """The functions with the most samples: self (the frame running) and total (anywhere on the stack)."""
     own, total, samples, importing = _read(path)
     if not samples:
         return "no samples"
+    which = "the thread holding the GIL" if gil else "all threads, idle excluded"
     lines = [
-        f"{samples} samples at {RATE_HZ} Hz (all threads, idle excluded; "
+        f"{samples} samples at {RATE_HZ} Hz ({which}; "
         f"{importing} more samples of start-up imports left out)",
         "", "self %   function",
     ]

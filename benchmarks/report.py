@@ -212,5 +212,5 @@ def _latency_bars(ax: Any, labels: list[str], contenders: list[dict[str, Any]], 
     _plain_log_axis(ax)
     ax.set_xlim(min(p50) / 2, max(p99) * 20)
     ax.set_title(f"latency at {rate:,.0f} msg/s, ms (log scale)", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")
     ax.tick_params(labelsize=8)

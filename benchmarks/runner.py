@@ -47,7 +47,8 @@ class Options:
     out: Path = Path("benchmarks/results")
     only: str | None = None
     timeout: float = 3600.0
-    profile: bool = False
+    #: None, "threads" (every thread, idle excluded) or "gil" (only the GIL's holder).
+    profile: str | None = None
     broker_warmup: float = 5.0
     quiet_wait: float = 0.0
     retries: int = 0
@@ -192,7 +193,7 @@ class Runner:
         self._fresh_state(config)
         profile = self.opts.out / f"profile-{c.number}-{c.name}.txt" if self.opts.profile else None
         self.noise.start()
-        child = Child(config, self.logs / f"{tag}.log", profile)
+        child = Child(config, self.logs / f"{tag}.log", profile, gil=self.opts.profile == "gil")
         try:
             outcome = child.wait(self.opts.timeout)
         finally:
@@ -200,7 +201,7 @@ class Runner:
         noise = self._noise()
         check = self._check(c, config, ends)
         if profile is not None:
-            profile.with_suffix(".top.txt").write_text(summarize(profile) + "\n")
+            profile.with_suffix(".top.txt").write_text(summarize(profile, gil=self.opts.profile == "gil") + "\n")
         r = outcome.result
         say(f"  drained {messages:,} in {r['seconds']:.1f} s: {r['throughput']:,.0f} msg/s, "
             f"peak RSS {outcome.peak_rss_mb:.0f} MB, CPU {outcome.cpu_s:.1f} s; {check['detail']}")
@@ -229,7 +230,7 @@ class Runner:
         Path(config["ready_file"]).unlink(missing_ok=True)
         self._fresh_state(config)
         profile = self.opts.out / f"profile-{tag}.txt" if self.opts.profile and name == "latency" else None
-        child = Child(config, self.logs / f"{tag}.log", profile)
+        child = Child(config, self.logs / f"{tag}.log", profile, gil=self.opts.profile == "gil")
         try:
             child.wait_ready(Path(config["ready_file"]), READY_TIMEOUT_S)
             self.noise.start()
@@ -242,7 +243,7 @@ class Runner:
         ends = workload.end_offsets(self.bootstrap, topic, self.opts.partitions)
         check = self._check(c, config, ends)
         if profile is not None:
-            profile.with_suffix(".top.txt").write_text(summarize(profile) + "\n")
+            profile.with_suffix(".top.txt").write_text(summarize(profile, gil=self.opts.profile == "gil") + "\n")
         lat = outcome.result["latency"]
         lat["kept_up"] = kept_up(messages, rate, lat["span_s"])
         behind = "" if lat["kept_up"] else f" (FELL BEHIND: sustained only {messages / lat['span_s']:,.0f} msg/s)"

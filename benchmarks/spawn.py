@@ -36,7 +36,8 @@ class Outcome:
 class Child:
     """``python -m benchmarks.child`` with ``config`` on its stdin and its output in ``log_path``."""
 
-    def __init__(self, config: dict[str, Any], log_path: Path, profile_path: Path | None = None) -> None:
+    def __init__(self, config: dict[str, Any], log_path: Path, profile_path: Path | None = None,
+                 gil: bool = False) -> None:
         self.name = f"{config['contender']} ({config['phase']})"
         self.log_path = log_path
         self.result_path = Path(config["result_file"])
@@ -51,7 +52,7 @@ class Child:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(config).encode())
         self.proc.stdin.close()
-        self.profiler = start_profiler(self.proc.pid, profile_path) if profile_path else None
+        self.profiler = start_profiler(self.proc.pid, profile_path, gil) if profile_path else None
 
     def wait_ready(self, ready_file: Path, timeout: float) -> None:
         """Until the contender holds its partitions (it touches ``ready_file``)."""
