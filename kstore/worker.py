@@ -1,5 +1,6 @@
-"""The run loop: claim partitions, take a batch, process it in one transaction
-with its offsets, and handle fencing, resets and shutdown.
+"""The worker: a fetch thread that polls Kafka, and a main loop that claims
+partitions, checks epochs, handles resets and shutdown, and has :mod:`kstore.batches`
+process one batch at a time (one transaction with its offsets).
 
 The worker is a plain object: ``run()``, ``request_stop()``, ``close()``. It
 installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
@@ -7,30 +8,25 @@ installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import gc
 import importlib
 import logging
-import operator
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
-from . import deadletters
-from .consumer import TP, KafkaSource, Record
-from .errors import BrokerError, ConfigurationError, KstoreError, ProcessorError
+from .batches import Batches
+from .consumer import TP, KafkaSource
+from .errors import BrokerError, ConfigurationError, KstoreError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
-from .processor import Message, Processor, run_handler
-from .retry import Failure, Failures
+from .processor import Processor
 from .settings import Settings
 from .store import Store, make_engine
 from .targets import Target
@@ -42,26 +38,6 @@ IDLE_WAIT_S = 0.1
 #: First and longest wait before retrying a database that failed (claim or commit).
 DB_RETRY_DELAY = 0.5
 DB_RETRY_MAX_DELAY = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    records: list[Record]
-    #: Queue generation per partition when taken: a partition flushed since keeps its new position.
-    generations: dict[TP, int]
-    #: Epoch per partition when taken: the commit is fenced if it moved.
-    epochs: dict[TP, int]
-    #: (next offset, epoch) per partition, for the commit.
-    positions: dict[TP, tuple[int, int]]
-
-
-#: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
-_message_fields = operator.attrgetter("topic", "partition", "offset", "key", "value", "headers", "timestamp")
-_new_message = functools.partial(tuple.__new__, Message)
-
-
-class _HandlerFailed(Exception):
-    """The processor (or deserializing a message) raised; wraps the original."""
 
 
 class Worker:
@@ -81,26 +57,14 @@ class Worker:
         self.topics = topics
         #: Written into each claimed row: an admin reset keeps it, another worker's claim replaces it.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        policy = processor.retry
-        if self.settings.max_attempts is not None:
-            policy = dataclasses.replace(policy, max_attempts=self.settings.max_attempts)
-        self._failures = Failures(policy)
-        self.on_error = self.settings.on_error or processor.on_error
-        # Raw bytes with the default deserialize(): skip a call per message.
-        self._raw = (type(processor).deserialize is Processor.deserialize
-                     and processor.key_format == "bytes" and processor.value_format == "bytes")
-        self._dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
         self._stop = threading.Event()
         self._closing = threading.Event()
         self._fetch_error: BaseException | None = None
         self._revoked_notices: list[list[TP]] = []
-        #: True while a batch's transaction is open (for the CLI's shutdown timeout).
-        self.busy = False
         self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
         self._next_epoch_check = 0.0
         self._store: Store | None = None
-        #: The connection batches run on, held from one batch to the next (see _batch_connection).
-        self._batch_conn: Connection | None = None
+        self._batches: Batches | None = None
         self._source: KafkaSource | None = None
         self._ledger: Ledger | None = None
 
@@ -125,6 +89,8 @@ class Worker:
             raise
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
+        self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
+                                self._db_backoff, self._recheck, self._revoked)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -173,7 +139,7 @@ class Worker:
             source.wake()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
-        source, ledger = self._src, self._led
+        source, ledger, batches_ = self._src, self._led, self._bat
         batches = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
@@ -182,7 +148,7 @@ class Worker:
             self._notify_revoked()
             self._claim_pending()
             self._check_epochs()
-            if self._process_next():
+            if batches_.process_next():
                 batches += 1
                 last_activity = time.monotonic()
                 if max_batches is not None and batches >= max_batches:
@@ -192,7 +158,7 @@ class Worker:
                 last_activity = time.monotonic()
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
-            if source.queued() and self._failures.ready() and self._db_backoff.ready():
+            if source.queued() and batches_.ready():
                 continue
             # Nothing to do now: sleep until records arrive or the group changes (or a retry is due).
             source.wait(IDLE_WAIT_S)
@@ -212,7 +178,8 @@ class Worker:
             self.processor.teardown()
         finally:
             source.close()
-            self._drop_batch_connection()
+            if self._batches is not None:
+                self._batches.close()
             if self._store is not None:
                 self._store.engine.dispose()
             log.info("worker for group %r stopped", self.group)
@@ -228,6 +195,17 @@ class Worker:
         if self._store is None:
             raise KstoreError("worker is not connected: call run() or connect() first")
         return self._store
+
+    @property
+    def busy(self) -> bool:
+        """True while a batch's transaction is open (for the CLI's shutdown timeout)."""
+        return self._batches is not None and self._batches.busy
+
+    @property
+    def _bat(self) -> Batches:
+        if self._batches is None:
+            raise KstoreError("worker is not connected: call run() or connect() first")
+        return self._batches
 
     @property
     def _led(self) -> Ledger:
@@ -336,207 +314,6 @@ class Worker:
     def held_offsets(self) -> dict[TP, int]:
         """``{(topic, partition_id): next_offset}`` for the partitions this worker delivers now."""
         return {} if self._ledger is None else self._ledger.offsets()
-
-    # -- processing -----------------------------------------------------------
-
-    def _process_next(self) -> bool:
-        """Take one batch and process it; True if a batch committed."""
-        if not self._failures.ready() or not self._db_backoff.ready():
-            return False  # a failed message or the database waits for its next attempt; fetching goes on
-        size = self._failures.batch_size(self.settings.max_batch_size)
-        if self.settings.batch_linger_ms and 0 < self._src.queued() < size:
-            self._src.wait_for(size, self.settings.batch_linger_ms / 1000)
-        taken = self._take(size)
-        if taken is None:
-            return False
-        try:
-            fenced, msgs = self._transact(taken.records, taken.positions)
-        except _HandlerFailed as exc:
-            cause = exc.__cause__ or exc
-            if isinstance(cause, OperationalError):
-                self._db_backoff.failed("process a batch", cause)
-            elif self._handler_failed(taken.records, cause, taken.epochs):
-                return False  # settled: dead-lettered
-            self._requeue(taken)
-            return False
-        except SQLAlchemyError as exc:
-            self._requeue(taken)
-            self._db_backoff.failed("commit a batch", exc)
-            return False
-        self._db_backoff.succeeded()
-        if fenced:
-            self._on_fenced(fenced, taken.epochs)
-            self._requeue(taken)
-            return False
-        self._committed(taken)
-        self._notify_committed(msgs)
-        return True
-
-    def _take(self, size: int) -> _Batch | None:
-        """The next batch, with what it needs to commit (epochs) or to be put back (generations)."""
-        source, ledger = self._src, self._led
-        with source.lock:
-            self._failures.retain(ledger.owned)
-            records, ends = source.take_batch(size)
-            if not records:
-                return None
-            generations = {tp: source.generation(tp) or 0 for tp in ends}
-            epochs = ledger.epochs(ends)
-        positions = {tp: (end, epochs[tp]) for tp, end in ends.items()}
-        return _Batch(records, generations, epochs, positions)
-
-    def _requeue(self, taken: _Batch) -> None:
-        """Messages of a batch that did not commit go back in front of their queues."""
-        self._src.requeue(taken.records, taken.generations)
-
-    def _committed(self, taken: _Batch) -> None:
-        self._led.committed(taken.positions)
-        if self._failures.active:
-            self._failures.done([(r.topic, r.partition, r.offset) for r in taken.records])
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("committed %d messages: %s", len(taken.records), ", ".join(
-                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(taken.positions.items())))
-
-    def _notify_committed(self, msgs: Sequence[Message]) -> None:
-        try:
-            self.processor.on_committed(msgs)
-        except Exception as exc:  # the batch is committed: nothing to retry or roll back
-            log.error("%s.on_committed failed (the batch stays committed): %s: %s",
-                      type(self.processor).__name__, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
-
-    def _handler_failed(self, batch: Sequence[Record], cause: BaseException, epochs: Mapping[TP, int]) -> bool:
-        """Decide what a processor failure means; True if the batch is settled (dead-lettered)."""
-        failures = self._failures
-        if len(batch) > 1:
-            log.warning("a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
-                        len(batch), type(cause).__name__, cause)
-            failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
-            return False
-        record = batch[0]
-        failure = failures.message_failed((record.topic, record.partition, record.offset), cause)
-        where = f"{record.topic}[{record.partition}] offset {record.offset}"
-        if not failures.exhausted(failure):
-            log.warning("%s failed (attempt %d of %d): %s; retrying", where, failure.attempts,
-                        failures.policy.max_attempts, failure.error)
-            return False
-        if self.on_error != "dead_letter":
-            raise ProcessorError(
-                f"processor {type(self.processor).__name__} failed on {where} after {failure.attempts} attempt(s): "
-                f"{failure.error}; its offset was not committed (on_error=stop)"
-            ) from cause
-        return self._dead_letter(record, failure, epochs)
-
-    def _dead_letter(self, record: Record, failure: Failure, epochs: Mapping[TP, int]) -> bool:
-        """Write the message to the dead letters in the same transaction that moves its offset past it."""
-        tp = (record.topic, record.partition)
-        positions = {tp: (record.offset + 1, epochs[tp])}
-        try:
-            fenced = self._commit_with(
-                positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
-        except SQLAlchemyError as exc:
-            self._db_backoff.failed("write a dead letter", exc)
-            return False
-        if fenced:
-            self._on_fenced(fenced, epochs)
-            return False
-        self._led.committed(positions)
-        self._failures.done([(record.topic, record.partition, record.offset)])
-        log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
-                    record.offset, failure.attempts, failure.error)
-        return True
-
-    def _transact(
-        self, batch: Sequence[Record], positions: Mapping[TP, tuple[int, int]]
-    ) -> tuple[set[TP], Sequence[Message]]:
-        """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`.
-
-        Returns the fenced partitions and the messages as the processor saw them.
-        """
-        msgs: Sequence[Message] = ()
-
-        def handle(conn: Connection) -> None:
-            nonlocal msgs
-            try:
-                msgs = self._messages(batch)
-                run_handler(self.processor, conn, msgs)
-            except Exception as exc:
-                raise _HandlerFailed(str(exc)) from exc
-
-        self.busy = True
-        try:
-            return self._commit_with(positions, handle), msgs
-        finally:
-            self.busy = False
-
-    def _commit_with(self, positions: Mapping[TP, tuple[int, int]], write: Callable[[Connection], None]) -> set[TP]:
-        """One transaction: ``write(conn)``, then ``next_offset`` for each partition ``WHERE epoch = ours``.
-
-        Returns the fenced partitions (the transaction was rolled back) or an empty set (committed).
-        """
-        store = self._db
-        conn = self._batch_connection()
-        trans = conn.begin()
-        try:
-            write(conn)
-            # Last statement before COMMIT: the row locks are held as briefly as possible.
-            fenced = store.commit_offsets(conn, self.group, positions)
-            if fenced:
-                trans.rollback()
-                return fenced
-            trans.commit()
-            return set()
-        except BaseException:
-            # Whatever failed (the processor, the database, a signal), start the next
-            # batch on a fresh connection: this one may be broken or mid-transaction.
-            self._drop_batch_connection()
-            raise
-
-    def _batch_connection(self) -> Connection:
-        """The connection batches run on, checked out once and kept.
-
-        Checking a connection out of the pool and back in for every batch costs CPU
-        and, worse, a reset (ROLLBACK) that releases the GIL: under a busy fetch
-        thread, getting it back can take a whole switch interval (5 ms) per batch.
-        """
-        if self._batch_conn is None:
-            self._batch_conn = self._db.engine.connect()
-        return self._batch_conn
-
-    def _drop_batch_connection(self) -> None:
-        conn, self._batch_conn = self._batch_conn, None
-        if conn is not None:
-            try:
-                conn.close()  # rolls back anything open and returns it to the pool
-            except SQLAlchemyError as exc:
-                log.debug("closing the batch connection failed: %s", exc)
-
-    def _messages(self, batch: Sequence[Record]) -> list[Message]:
-        """The batch as the processor sees it. Raw bytes: built by C loops, no Python call per message."""
-        if self._raw:
-            return list(map(_new_message, map(_message_fields, batch)))
-        deserialize = self.processor.deserialize
-        messages = []
-        for r in batch:
-            key, value = deserialize(r.key, r.value)
-            messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, r.timestamp)))
-        return messages
-
-    def _on_fenced(self, fenced: set[TP], epochs: Mapping[TP, int]) -> None:
-        """Some rows no longer carry our epoch; the transaction was rolled back.
-
-        A partition this worker reset itself meanwhile is still ours (the reset
-        already flushed and sought it). For the others, the row says whether an
-        operator moved it (adopt the new position) or another worker claimed it
-        (drop it); the rest of the batch is retried under the same epochs.
-        """
-        lost = self._led.still_ours(fenced, epochs)
-        if lost:
-            log.warning("fenced on %s: their epoch moved; rolled back", fmt(lost))
-            try:
-                self._recheck(lost)
-            except SQLAlchemyError:
-                self._revoked(self._led.drop(lost, pause=True), "fenced")
-
 
 def load_processor(path: str) -> Processor:
     """Import ``MODULE:CLASS`` and instantiate it; a clear error if it is not a Processor."""
