@@ -33,6 +33,8 @@ class Recorder(Processor):
     batch holding that offset, create the file and sleep (so a test can kill or stop the
     process between the processor's writes and the commit).
     KSTORE_TEST_FAIL_AT: raise on the message with that offset.
+    KSTORE_TEST_PER_MESSAGE: write one INSERT per message (deferred by kstore's session, sent
+    by the flush before the hang) instead of one executemany for the batch.
     KSTORE_TEST_PAUSE_FILE: while that file exists, a batch waits before writing (and its
     first offset is written to the file + ".batch"), so a test can act while a batch is in flight.
     """
@@ -49,6 +51,7 @@ class Recorder(Processor):
         self.fail_at = int(os.environ.get("KSTORE_TEST_FAIL_AT", "-1"))
         self.fail_value = os.environ.get("KSTORE_TEST_FAIL_VALUE")
         self.pause_file = os.environ.get("KSTORE_TEST_PAUSE_FILE")
+        self.per_message = os.environ.get("KSTORE_TEST_PER_MESSAGE") == "1"
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         if self.pause_file and Path(self.pause_file).exists():
@@ -67,7 +70,7 @@ class Recorder(Processor):
              "worker": self.name}
             for m in msgs
         ]
-        self.session.execute(effects.insert(), rows)
+        self._write(rows)
         self.session.flush()
         if self.batch_sleep:
             time.sleep(self.batch_sleep)
@@ -79,6 +82,14 @@ class Recorder(Processor):
                 tmp.write_text(",".join(f"{m.topic}:{m.partition}:{m.offset}" for m in msgs))
                 tmp.rename(path)
                 time.sleep(self.hang_seconds)
+
+
+    def _write(self, rows: list[dict[str, object]]) -> None:
+        if self.per_message:
+            for row in rows:
+                self.session.execute(effects.insert(), row)
+        else:
+            self.session.execute(effects.insert(), rows)
 
 
 class JsonRecorder(Recorder):

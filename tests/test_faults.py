@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 
@@ -63,12 +65,16 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     assert len(sent) > 500
 
 
+@pytest.mark.parametrize("per_message", [False, True], ids=["executemany", "deferred-per-message"])
 def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, per_message: bool) -> None:
+    """Killed after the batch's effects reached the database, before COMMIT; also with one
+    deferred INSERT per message, sent by the processor's flush just before the kill."""
     topic = new_topic(partitions=2)
     sent = set(produce(topic, (f"v{i}" for i in range(400))))
     hang = tmp_path / "hang"
-    w1 = workers(pg_dsn, topic, "crash", env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang)},
+    w1 = workers(pg_dsn, topic, "crash", env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang),
+                                             "KSTORE_TEST_PER_MESSAGE": "1" if per_message else "0"},
                  args=["--max-batch-size", "25"])
     wait_until(hang.exists, 60, what="the processor to write its batch and hang")
     in_flight = {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang.read_text().split(","))}
