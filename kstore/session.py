@@ -118,7 +118,8 @@ class BatchSession(Session):
         if core and self._defer_inserts and _deferrable(statement, params) and not self.in_nested_transaction():
             if not self._is_clean():
                 self.flush()  # ORM changes made before this INSERT go first
-            entry = _Deferred(statement, params)
+            # A copy: code that reuses one dict for every row must not change rows already deferred.
+            entry = _Deferred(statement, dict(params))
             self._deferred.append(entry)
             return DeferredResult(self, entry)
         if core:

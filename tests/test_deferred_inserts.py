@@ -98,6 +98,17 @@ def test_without_deferral_each_insert_is_its_own_statement(engine: sa.Engine, st
     assert len(inserts(statements)) == 5 and not any(many for _, many in inserts(statements))
 
 
+def test_a_parameter_dict_reused_for_every_row_is_copied(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        row: dict[str, Any] = {}
+        for i in range(3):
+            row["name"] = f"n{i}"
+            session.execute(items.insert(), row)
+
+    in_session(engine, work)
+    assert names(engine) == ["n0", "n1", "n2"]
+
+
 def test_reads_see_the_writes_made_before_them(engine: sa.Engine) -> None:
     def work(session: BatchSession) -> tuple[int, int, int]:
         session.execute(items.insert(), {"name": "a"})
