@@ -117,7 +117,7 @@ class BatchSession(Session):
                 and not statement._propagate_attrs and not self.dispatch.do_orm_execute)
         if core and self._defer_inserts and _deferrable(statement, params) and not self.in_nested_transaction():
             if not self._is_clean():
-                self.flush()  # ORM changes made before this INSERT go first
+                self._autoflush()  # ORM changes made before this INSERT go first (unless no_autoflush)
             # A copy: code that reuses one dict for every row must not change rows already deferred.
             entry = _Deferred(statement, dict(params))
             self._deferred.append(entry)
