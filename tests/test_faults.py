@@ -65,6 +65,27 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     assert len(sent) > 500
 
 
+def test_rebalance_while_the_fetch_queue_is_full(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
+    """A slow worker on a backlog keeps its queue full, so its fetch thread only polls for
+    liveness (one record per poll timeout). A second worker must still be given partitions
+    promptly, and every effect lands once."""
+    topic = new_topic(partitions=4)
+    sent = set(produce(topic, (f"v{i}" for i in range(3000))))
+    slow = {"KSTORE_TEST_BATCH_SLEEP": "0.2", "KSTORE_MAX_POLL_RECORDS": "50"}
+    w1 = workers(pg_dsn, topic, "full", env=slow, args=["--max-batch-size", "50"])
+    w1.wait_for_log(r"committed 50 messages", count=3)  # busy, with a full queue (at most 100 records)
+    assert len(effects(pg_dsn)) < 1000
+    started = time.monotonic()
+    w2 = workers(pg_dsn, topic, "full", env=slow, args=["--max-batch-size", "50"])
+    w2.wait_for_log(r"claimed", timeout=30)
+    joined = time.monotonic() - started
+    w2.wait_for_log(r"committed \d+ messages", timeout=30)
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 90, what=f"{len(sent)} effects")
+    assert w1.terminate() == 0 and w2.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+    assert joined < 10, f"the second worker waited {joined:.1f} s for partitions"
+
+
 @pytest.mark.parametrize("per_message", [False, True], ids=["executemany", "deferred-per-message"])
 def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
                                                    tmp_path: Path, per_message: bool) -> None:
