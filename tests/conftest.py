@@ -27,6 +27,10 @@ from .processors import metadata as effects_metadata
 # PostgreSQL refuses to run as root; the wrapper runs only pg_ctl as `postgres`.
 postgresql_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"))
 postgresql = factories.postgresql("postgresql_proc")
+#: A second server that checks passwords (initdb --auth=password), for the wrong-password case.
+PG_PASSWORD = "pg-s3cret-Pw"
+postgresql_pw_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"),
+                                               password=PG_PASSWORD, port=None)
 
 #: Broker settings for tests: topics exist only when a test creates them.
 BROKER_CONFIG = {"auto.create.topics.enable": "false"}

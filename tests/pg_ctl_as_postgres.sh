@@ -23,6 +23,14 @@ for arg in "$@"; do
     prev=$arg
 done
 
+# initdb with a password (pytest-postgresql's password=...): its --pwfile is a root-owned
+# temporary file; postgres must be able to read it.
+for arg in "$@"; do
+    if [[ "$arg" =~ --pwfile=([^[:space:]\"\']+) ]]; then
+        chown postgres: "${BASH_REMATCH[1]}"
+    fi
+done
+
 if [ -n "$datadir" ]; then
     parent=$(dirname "$datadir")
     mkdir -p "$parent"

@@ -48,6 +48,21 @@ def test_wrong_password_is_never_printed(postgresql: Any, kafka: str, new_topic:
     assert_one_clear_line(r, "nosuchuser")
 
 
+def test_wrong_password_against_a_server_that_checks_it(postgresql_pw_proc: Any) -> None:
+    """A server with password authentication: the right password migrates; a wrong one
+    gets one clear line, and neither password appears in the output."""
+    from .conftest import PG_PASSWORD
+
+    p = postgresql_pw_proc
+    base = f"{p.host}:{p.port}/postgres"
+    ok = kstore("migrate", "--dsn", f"postgresql+psycopg2://{p.user}:{PG_PASSWORD}@{base}")
+    assert ok.returncode == 0, ok.stderr
+    assert PG_PASSWORD not in ok.stdout + ok.stderr
+    r = kstore("migrate", "--dsn", f"postgresql+psycopg2://{p.user}:{PASSWORD}@{base}")
+    assert_one_clear_line(r, "password authentication failed")
+    assert PG_PASSWORD not in r.stdout + r.stderr
+
+
 def test_malformed_dsn() -> None:
     r = kstore("migrate", "--dsn", "not a url")
     assert_one_clear_line(r, "malformed DSN")
