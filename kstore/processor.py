@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
 from .retry import RetryPolicy
-from .session import BatchSession
+from .session import batch_session
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -132,10 +132,6 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message])
     ``session.commit()`` by the processor only flushes, so the caller commits the
     processor's writes together with its own (the offsets, a dead letter's mark).
     """
-    session = BatchSession(conn, defer_inserts=processor.defer_inserts, join_transaction_mode="rollback_only")
-    try:
+    with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
         processor.session = session
         processor.handle_batch(msgs)
-        session.flush()
-    finally:
-        session.close()

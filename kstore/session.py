@@ -32,6 +32,7 @@ them together, as multi-row INSERTs, when anything else needs the database:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, CursorResult, Insert
@@ -190,3 +191,19 @@ class BatchSession(Session):
     def close(self) -> None:
         self._deferred = []
         super().close()
+
+
+@contextmanager
+def batch_session(conn: Connection, *, defer_inserts: bool = True) -> Iterator[BatchSession]:
+    """A :class:`BatchSession` inside ``conn``'s open transaction, flushed (deferred INSERTs
+    sent) when the block ends normally, closed always.
+
+    It joins the transaction as ``rollback_only``: a ``session.commit()`` in the block
+    only flushes, so the caller commits the session's writes together with its own.
+    """
+    session = BatchSession(conn, defer_inserts=defer_inserts, join_transaction_mode="rollback_only")
+    try:
+        yield session
+        session.flush()
+    finally:
+        session.close()

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kstore import Message, Processor, RetryPolicy, Settings, Worker
-from kstore.session import BatchSession, DeferredResult
+from kstore.session import BatchSession, DeferredResult, batch_session
 from kstore.store import make_engine
 from kstore.testing import make_message, run_batch
 
@@ -60,14 +60,8 @@ def statements(engine: sa.Engine) -> list[tuple[str, bool]]:
 
 def in_session(engine: sa.Engine, work: Any, defer: bool = True) -> Any:
     """Run ``work(session)`` in a BatchSession inside one committed transaction, as the worker does."""
-    with engine.connect() as conn, conn.begin():
-        session = BatchSession(conn, defer_inserts=defer, join_transaction_mode="rollback_only")
-        try:
-            out = work(session)
-            session.flush()
-            return out
-        finally:
-            session.close()
+    with engine.connect() as conn, conn.begin(), batch_session(conn, defer_inserts=defer) as session:
+        return work(session)
 
 
 def names(engine: sa.Engine) -> list[str]:
