@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -38,6 +38,8 @@ IDLE_WAIT_S = 0.1
 #: First and longest wait before retrying a database that failed (claim or commit).
 DB_RETRY_DELAY = 0.5
 DB_RETRY_MAX_DELAY = 10.0
+
+_T = TypeVar("_T")
 
 
 class Worker:
@@ -139,8 +141,8 @@ class Worker:
             source.wake()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
-        source, ledger, batches_ = self._src, self._led, self._bat
-        batches = 0
+        source, ledger, batches = self._src, self._led, self._bat
+        committed = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
             if self._fetch_error is not None:
@@ -148,17 +150,17 @@ class Worker:
             self._notify_revoked()
             self._claim_pending()
             self._check_epochs()
-            if batches_.process_next():
-                batches += 1
+            if batches.process_next():
+                committed += 1
                 last_activity = time.monotonic()
-                if max_batches is not None and batches >= max_batches:
+                if max_batches is not None and committed >= max_batches:
                     return
                 continue
             if ledger.pending or not ledger.owned:
                 last_activity = time.monotonic()
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
-            if source.queued() and batches_.ready():
+            if source.queued() and batches.ready():
                 continue
             # Nothing to do now: sleep until records arrive or the group changes (or a retry is due).
             source.wait(IDLE_WAIT_S)
@@ -185,33 +187,25 @@ class Worker:
             log.info("worker for group %r stopped", self.group)
 
     @property
-    def _src(self) -> KafkaSource:
-        if self._source is None:
-            raise KstoreError("worker is not connected: call run() or connect() first")
-        return self._source
-
-    @property
-    def _db(self) -> Store:
-        if self._store is None:
-            raise KstoreError("worker is not connected: call run() or connect() first")
-        return self._store
-
-    @property
     def busy(self) -> bool:
         """True while a batch's transaction is open (for the CLI's shutdown timeout)."""
         return self._batches is not None and self._batches.busy
 
     @property
+    def _src(self) -> KafkaSource:
+        return _connected(self._source)
+
+    @property
+    def _db(self) -> Store:
+        return _connected(self._store)
+
+    @property
     def _bat(self) -> Batches:
-        if self._batches is None:
-            raise KstoreError("worker is not connected: call run() or connect() first")
-        return self._batches
+        return _connected(self._batches)
 
     @property
     def _led(self) -> Ledger:
-        if self._ledger is None:
-            raise KstoreError("worker is not connected: call run() or connect() first")
-        return self._ledger
+        return _connected(self._ledger)
 
     # -- partition ownership --------------------------------------------------
 
@@ -314,6 +308,13 @@ class Worker:
     def held_offsets(self) -> dict[TP, int]:
         """``{(topic, partition_id): next_offset}`` for the partitions this worker delivers now."""
         return {} if self._ledger is None else self._ledger.offsets()
+
+def _connected(part: _T | None) -> _T:
+    """A part the worker builds in connect(); a clear error if it was not called."""
+    if part is None:
+        raise KstoreError("worker is not connected: call run() or connect() first")
+    return part
+
 
 def load_processor(path: str) -> Processor:
     """Import ``MODULE:CLASS`` and instantiate it; a clear error if it is not a Processor."""
