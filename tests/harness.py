@@ -120,6 +120,11 @@ def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
     return {(r[0], r[1]): r[2] for r in rows}
 
 
+def read_in_flight(hang_file: Path) -> set[tuple[str, int, int]]:
+    """The batch a Recorder wrote to ``KSTORE_TEST_HANG_FILE`` before hanging: (topic, partition, offset)."""
+    return {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang_file.read_text().split(","))}
+
+
 def assert_exactly_once(counts: Counter[tuple[str, int, int]], expected: set[tuple[str, int, int]]) -> None:
     """Every expected message has exactly one effect, and nothing else has any."""
     doubled = {k: n for k, n in counts.items() if n > 1}

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from kstore import Message, Processor, Retry, RetryPolicy, Settings, Worker
 
-from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import TESTS_DIR, assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
 from .processors import effects as effects_table
 from .test_cli import PASSWORD, assert_one_clear_line, kstore
 
@@ -160,7 +160,7 @@ def test_sigterm_mid_batch_commits_it_and_exits_0(pg_dsn: str, new_topic: Any, p
     w = workers(pg_dsn, topic, "term", args=["--max-batch-size", "20"], env={
         "KSTORE_TEST_HANG_AT": "40", "KSTORE_TEST_HANG_FILE": str(hang), "KSTORE_TEST_HANG_SECONDS": "2"})
     wait_until(hang.exists, 60, interval=0.01)
-    in_flight = {(t, int(p), int(o)) for t, p, o in (i.split(":") for i in hang.read_text().split(","))}
+    in_flight = read_in_flight(hang)
     assert w.terminate() == 0
     assert in_flight <= set(effects(pg_dsn)), "the batch in flight finishes and commits"
     workers(pg_dsn, topic, "term")

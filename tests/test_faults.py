@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
 
 
 class BackgroundProducer:
@@ -98,7 +98,7 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
                                              "KSTORE_TEST_PER_MESSAGE": "1" if per_message else "0"},
                  args=["--max-batch-size", "25"])
     wait_until(hang.exists, 60, what="the processor to write its batch and hang")
-    in_flight = {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang.read_text().split(","))}
+    in_flight = read_in_flight(hang)
     assert len(in_flight) == 25
     w1.kill()
 
@@ -127,7 +127,7 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     })
     wait_until(hang.exists, 60, interval=0.01, what="the zombie to be mid-batch")
     zombie.pause()
-    in_flight = {(t, int(p), int(o)) for t, p, o in (item.split(":") for item in hang.read_text().split(","))}
+    in_flight = read_in_flight(hang)
 
     healthy = workers(pg_dsn, topic, "zombie")
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
