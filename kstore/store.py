@@ -156,8 +156,17 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+#: Execution option for connections that write kstore's rows: on SQLite their
+#: transactions start with BEGIN IMMEDIATE. A deferred transaction that reads first
+#: and writes later cannot wait for another writer (SQLite answers "database is
+#: locked" at once, busy_timeout or not); an immediate one takes the write lock
+#: up front and waits for it. PostgreSQL ignores it.
+WRITES = {"kstore_sqlite_begin": "IMMEDIATE"}
+
+
 def _sqlite_begin(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN")
+    mode = conn.get_execution_options().get("kstore_sqlite_begin", "")
+    conn.exec_driver_sql(f"BEGIN {mode}".rstrip())
 
 
 def actor() -> tuple[str, str]:

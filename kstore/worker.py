@@ -45,6 +45,9 @@ _T = TypeVar("_T")
 class Worker:
     """Runs one :class:`Processor` against Kafka and a database, exactly once."""
 
+    #: Builds the Kafka side; a test (or a simulation) may give a KafkaSource subclass.
+    source_factory: type[KafkaSource] = KafkaSource
+
     def __init__(self, processor: Processor, settings: Settings | None = None) -> None:
         self.processor = processor
         self.settings = settings or Settings()
@@ -82,7 +85,7 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
-            source = KafkaSource(self.settings, self.group, self.topics, self.worker_id)
+            source = self.source_factory(self.settings, self.group, self.topics, self.worker_id)
             source.check_topics()
         except KstoreError:
             if source is not None:
@@ -100,18 +103,13 @@ class Worker:
         ``max_batches``: stop after that many committed batches. ``idle_timeout``:
         stop once partitions are held and no record arrived for that many seconds.
         """
-        self.connect()
-        log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
-                 ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
-        self.processor.engine = self._db.engine
-        self.processor.setup()
+        self.start()
         # Everything imported and built so far lives as long as the worker: move it out
         # of the collector's reach, so the full collections that millions of
         # short-lived records trigger do not walk it again and again (~10% of CPU).
         gc.freeze()
         fetcher = threading.Thread(target=self._fetch_loop, name="kstore-fetch", daemon=True)
         try:
-            self._src.subscribe()
             fetcher.start()
             self._loop(max_batches, idle_timeout)
         finally:
@@ -121,36 +119,57 @@ class Worker:
                 fetcher.join(self.settings.poll_timeout_ms / 1000 + 10)
             self.close()
 
+    def start(self) -> None:
+        """Connect, call the processor's ``setup()`` and join the group (no thread is started).
+
+        :meth:`run` calls it; a test that drives the worker step by step calls it,
+        then :meth:`fetch_once` and :meth:`step` in any order it likes.
+        """
+        self.connect()
+        log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
+                 ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
+        self.processor.engine = self._db.engine
+        self.processor.setup()
+        self._src.subscribe()
+
     def _fetch_loop(self) -> None:
         """The fetcher thread: polls Kafka all the time, so the group membership stays alive
         however long a batch runs, and acts on rebalance events (which happen inside poll())."""
-        source = self._src
-        s = self.settings
+        try:
+            while not self._closing.is_set():
+                self.fetch_once()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._fetch_error = exc
+            self._src.wake()
+
+    def fetch_once(self) -> None:
+        """One turn of the fetcher thread: poll Kafka once, then act on the rebalance events it brought."""
+        source, s = self._src, self.settings
         # Decode at most two batches ahead of processing: the rest waits in
         # kafka-python's buffers, undecoded. Decoding far ahead only costs CPU
         # (and, under one GIL, processing time) for records that wait longer.
         limit = 2 * max(s.max_batch_size, s.max_poll_records)
-        try:
-            while not self._closing.is_set():
-                room = source.room(limit, s.poll_timeout_ms / 1000)
-                # Even with no room, poll (for one record): rebalances happen inside poll().
-                source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
-                self._apply_events()
-        except BaseException as exc:  # handed to the main thread, which raises it
-            self._fetch_error = exc
-            source.wake()
+        room = source.room(limit, s.poll_timeout_ms / 1000)
+        # Even with no room, poll (for one record): rebalances happen inside poll().
+        source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
+        self._apply_events()
+
+    def step(self) -> bool:
+        """One turn of the main loop: tell the processor of revoked partitions, claim new
+        ones, check epochs, then process one batch. True if a batch committed."""
+        if self._fetch_error is not None:
+            raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
+        self._notify_revoked()
+        self._claim_pending()
+        self._check_epochs()
+        return self._bat.process_next()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
         source, ledger, batches = self._src, self._led, self._bat
         committed = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
-            if self._fetch_error is not None:
-                raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
-            self._notify_revoked()
-            self._claim_pending()
-            self._check_epochs()
-            if batches.process_next():
+            if self.step():
                 committed += 1
                 last_activity = time.monotonic()
                 if max_batches is not None and committed >= max_batches:
