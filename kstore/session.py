@@ -25,6 +25,11 @@ them together, as multi-row INSERTs, when anything else needs the database:
   an error in ``handle()`` itself, use a savepoint (``with session.begin_nested():``),
   inside which nothing is deferred; on PostgreSQL that was needed anyway, since a
   failed statement aborts the transaction.
+  What sent the failing INSERT (a query, a savepoint, a flush, perhaps for a later
+  message) raises :class:`DeferredInsertError`, not the INSERT's own error, so an
+  ``except IntegrityError`` there cannot take it for its own. And the session is
+  failed for good: every later use raises it again, and the batch ends with the
+  INSERT's own error (see :func:`batch_session`), even if the processor caught it.
 
 ``Processor.defer_inserts = False`` turns this off.
 """
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection, CursorResult, Insert
 from sqlalchemy.exc import InvalidRequestError
@@ -41,15 +46,27 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.base import Executable
 
 
+class DeferredInsertError(Exception):
+    """A deferred INSERT failed when the session sent it; ``__cause__`` is its own error.
+
+    Raised by whatever needed the database and so sent it (a query, ``begin_nested()``, a
+    flush), maybe for a later message: deliberately not a SQLAlchemy error, so that an
+    ``except IntegrityError`` around a savepoint does not take it for the savepoint's. The
+    session is failed for good: every later use raises this again, and :func:`batch_session`
+    ends the batch with the INSERT's own error, so nothing of the batch can commit.
+    """
+
+
 class _Deferred:
-    """One deferred INSERT: its statement, its parameters and, once run alone, its result."""
+    """One deferred INSERT: its statement, its parameters and, once run alone, its result
+    (or its error)."""
 
     __slots__ = ("params", "result", "sent", "statement")
 
     def __init__(self, statement: Insert, params: dict[str, Any]) -> None:
         self.statement = statement
         self.params = params
-        self.result: CursorResult[Any] | None = None
+        self.result: CursorResult[Any] | BaseException | None = None
         self.sent = False
 
 
@@ -112,6 +129,9 @@ class BatchSession(Session):
         self._connection = bind
         self._defer_inserts = defer_inserts
         self._deferred: list[_Deferred] = []
+        #: The error of a deferred INSERT that failed when sent: the session is failed for good.
+        self._failure: BaseException | None = None
+        self._failure_message = ""
 
     def execute(self, statement: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
         core = (not args and not kwargs and isinstance(statement, Executable)
@@ -132,37 +152,90 @@ class BatchSession(Session):
         return super().execute(statement, params, *args, **kwargs)
 
     def send_deferred(self) -> None:
-        """Send the deferred INSERTs now, in order; consecutive ones of the same statement together."""
-        pending, self._deferred = self._deferred, []
-        i = 0
-        while i < len(pending):
+        """Send the deferred INSERTs now, in order; consecutive ones of the same statement together.
+
+        If sending fails, the session is failed for good: this raises
+        :class:`DeferredInsertError` now and at every later use (see there).
+        """
+        if self._failure is not None:
+            self._raise_failure()
+        pending = self._deferred
+        if not pending:
+            return
+        self._deferred = []
+        execute = self._connection.execute
+        i, n = 0, len(pending)
+        while i < n:
             first = pending[i]
+            statement, keys = first.statement, first.params.keys()
             j = i + 1
-            while (j < len(pending) and pending[j].params.keys() == first.params.keys()
-                   and _same_statement(pending[j].statement, first.statement)):
+            while j < n and pending[j].params.keys() == keys and _same_statement(pending[j].statement, statement):
                 j += 1
-            if j - i == 1:
-                first.result = self._connection.execute(first.statement, first.params)
-            else:
-                self._connection.execute(first.statement, [e.params for e in pending[i:j]])
+            try:
+                if j - i == 1:
+                    first.result = execute(statement, first.params)
+                else:
+                    execute(statement, [e.params for e in pending[i:j]])
+            except BaseException as exc:
+                self._deferred = pending[i:]  # kept, never sent: the session is failed
+                self._fail(exc, statement, j - i)
             for entry in pending[i:j]:
                 entry.sent = True
             i = j
 
+    def _fail(self, exc: BaseException, statement: Insert, rows: int) -> NoReturn:
+        """Fail the session for good with ``exc``, the error of sending deferred INSERTs."""
+        self._failure = exc
+        # Nothing is deferred any more: execute() then takes a path that raises the failure.
+        self._defer_inserts = False
+        table = getattr(statement.table, "name", statement.table)
+        together = f" (one of {rows} rows sent together)" if rows > 1 else ""
+        self._failure_message = (
+            f"a deferred INSERT into {table}{together} failed when the session sent it: "
+            f"{type(exc).__name__}: {exc}\n"
+            "It was executed earlier in this batch, maybe for another message: this error is not "
+            "that of what sent it. The session can no longer be used and the batch fails."
+        )
+        if not isinstance(exc, Exception):
+            raise exc
+        self._raise_failure()
+
+    def _raise_failure(self) -> NoReturn:
+        raise DeferredInsertError(self._failure_message) from self._failure
+
     def _run_alone(self, entry: _Deferred) -> CursorResult[Any]:
         if not entry.sent:
-            index = self._deferred.index(entry)
-            self._deferred, after = self._deferred[:index], self._deferred[index + 1:]
-            self.send_deferred()
-            entry.result = self._connection.execute(entry.statement, entry.params)
+            if self._failure is not None:
+                self._raise_failure()
+            deferred = self._deferred
+            try:
+                index = deferred.index(entry)
+            except ValueError:
+                raise InvalidRequestError(
+                    "this INSERT was never sent: the session was rolled back or closed first") from None
+            self._deferred = deferred[:index]
+            try:
+                self.send_deferred()
+            except BaseException:
+                self._deferred += deferred[index:]  # kept, never sent: the session is failed
+                raise
+            # Now alone, as if it had not been deferred: its own error raises here, as it is.
             entry.sent = True
-            self._deferred = after
-        if entry.result is None:
+            self._deferred = deferred[index + 1:]
+            try:
+                entry.result = self._connection.execute(entry.statement, entry.params)
+            except BaseException as exc:
+                entry.result = exc
+                raise
+        result = entry.result
+        if isinstance(result, BaseException):
+            raise InvalidRequestError("this INSERT failed when its result was first read") from result
+        if result is None:
             raise InvalidRequestError(
                 "this INSERT was deferred and then sent together with others, so its own result is gone: "
                 "read the result right after session.execute(), or use .returning(...)"
             )
-        return entry.result
+        return result
 
     # Every other way to the database sends the deferred INSERTs first: statements
     # through the session (execute, scalar(s), get, connection()), the ORM's flush,
@@ -181,6 +254,9 @@ class BatchSession(Session):
         super()._bulk_save_mappings(*args, **kwargs)
 
     def begin_nested(self) -> Any:
+        # Before the SAVEPOINT: a rollback to it must not undo them, and their failure is
+        # a DeferredInsertError, which the processor's ``except`` around the savepoint
+        # does not take for the savepoint's own.
         self.send_deferred()
         return super().begin_nested()
 
@@ -200,10 +276,21 @@ def batch_session(conn: Connection, *, defer_inserts: bool = True) -> Iterator[B
 
     It joins the transaction as ``rollback_only``: a ``session.commit()`` in the block
     only flushes, so the caller commits the session's writes together with its own.
+
+    If a deferred INSERT failed when it was sent, the block raises that INSERT's own error
+    (IntegrityError, OperationalError...), whatever the code in it did with the
+    :class:`DeferredInsertError` (let it through, caught it, raised another): the caller
+    must not commit, and kstore's worker judges the original error (a constraint fails the
+    batch, whose message is then found; a lost connection is retried as it is).
     """
     session = BatchSession(conn, defer_inserts=defer_inserts, join_transaction_mode="rollback_only")
     try:
         yield session
         session.flush()
+    except Exception:
+        failure = session._failure
+        if failure is None:
+            raise
+        raise failure  # noqa: B904 - chained to what the block raised, for its traceback
     finally:
         session.close()

@@ -1,13 +1,15 @@
 """The processor's session defers one-row INSERTs and sends them together (kstore.session).
 
 Unit tests on SQLite for the session's contract (order, reading your writes,
-results, savepoints, the ORM), and one test against Kafka and PostgreSQL for
-what matters to exactly-once: an INSERT that fails when it is finally sent is
-still pinned to its own message.
+results, savepoints, the ORM, a failed send), tests that pin the SQLAlchemy
+behaviour the session relies on, and tests against PostgreSQL (and Kafka) for
+what matters to exactly-once: an INSERT that fails when it is finally sent fails
+its batch, even under a later message's savepoint, and is pinned to its own message.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kstore import Message, Processor, RetryPolicy, Settings, Worker
-from kstore.session import BatchSession, DeferredResult, batch_session
+from kstore.session import BatchSession, DeferredInsertError, DeferredResult, batch_session
 from kstore.store import make_engine
 from kstore.testing import make_message, run_batch
 
@@ -39,6 +41,9 @@ class Item(Base):
 
 
 items = Item.__table__
+#: One row per message, written after the message's other INSERT (so the two alternate).
+seen = sa.Table("seen", Base.metadata, sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+                sa.Column("msg_offset", sa.Integer, nullable=False))
 
 
 @pytest.fixture()
@@ -49,13 +54,25 @@ def engine(tmp_path: Path) -> Iterator[sa.Engine]:
     eng.dispose()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_engine(request: pytest.FixtureRequest, engine: sa.Engine) -> Iterator[sa.Engine]:
+    """The SQLite engine, or one on a fresh PostgreSQL database with the same tables."""
+    if request.param == "sqlite":
+        yield engine
+        return
+    pg = make_engine(Settings(dsn=request.getfixturevalue("pg_dsn")))
+    Base.metadata.create_all(pg)
+    yield pg
+    pg.dispose()
+
+
 @pytest.fixture()
 def statements(engine: sa.Engine) -> list[tuple[str, bool]]:
     """Every statement sent to the database: (SQL, executemany)."""
-    seen: list[tuple[str, bool]] = []
+    sent: list[tuple[str, bool]] = []
     sa.event.listen(engine, "before_cursor_execute",
-                    lambda conn, cursor, sql, params, context, many: seen.append((sql, many)))
-    return seen
+                    lambda conn, cursor, sql, params, context, many: sent.append((sql, many)))
+    return sent
 
 
 def in_session(engine: sa.Engine, work: Any, defer: bool = True) -> Any:
@@ -71,6 +88,11 @@ def names(engine: sa.Engine) -> list[str]:
 
 def inserts(statements: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
     return [(sql, many) for sql, many in statements if sql.startswith("INSERT")]
+
+
+def seen_offsets(engine: sa.Engine) -> list[int]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(seen.c.msg_offset).order_by(seen.c.id)).scalars())
 
 
 def test_one_row_inserts_are_sent_together_at_the_end(engine: sa.Engine, statements: Any) -> None:
@@ -162,7 +184,7 @@ def test_reading_a_result_runs_that_insert_at_once(engine: sa.Engine) -> None:
     assert names(engine) == ["a", "b", "c", "d", "e"], "reading a result early does not change the order"
 
 
-def test_rolling_back_a_savepoint_keeps_the_inserts_made_before_it(engine: sa.Engine) -> None:
+def test_rolling_back_a_savepoint_keeps_the_inserts_made_before_it(any_engine: sa.Engine) -> None:
     def work(session: BatchSession) -> None:
         session.execute(items.insert(), {"name": "before"})
         session.execute(items.insert(), {"name": "taken"})
@@ -175,8 +197,8 @@ def test_rolling_back_a_savepoint_keeps_the_inserts_made_before_it(engine: sa.En
             pass
         session.execute(items.insert(), {"name": "after"})
 
-    in_session(engine, work)
-    assert names(engine) == ["before", "taken", "after"]
+    in_session(any_engine, work)
+    assert names(any_engine) == ["before", "taken", "after"]
 
 
 def test_orm_objects_and_core_inserts_keep_their_order(engine: sa.Engine) -> None:
@@ -200,6 +222,120 @@ def test_a_failing_insert_raises_when_sent_and_rolls_back_the_batch(engine: sa.E
         run_batch(Inserter(), [make_message(b"a"), make_message(b"b", offset=1), make_message(b"a", offset=2)],
                   engine)
     assert names(engine) == [], "the whole batch rolled back"
+
+
+class SavepointAfterDuplicate(Processor):
+    """Per message a deferred INSERT into items, then one into seen; a value starting with
+    "check:" is written under a savepoint that catches IntegrityError, as the README shows.
+
+    With the values a, b, a, c, check:x, d the duplicate fails when check:x's begin_nested()
+    sends the INSERTs deferred before it: that is message 2's error, not the savepoint's.
+    """
+
+    def handle(self, msg: Message) -> None:
+        name = msg.value.decode()
+        if name.startswith("check:"):
+            try:
+                with self.session.begin_nested():
+                    self.session.execute(items.insert(), {"name": name})
+            except IntegrityError:
+                pass  # the savepoint's own duplicate: skip it
+        else:
+            self.session.execute(items.insert(), {"name": name})
+        self.session.execute(seen.insert(), {"msg_offset": msg.offset})
+
+
+DUPLICATE_THEN_SAVEPOINT = [make_message(v, offset=i) for i, v in enumerate([b"a", b"b", b"a", b"c", b"check:x", b"d"])]
+
+
+def test_an_insert_failing_when_a_later_savepoint_sends_it_fails_the_batch(any_engine: sa.Engine) -> None:
+    """Not caught as the savepoint's error: on SQLite the batch used to commit without the
+    INSERTs deferred after the failing one; on PostgreSQL it failed later, on an aborted transaction."""
+    with pytest.raises(IntegrityError, match=r"(?i)unique|duplicate"):
+        run_batch(SavepointAfterDuplicate(), DUPLICATE_THEN_SAVEPOINT, any_engine)
+    assert names(any_engine) == [] and seen_offsets(any_engine) == [], "nothing of the batch committed"
+
+
+def test_a_failed_deferred_insert_is_not_caught_as_the_error_of_what_sent_it(engine: sa.Engine) -> None:
+    raised: list[BaseException] = []
+
+    class Recording(SavepointAfterDuplicate):
+        def handle(self, msg: Message) -> None:
+            try:
+                super().handle(msg)
+            except Exception as exc:
+                raised.append(exc)
+                raise
+
+    with pytest.raises(IntegrityError):
+        run_batch(Recording(), DUPLICATE_THEN_SAVEPOINT, engine)
+    (error,) = raised
+    assert isinstance(error, DeferredInsertError) and not isinstance(error, sa.exc.SQLAlchemyError)
+    assert isinstance(error.__cause__, IntegrityError), "the original error is its cause"
+    message = str(error)
+    assert "INSERT INTO items" in message and "UNIQUE constraint failed: items.name" in message, message
+    assert "deferred" in message, message
+
+
+def test_a_processor_that_swallows_the_error_still_cannot_commit_its_batch(engine: sa.Engine) -> None:
+    class Swallowing(SavepointAfterDuplicate):
+        def handle(self, msg: Message) -> None:
+            with contextlib.suppress(Exception):  # careless: hides every error, this message's or not
+                super().handle(msg)
+
+    with pytest.raises(IntegrityError, match=r"UNIQUE constraint failed: items\.name"):
+        run_batch(Swallowing(), DUPLICATE_THEN_SAVEPOINT, engine)
+    assert names(engine) == [] and seen_offsets(engine) == []
+
+
+def test_after_a_failed_send_every_use_of_the_session_raises_it_again(engine: sa.Engine) -> None:
+    uses: dict[str, Any] = {
+        "execute a SELECT": lambda s: s.execute(sa.select(items)),
+        "execute an INSERT": lambda s: s.execute(items.insert(), {"name": "later"}),
+        "execute an UPDATE": lambda s: s.execute(items.update().values(kind="x")),
+        "scalar": lambda s: s.scalar(sa.select(sa.func.count()).select_from(items)),
+        "scalars": lambda s: s.scalars(sa.select(items.c.name)),
+        "get": lambda s: s.get(Item, 1),
+        "connection": lambda s: s.connection(),
+        "flush": lambda s: s.flush(),
+        "begin_nested": lambda s: s.begin_nested(),
+        "bulk_insert_mappings": lambda s: s.bulk_insert_mappings(Item, [{"name": "bulk"}]),
+        "read a deferred INSERT's result": lambda s: s.execute(items.insert(), {"name": "r"}).rowcount,
+    }
+    tried: list[str] = []
+    with engine.connect() as conn, conn.begin():
+        with pytest.raises(IntegrityError) as at_the_end, batch_session(conn) as session:
+            session.execute(items.insert(), {"name": "a"})
+            session.execute(items.insert(), {"name": "a"})
+            session.execute(seen.insert(), {"msg_offset": 1})  # deferred after the failing INSERT
+            for what, use in uses.items():
+                with pytest.raises(DeferredInsertError) as caught:
+                    use(session)
+                assert isinstance(caught.value.__cause__, IntegrityError), what
+                tried.append(what)
+        assert tried == list(uses)
+        assert "UNIQUE constraint failed: items.name" in str(at_the_end.value), "the original error ends the block"
+        conn.rollback()
+    assert names(engine) == [] and seen_offsets(engine) == []
+
+
+def test_an_insert_that_fails_when_its_result_is_read_raises_its_own_error(engine: sa.Engine) -> None:
+    """Reading a result runs that INSERT alone, as if it had not been deferred: its own error is
+    its own (like an INSERT that is not deferred, it can be caught), and nothing deferred is lost."""
+
+    def work(session: BatchSession) -> None:
+        session.execute(items.insert(), {"name": "a"})
+        duplicate = session.execute(items.insert(), {"name": "a"})
+        session.execute(items.insert(), {"name": "after"})
+        with pytest.raises(IntegrityError):
+            _ = duplicate.rowcount
+        with pytest.raises(InvalidRequestError, match="failed") as again:
+            _ = duplicate.rowcount
+        assert isinstance(again.value.__cause__, IntegrityError)
+        session.execute(items.insert(), {"name": "last"})
+
+    in_session(engine, work)
+    assert names(engine) == ["a", "after", "last"]
 
 
 class UniqueNames(Processor):
@@ -253,3 +389,46 @@ def test_a_savepoint_first_in_the_batch_is_still_inside_its_transaction(engine: 
     with pytest.raises(ValueError):
         run_batch(SavepointFirst(), [make_message(b"x")], engine)
     assert names(engine) == [], "the released savepoint was rolled back with its batch"
+
+
+class CheckedNames(UniqueNames):
+    """UniqueNames, then one more row under a savepoint that catches IntegrityError, as the README shows.
+
+    Its begin_nested() sends the message's own deferred INSERTs: the duplicate's fails there.
+    """
+
+    group = "deferred-savepoint"
+
+    def handle(self, msg: Message) -> None:
+        super().handle(msg)
+        try:
+            with self.session.begin_nested():
+                self.session.execute(items.insert(), {"name": f"checked-{msg.offset}"})
+        except IntegrityError:
+            pass
+
+
+@pytest.mark.timeout(180)
+def test_a_deferred_insert_that_fails_when_a_savepoint_sends_it_is_pinned_to_its_own_message(
+        pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
+    """The duplicate fails when a begin_nested() sends it, inside the processor's try: the batch
+    fails and exactly the duplicate is dead-lettered, with its own error. (That error used to be
+    caught as the savepoint's, and the batch failed later on its aborted transaction: the
+    dead letter said InFailedSqlTransaction.) The savepoints of the other messages work as before."""
+    engine = sa.create_engine(pg_dsn)
+    Base.metadata.create_all(engine)
+    topic = new_topic(partitions=1)
+    first = set(produce(topic, (f"v{i}" for i in range(150))))
+    (dup,) = produce(topic, ["v7"])
+    rest = set(produce(topic, (f"w{i}" for i in range(149))))
+    w = Worker(CheckedNames(), Settings(dsn=pg_dsn, bootstrap_servers=kafka, topics=(topic,), max_batch_size=100,
+                                        session_timeout_ms=6000, heartbeat_interval_ms=1000))
+    w.run(idle_timeout=2)
+    assert_exactly_once(effects(pg_dsn), first | rest)
+    (letter,) = dead_letter_rows(pg_dsn)
+    assert (letter.topic, letter.partition_id, letter.offset) == dup
+    assert "IntegrityError" in letter.error
+    with engine.connect() as conn:
+        checked = conn.execute(sa.select(sa.func.count()).where(items.c.name.like("checked-%"))).scalar_one()
+    engine.dispose()
+    assert checked == 299, "every other message's savepoint wrote its row"
