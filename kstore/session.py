@@ -45,6 +45,26 @@ from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.base import Executable
 
+# SQLAlchemy's private names used here, for want of a public API (everything else is
+# public). Each is pinned by a test in tests/test_deferred_inserts.py, so an upgrade that
+# changes one fails a test instead of silently deferring what must not be (those tests
+# pass with SQLAlchemy 2.0.0, 2.0.58 and 2.1.9):
+#
+# - ``Insert._returning``, ``._return_defaults``, ``._multi_values`` (in _deferrable): whether
+#   an INSERT returns rows or writes several; those run at once. SQLAlchemy offers setters
+#   only; the public ``exported_columns`` would tell RETURNING but costs ~5 µs per statement
+#   object, i.e. per message. Pinned by test_inserts_that_return_rows_or_write_several_run_at_once.
+# - ``Executable._propagate_attrs`` (in BatchSession.execute): non-empty for a statement on
+#   ORM entities, which must take the ORM's path; SQLAlchemy's own test. Pinned by
+#   test_orm_statements_take_the_orms_path and the tests that Core INSERTs are deferred.
+# - ``HasCacheKey._generate_cache_key()`` (in _same_statement): SQLAlchemy's "same SQL" test,
+#   to send equal INSERTs as one executemany. Pinned by
+#   test_consecutive_inserts_of_equal_statements_are_merged and
+#   test_statements_with_different_embedded_values_are_not_merged.
+# - ``Session._is_clean()`` (in BatchSession.execute, per deferred INSERT): whether ORM changes
+#   wait to be flushed first. The public ``new``/``dirty``/``deleted`` build three sets, ten
+#   times the cost. Pinned by test_orm_changes_made_before_a_deferred_insert_go_first.
+
 
 class DeferredInsertError(Exception):
     """A deferred INSERT failed when the session sent it; ``__cause__`` is its own error.
@@ -97,7 +117,7 @@ def _deferrable(statement: Executable, params: Any) -> bool:
     return (
         type(params) is dict and bool(params) and isinstance(statement, Insert)
         and not statement._returning and not statement._return_defaults
-        and not statement._multi_values and statement._select_names is None
+        and not statement._multi_values and statement.select is None  # not from_select()
     )
 
 
@@ -111,9 +131,9 @@ def _same_statement(a: Insert, b: Insert) -> bool:
     if a is b:
         return True
     ka, kb = a._generate_cache_key(), b._generate_cache_key()
-    if ka is None or kb is None or ka != kb:
-        return False
-    return [p.effective_value for p in ka.bindparams] == [p.effective_value for p in kb.bindparams]
+    # ``==``, not ``!=``: early 2.0 CacheKeys have no ``!=`` of their own (a tuple's compares the binds too).
+    return (ka is not None and kb is not None and ka == kb
+            and [p.effective_value for p in ka.bindparams] == [p.effective_value for p in kb.bindparams])
 
 
 class BatchSession(Session):
@@ -129,6 +149,8 @@ class BatchSession(Session):
         self._connection = bind
         self._defer_inserts = defer_inserts
         self._deferred: list[_Deferred] = []
+        #: True inside flush(): a deferred INSERT then does not flush (as SQLAlchemy's autoflush).
+        self._in_flush = False
         #: The error of a deferred INSERT that failed when sent: the session is failed for good.
         self._failure: BaseException | None = None
         self._failure_message = ""
@@ -138,18 +160,24 @@ class BatchSession(Session):
                 and not statement._propagate_attrs and not self.dispatch.do_orm_execute)
         if core and self._defer_inserts and _deferrable(statement, params) and not self.in_nested_transaction():
             if not self._is_clean():
-                self._autoflush()  # ORM changes made before this INSERT go first (unless no_autoflush)
+                self._flush_first()  # ORM changes made before this INSERT go first (unless no_autoflush)
             # A copy: code that reuses one dict for every row must not change rows already deferred.
             entry = _Deferred(statement, dict(params))
             self._deferred.append(entry)
             return DeferredResult(self, entry)
         if core:
-            # Through the session's transaction: that sends the deferred INSERTs and
-            # emits a pending SAVEPOINT (begin_nested() begins it lazily).
-            conn = self._connection_for_bind(self._connection)
-            self._autoflush()
+            # Through the session's transaction: that sends the deferred INSERTs (see
+            # connection()) and emits a pending SAVEPOINT (begin_nested() begins it lazily).
+            conn = self.connection()
+            if not self._is_clean():
+                self._flush_first()
             return conn.execute(statement, params)
+        self.send_deferred()
         return super().execute(statement, params, *args, **kwargs)
+
+    def _flush_first(self) -> None:
+        if self.autoflush and not self._in_flush:
+            self.flush()
 
     def send_deferred(self) -> None:
         """Send the deferred INSERTs now, in order; consecutive ones of the same statement together.
@@ -238,20 +266,41 @@ class BatchSession(Session):
         return result
 
     # Every other way to the database sends the deferred INSERTs first: statements
-    # through the session (execute, scalar(s), get, connection()), the ORM's flush,
-    # its bulk operations, and savepoints (a rollback to one must not undo them).
+    # through the session (execute() above, scalar(s), and get(), refresh(), queries and
+    # lazy loads, which call execute()), connection(), the ORM's flush, its bulk
+    # operations, and savepoints (a rollback to one must not undo them).
 
-    def _connection_for_bind(self, *args: Any, **kwargs: Any) -> Connection:
+    def connection(self, *args: Any, **kwargs: Any) -> Connection:
         self.send_deferred()
-        return super()._connection_for_bind(*args, **kwargs)
+        return super().connection(*args, **kwargs)
+
+    def scalar(self, *args: Any, **kwargs: Any) -> Any:
+        self.send_deferred()
+        return super().scalar(*args, **kwargs)
+
+    def scalars(self, *args: Any, **kwargs: Any) -> Any:
+        self.send_deferred()
+        return super().scalars(*args, **kwargs)
 
     def flush(self, objects: Any = None) -> None:
         self.send_deferred()
-        super().flush(objects)
+        in_flush, self._in_flush = self._in_flush, True
+        try:
+            super().flush(objects)
+        finally:
+            self._in_flush = in_flush
 
-    def _bulk_save_mappings(self, *args: Any, **kwargs: Any) -> None:
+    def bulk_save_objects(self, *args: Any, **kwargs: Any) -> None:
         self.send_deferred()
-        super()._bulk_save_mappings(*args, **kwargs)
+        super().bulk_save_objects(*args, **kwargs)
+
+    def bulk_insert_mappings(self, *args: Any, **kwargs: Any) -> None:
+        self.send_deferred()
+        super().bulk_insert_mappings(*args, **kwargs)
+
+    def bulk_update_mappings(self, *args: Any, **kwargs: Any) -> None:
+        self.send_deferred()
+        super().bulk_update_mappings(*args, **kwargs)
 
     def begin_nested(self) -> Any:
         # Before the SAVEPOINT: a rollback to it must not undo them, and their failure is

@@ -432,3 +432,137 @@ def test_a_deferred_insert_that_fails_when_a_savepoint_sends_it_is_pinned_to_its
         checked = conn.execute(sa.select(sa.func.count()).where(items.c.name.like("checked-%"))).scalar_one()
     engine.dispose()
     assert checked == 299, "every other message's savepoint wrote its row"
+
+
+# What the session relies on in SQLAlchemy (see the list at the top of kstore/session.py):
+# these tests fail if an upgrade changes it.
+
+
+@pytest.mark.parametrize("statement", [
+    pytest.param(lambda: items.insert().returning(items.c.id), id="returning"),
+    pytest.param(lambda: items.insert().return_defaults(), id="return_defaults"),
+    pytest.param(lambda: items.insert().values([{"name": sa.bindparam("a")}, {"name": sa.bindparam("b")}]),
+                 id="multi-row values"),
+    pytest.param(lambda: items.insert().from_select(["name"], sa.select(sa.bindparam("a", type_=sa.String))),
+                 id="from_select"),
+    pytest.param(lambda: sa.insert(Item), id="ORM entity"),
+])
+def test_inserts_that_return_rows_or_write_several_run_at_once(
+        engine: sa.Engine, statements: Any, statement: Any) -> None:
+    def work(session: BatchSession) -> None:
+        result = session.execute(statement(), {"name": "x", "a": "x", "b": "y"})
+        assert not isinstance(result, DeferredResult)
+        assert inserts(statements), "sent at once"
+
+    in_session(engine, work)
+    assert "x" in names(engine)
+
+
+def test_orm_statements_take_the_orms_path(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(items.insert(), {"name": "a"})
+        (item,) = session.execute(sa.select(Item)).scalars()
+        assert isinstance(item, Item) and item.name == "a", "ORM entities, not Core rows"
+
+    in_session(engine, work)
+
+
+def test_orm_changes_made_before_a_deferred_insert_go_first(engine: sa.Engine) -> None:
+    """New, changed and deleted ORM objects are flushed before a one-row INSERT is deferred."""
+
+    def work(session: BatchSession) -> None:
+        renamed, gone = Item(name="a"), Item(name="gone")
+        session.add_all([renamed, gone])
+        session.flush()
+        renamed.name = "renamed"
+        session.execute(items.insert(), {"name": "a"})  # unique: fails unless the rename went first
+        session.delete(gone)
+        session.execute(items.insert(), {"name": "gone"})  # fails unless the delete went first
+        session.add(Item(name="new"))
+        session.execute(items.insert(), {"name": "last"})
+
+    in_session(engine, work)
+    assert sorted(names(engine)) == ["a", "gone", "last", "new", "renamed"]
+
+
+def test_no_autoflush_and_inserts_made_while_flushing(engine: sa.Engine, statements: Any) -> None:
+    def work(session: BatchSession) -> None:
+        with session.no_autoflush:
+            session.add(Item(name="orm"))
+            session.execute(items.insert(), {"name": "core"})
+            assert not inserts(statements), "no_autoflush: the ORM object waits, the INSERT is deferred"
+        hooked: list[bool] = []
+
+        @sa.event.listens_for(session, "before_flush")
+        def insert_while_flushing(s: Any, context: Any, instances: Any) -> None:
+            if not hooked:
+                hooked.append(True)
+                s.execute(items.insert(), {"name": "from a flush hook"})  # deferred, not a nested flush
+
+        session.flush()
+
+    in_session(engine, work)
+    assert names(engine) == ["core", "orm", "from a flush hook"]
+
+
+ROUTES: dict[str, Any] = {
+    "execute a Core SELECT": lambda s, obj: s.execute(sa.select(items)).all(),
+    "execute an ORM SELECT": lambda s, obj: s.execute(sa.select(Item)).all(),
+    "scalar": lambda s, obj: s.scalar(sa.select(sa.func.count()).select_from(items)),
+    "scalars": lambda s, obj: s.scalars(sa.select(items.c.name)).all(),
+    "get": lambda s, obj: s.get(Item, 2),
+    "query": lambda s, obj: s.query(Item).all(),
+    "refresh": lambda s, obj: s.refresh(obj),
+    "load an expired attribute": lambda s, obj: (s.expire(obj), obj.name),
+    "connection": lambda s, obj: s.connection(),
+    "flush": lambda s, obj: s.flush(),
+    "flush an ORM object": lambda s, obj: (s.add(Item(name="orm")), s.flush()),
+    "begin_nested": lambda s, obj: s.begin_nested(),
+    "bulk_insert_mappings": lambda s, obj: s.bulk_insert_mappings(Item, [{"name": "bulk"}]),
+    "bulk_save_objects": lambda s, obj: s.bulk_save_objects([Item(name="bulk")]),
+    "bulk_update_mappings": lambda s, obj: s.bulk_update_mappings(Item, [{"id": 2, "kind": "bulk"}]),
+}
+
+
+@pytest.mark.parametrize("autoflush", [True, False], ids=["autoflush", "no autoflush"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_way_to_the_database_sends_the_deferred_inserts_first(
+        engine: sa.Engine, statements: Any, route: str, autoflush: bool) -> None:
+    """With autoflush, SQLAlchemy's flush before a query would send them too; without, only the session does."""
+
+    def work(session: BatchSession) -> None:
+        obj = Item(name="first")
+        session.add(obj)
+        session.flush()
+        session.autoflush = autoflush
+        session.execute(items.insert(), {"name": "deferred"})
+        before = len(statements)
+        ROUTES[route](session, obj)
+        assert statements[before:], "the deferred INSERT was sent"
+        assert statements[before][0].startswith("INSERT INTO items"), statements[before:]
+
+    in_session(engine, work)
+    assert names(engine)[:2] == ["first", "deferred"]
+
+
+def test_consecutive_inserts_of_equal_statements_are_merged(engine: sa.Engine, statements: Any) -> None:
+    """SQLAlchemy's cache key tells equal statements apart from different ones."""
+
+    def work(session: BatchSession) -> None:
+        for i in range(3):
+            session.execute(sa.insert(items).values(kind="k"), {"name": f"k{i}"})
+        for i in range(3):
+            session.execute(sa.insert(items).values(kind=sa.literal("x") + "y"), {"name": f"xy{i}"})
+
+    in_session(engine, work)
+    assert inserts(statements) == [(inserts(statements)[0][0], True), (inserts(statements)[1][0], True)]
+
+
+def test_inserts_of_different_statements_with_the_same_parameters_are_not_merged(engine: sa.Engine) -> None:
+    def work(session: BatchSession) -> None:
+        session.execute(sa.insert(items), {"name": "a"})
+        session.execute(sa.insert(items).prefix_with("OR IGNORE"), {"name": "a"})  # SQLite: skips the duplicate
+        session.execute(sa.insert(items), {"name": "b"})
+
+    in_session(engine, work)
+    assert names(engine) == ["a", "b"]
