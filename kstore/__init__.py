@@ -6,6 +6,7 @@ own writes; a claimed epoch per partition fences zombie workers.
 
 from .errors import (
     BrokerError,
+    CommitInDoubtError,
     ConfigurationError,
     DatabaseError,
     FencedError,
@@ -37,6 +38,7 @@ __all__ = [
     "LATEST",
     # errors
     "BrokerError",
+    "CommitInDoubtError",
     "ConfigurationError",
     "DatabaseError",
     "FencedError",

@@ -43,3 +43,14 @@ class ProcessorError(KstoreError):
 
 class FencedError(KstoreError):
     """This worker no longer owns a partition: another worker (or an admin) claimed it."""
+
+
+class CommitInDoubtError(KstoreError):
+    """A write's COMMIT failed without an answer and reading it back failed too: it may or may not have landed.
+
+    Its message says what to check before trying again (``kstore offsets history``
+    for a reset, ``kstore dead-letters show`` for a replay). A distinct exit code,
+    so that a script never retries it blindly.
+    """
+
+    exit_code = 3
