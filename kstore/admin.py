@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from .consumer import TP, KafkaInspector
-from .errors import ConfigurationError, InvalidOffsetError
+from .errors import ConfigurationError, DatabaseError, InvalidOffsetError
 from .migration import check_migrated
+from .resets import move
 from .settings import Settings
-from .store import HistoryEntry, Store, make_engine
+from .store import HistoryEntry, Store, first_line, make_engine
 from .targets import EARLIEST, LATEST, Target, check_target
 
 
@@ -94,6 +97,40 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
     return out
 
 
+@dataclass(frozen=True)
+class ResetRequest:
+    """What an operator asks for: exactly one target, and whether to clamp it into the log."""
+
+    to_offset: int | None = None
+    to_datetime: datetime | None = None
+    to_earliest: bool = False
+    to_latest: bool = False
+    shift_by: int | None = None
+    clamp: bool = False
+
+    def __post_init__(self) -> None:
+        given = [self.to_offset is not None, self.to_datetime is not None, self.to_earliest, self.to_latest,
+                 self.shift_by is not None]
+        if sum(given) != 1:
+            raise ConfigurationError(
+                "give exactly one of --to-offset, --to-datetime, --to-earliest, --to-latest, --shift-by"
+            )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A reset worked out against the partitions' logs; the stored offsets are read again when it is applied."""
+
+    group: str
+    request: ResetRequest
+    #: The partitions to move, with their log bounds.
+    bounds: dict[TP, tuple[int, int]]
+    times: dict[TP, int | None]
+
+    def one(self, tp: TP, stored: int | None) -> PlannedReset:
+        return _plan_one(tp, stored, self.bounds[tp], self.times.get(tp), self.request)
+
+
 def set_offsets(
     settings: Settings,
     group: str,
@@ -116,55 +153,82 @@ def set_offsets(
     offset). Every target is checked against the partition's log: one outside it
     raises :class:`InvalidOffsetError` and nothing changes, unless ``clamp``
     moves it to the nearest end. Without ``execute`` nothing is written.
+
+    With ``execute`` all partitions move in one transaction, each decided from
+    its offset as stored at that moment (under the row's lock), so a shift is
+    relative to where a running worker really is; the result says what was
+    written. If the database's answer to the COMMIT is lost, the reset is looked
+    up again: landed returns as usual, not landed raises :class:`DatabaseError`
+    (running it again is safe), and unknown raises :class:`CommitInDoubtError`.
     """
-    given = [to_offset is not None, to_datetime is not None, to_earliest, to_latest, shift_by is not None]
-    if sum(given) != 1:
-        raise ConfigurationError(
-            "give exactly one of --to-offset, --to-datetime, --to-earliest, --to-latest, --shift-by"
-        )
+    request = ResetRequest(to_offset, to_datetime, to_earliest, to_latest, shift_by, clamp)
     with _connections(settings) as (store, kafka):
-        known = kafka.partitions(topic)
-        chosen = list(partitions) if partitions else known
-        unknown = sorted(set(chosen) - set(known))
-        if unknown:
-            raise ConfigurationError(f"topic {topic!r} has no partition {', '.join(map(str, unknown))}")
-        tps = [(topic, p) for p in chosen]
-        rows = store.rows(group, topic)
-        bounds = kafka.log_bounds(tps)
-        times = kafka.offsets_for_times({tp: to_datetime for tp in tps}) if to_datetime else {}
-        plan = [_plan_one(tp, rows[tp].next_offset if tp in rows else None, bounds[tp], times.get(tp), clamp,
-                          to_offset=to_offset, to_datetime=to_datetime, to_earliest=to_earliest, shift_by=shift_by)
-                for tp in tps]
-        refused = [item.note for item in plan if item.note.startswith("refused")]
-        if refused:
-            raise InvalidOffsetError(
-                "; ".join(refused) + " (nothing changed; --clamp moves targets to the nearest end)"
-            )
-        if execute:
-            why = f"kstore offsets set: {reason}" if reason else "kstore offsets set"
-            for item in plan:
-                store.reset(group, (item.topic, item.partition), item.to_offset, expected_epoch=None, reason=why)
-    return plan
+        plan, items = _plan(store, kafka, group, topic, partitions, request)
+        if not execute:
+            return items
+        return _apply(store, plan, f"kstore offsets set: {reason}" if reason else "kstore offsets set")
 
 
-def _plan_one(tp: TP, current: int | None, bounds: tuple[int, int], time_offset: int | None, clamp: bool, *,
-              to_offset: int | None, to_datetime: datetime | None, to_earliest: bool, shift_by: int | None,
-              ) -> PlannedReset:
+def _plan(store: Store, kafka: KafkaInspector, group: str, topic: str, partitions: Sequence[int] | None,
+          request: ResetRequest) -> tuple[_Plan, list[PlannedReset]]:
+    """The plan, and what it does to the offsets stored now (a refusal raises here already)."""
+    known = kafka.partitions(topic)
+    chosen = list(partitions) if partitions else known
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        raise ConfigurationError(f"topic {topic!r} has no partition {', '.join(map(str, unknown))}")
+    tps = [(topic, p) for p in chosen]
+    rows = store.rows(group, topic)
+    bounds = kafka.log_bounds(tps)
+    times = kafka.offsets_for_times({tp: request.to_datetime for tp in tps}) if request.to_datetime else {}
+    plan = _Plan(group, request, bounds, dict(times))
+    items = [plan.one(tp, rows[tp].next_offset if tp in rows else None) for tp in tps]
+    _refuse(items)
+    return plan, items
+
+
+def _apply(store: Store, plan: _Plan, reason: str) -> list[PlannedReset]:
+    def target(tp: TP, stored: int | None) -> int:
+        # Decided again from the offset stored now, under the row's lock: a worker
+        # may have moved it since the plan was made.
+        item = plan.one(tp, stored)
+        _refuse([item])  # raised inside the transaction: nothing of the reset is written
+        return item.to_offset
+
+    try:
+        moved = move(store, plan.group, list(plan.bounds), target, reason=reason)
+    except SQLAlchemyError as exc:
+        raise DatabaseError(
+            f"the reset of group {plan.group!r} did not land ({first_line(exc)}): nothing changed; "
+            "it is safe to run it again"
+        ) from None
+    # What was written: FROM as stored under the lock, TO (and its note) decided from it.
+    return [replace(plan.one((m.topic, m.partition), m.from_offset), to_offset=m.to_offset) for m in moved]
+
+
+def _refuse(plan: list[PlannedReset]) -> None:
+    refused = [item.note for item in plan if item.note.startswith("refused")]
+    if refused:
+        raise InvalidOffsetError("; ".join(refused) + " (nothing changed; --clamp moves targets to the nearest end)")
+
+
+def _plan_one(tp: TP, current: int | None, bounds: tuple[int, int], time_offset: int | None,
+              request: ResetRequest) -> PlannedReset:
     target: Target
-    if shift_by is not None:
+    if request.shift_by is not None:
         if current is None:
             return PlannedReset(*tp, current, -1, f"refused: {tp[0]}[{tp[1]}] has no stored offset to shift")
-        target = current + shift_by
-    elif to_offset is not None:
-        target = to_offset
-    elif to_datetime is not None:
-        target = to_datetime
+        target = current + request.shift_by
+    elif request.to_offset is not None:
+        target = request.to_offset
+    elif request.to_datetime is not None:
+        target = request.to_datetime
     else:
-        target = EARLIEST if to_earliest else LATEST
+        target = EARLIEST if request.to_earliest else LATEST
     offset, problem = check_target(target, bounds, time_offset)
     if offset is not None:
         return PlannedReset(*tp, current, offset)
-    if not clamp:
+    if not request.clamp:
         return PlannedReset(*tp, current, -1, f"refused: {tp[0]}[{tp[1]}]: {problem}")
     start, end = bounds
     near = start if isinstance(target, int) and target < start else end
