@@ -31,13 +31,14 @@ from sqlalchemy import (
     select,
 )
 
+from . import indoubt
 from .consumer import Record, ms_to_datetime
-from .errors import KstoreError
+from .errors import CommitInDoubtError, KstoreError
 from .migration import check_migrated
 from .processor import Message, Processor, run_handler, to_ms
 from .retry import Failure
 from .settings import Settings
-from .store import make_engine, now
+from .store import WRITES, make_engine, now
 
 log = logging.getLogger(__name__)
 
@@ -150,26 +151,39 @@ class DeadLetters:
         """Run one dead letter through ``processor``; True if its effects and its 'replayed' mark committed.
 
         False if it was already replayed. Raises what the processor raises (nothing is committed then).
+        If the COMMIT's answer is lost, the mark is read back: replayed, it landed (True); still dead,
+        the COMMIT's error is raised (it may be replayed again); unreadable, :class:`CommitInDoubtError`.
         """
         t = self.table
         key, value = processor.deserialize(letter.key, letter.value)
         msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
                       to_ms(letter.timestamp))
+        with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
+            # On SQLite, BEGIN IMMEDIATE: wait for a running worker's batch instead of failing.
+            conn.execution_options(**WRITES).begin()
+            run_handler(processor, conn, [msg])
+            marked = conn.execute(
+                t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(status=REPLAYED, replayed_at=now())
+            ).rowcount
+            if marked != 1:  # replayed meanwhile by someone else: do not apply it twice
+                return False
+            # The mark and the effects commit together, so the mark read back tells whether both landed.
+            indoubt.commit(
+                conn, lambda: self._replayed(letter.id), what=f"the replay of dead letter {letter.id}",
+                check=f"`kstore dead-letters show {letter.id}` (status replayed: it landed; dead: it did not)",
+            )
+            return True
+
+    def _replayed(self, dead_letter_id: int) -> bool:
+        """On a fresh connection: is the dead letter marked replayed? (After a replay's COMMIT answer was lost.)"""
+        t = self.table
         with self.engine.connect() as conn:
-            trans = conn.begin()
-            try:
-                run_handler(processor, conn, [msg])
-                marked = conn.execute(
-                    t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(status=REPLAYED, replayed_at=now())
-                ).rowcount
-                if marked != 1:  # replayed meanwhile by someone else: do not apply it twice
-                    trans.rollback()
-                    return False
-                trans.commit()
-                return True
-            finally:
-                if trans.is_active:
-                    trans.rollback()
+            conn.execution_options(**WRITES).begin()
+            indoubt.wait_for_locks(conn)
+            status = conn.execute(select(t.c.status).where(t.c.id == dead_letter_id).with_for_update()).scalar()
+        if status is None:
+            raise KstoreError(f"dead letter {dead_letter_id} is gone")
+        return bool(status == REPLAYED)
 
     def note_failure(self, letter: DeadLetter, exc: BaseException) -> None:
         t = self.table
@@ -211,6 +225,8 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str,
                 continue
             try:
                 (replayed if letters.replay(processor, letter) else skipped).append(letter.id)
+            except CommitInDoubtError:
+                raise  # not a failure to count: it may have landed; the operator must look first
             except Exception as exc:
                 letters.note_failure(letter, exc)
                 failed[letter.id] = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,78 @@
+"""Commits in doubt against the real PostgreSQL: a psycopg2 connection whose COMMIT's answer can be lost.
+
+``lossy_engine(settings, faults)`` is kstore's own engine (``make_engine``) whose
+connections are real psycopg2 connections of a subclass: the next COMMITs can be
+made to fail the way a cut connection fails them.
+
+- ``"lost"``: the server commits, then the connection is closed and the caller
+  gets "server closed the connection unexpectedly" (the write landed);
+- ``"refused"``: the connection is closed before the COMMIT is sent, same error
+  (the server rolls the transaction back: the write did not land).
+
+With ``down_after_fault`` every new connection fails from then on (the database
+unreachable), so reading the outcome back fails too. Imported without a package
+(``PYTHONPATH=tests``) by the CLI test's subprocess, hence no relative imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+from sqlalchemy import Engine, event
+
+from kstore import Settings
+from kstore.store import make_engine
+
+CUT = "server closed the connection unexpectedly"
+
+
+@dataclass
+class Faults:
+    """What the next COMMITs of a lossy engine do ("lost" or "refused"), in order; then they behave."""
+
+    commits: list[str] = field(default_factory=list)
+    down_after_fault: bool = False
+    down: bool = False
+    #: How many connections were refused while down (so a test can tell the read back was tried).
+    refused_connections: int = 0
+
+
+def lossy_engine(settings: Settings, faults: Faults) -> Engine:
+    engine = make_engine(settings)
+    classes: dict[type[Any], type[Any]] = {}
+
+    @event.listens_for(engine, "do_connect")
+    def _lossy(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        # On top of the connection class kstore itself uses (if any), so the rest behaves as in production.
+        base = cparams.get("connection_factory") or psycopg2.extensions.connection
+        if base not in classes:
+            classes[base] = _connection_class(faults, base)
+        cparams["connection_factory"] = classes[base]
+
+    return engine
+
+
+def _connection_class(faults: Faults, base: type[Any]) -> type[Any]:
+    class LossyConnection(base):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if faults.down:
+                faults.refused_connections += 1
+                raise psycopg2.OperationalError('connection to server at "127.0.0.1" failed: Connection refused')
+            super().__init__(*args, **kwargs)
+
+        def commit(self) -> None:
+            fault = faults.commits.pop(0) if faults.commits else None
+            if fault is None:
+                super().commit()
+                return
+            assert fault in ("lost", "refused"), fault
+            if fault == "lost":
+                super().commit()
+            self.close()  # the connection is gone, as after a cut: the server ends the session
+            faults.down = faults.down_after_fault
+            raise psycopg2.OperationalError(CUT)
+
+    return LossyConnection
