@@ -15,16 +15,16 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import deadletters
 from .consumer import TP, KafkaSource, Record
-from .errors import ProcessorError
+from .errors import BrokerError, ProcessorError
 from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
 from .settings import Settings
-from .store import Store
+from .store import WRITES, Position, Row, Store, first_line, transient
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,28 @@ class _Batch:
     records: list[Record]
     #: Queue generation per partition when taken: a partition flushed since keeps its new position.
     generations: dict[TP, int]
-    #: Epoch per partition when taken: the commit is fenced if it moved.
-    epochs: dict[TP, int]
-    #: (next offset, epoch) per partition, for the commit.
-    positions: dict[TP, tuple[int, int]]
+    #: Per partition: (stored offset, offset after the batch, epoch) when taken. The commit
+    #: matches the first and the last (compare-and-set), so it is fenced if either moved.
+    positions: dict[TP, Position]
+
+
+@dataclasses.dataclass(frozen=True)
+class _InDoubt:
+    """A transaction whose COMMIT raised: it may have landed or not, and is settled by reading back."""
+
+    taken: _Batch
+    #: The messages as the processor saw them (for on_committed), empty for a dead letter.
+    msgs: Sequence[Message]
+    #: The COMMIT's own error (the reason to retry, should it not have landed).
+    cause: Exception
+    what: str
+
+
+class _CommitInDoubt(Exception):
+    """The COMMIT itself raised: the server may or may not have committed."""
+
+    #: The batch's messages as the processor saw them, set by :meth:`Batches._transact`.
+    msgs: Sequence[Message] = ()
 
 
 #: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
@@ -62,7 +80,6 @@ class Batches:
         ledger: Ledger,
         db_backoff: Backoff,
         recheck: Callable[[list[TP]], None],
-        revoked: Callable[[list[TP], str], None],
     ) -> None:
         self.processor = processor
         self.settings = settings
@@ -70,7 +87,7 @@ class Batches:
         self.store, self.source, self.ledger = store, source, ledger
         #: Shared with the worker's claims and checks: one database, one backoff.
         self.db_backoff = db_backoff
-        self._recheck, self._revoked = recheck, revoked
+        self._recheck = recheck
         policy = processor.retry
         if settings.max_attempts is not None:
             policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
@@ -84,6 +101,8 @@ class Batches:
         self.busy = False
         #: The connection batches run on, held from one batch to the next (see _batch_connection).
         self._batch_conn: Connection | None = None
+        #: A commit whose outcome is unknown: nothing else is processed until it is settled.
+        self.in_doubt: _InDoubt | None = None
 
     def ready(self) -> bool:
         """False while a failed message or the database waits for its next attempt."""
@@ -93,7 +112,9 @@ class Batches:
         self._drop_batch_connection()
 
     def process_next(self) -> bool:
-        """Take one batch and process it; True if a batch committed."""
+        """Settle a commit in doubt, or take one batch and process it; True if a batch committed."""
+        if self.in_doubt is not None:
+            return self._resolve()
         if not self.ready():
             return False  # a failed message or the database waits for its next attempt; fetching goes on
         size = self.failures.batch_size(self.settings.max_batch_size)
@@ -103,22 +124,17 @@ class Batches:
         if taken is None:
             return False
         try:
-            fenced, msgs = self._transact(taken.records, taken.positions)
-        except _HandlerFailed as exc:
-            cause = exc.__cause__ or exc
-            if isinstance(cause, OperationalError):
-                self.db_backoff.failed("process a batch", cause)
-            elif self._handler_failed(taken.records, cause, taken.epochs):
-                return False  # settled: dead-lettered
-            self._requeue(taken)
-            return False
-        except SQLAlchemyError as exc:
-            self._requeue(taken)
-            self.db_backoff.failed("commit a batch", exc)
+            fenced, msgs = self._transact(taken)
+        except _CommitInDoubt as exc:
+            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch")
+            return self._resolve()
+        except (_HandlerFailed, SQLAlchemyError) as exc:
+            if not self._failed(taken, _cause(exc), "process a batch"):
+                self._requeue(taken)
             return False
         self.db_backoff.succeeded()
         if fenced:
-            self._on_fenced(fenced, taken.epochs)
+            self._on_fenced(fenced, taken.positions)
             self._requeue(taken)
             return False
         self._committed(taken)
@@ -126,17 +142,16 @@ class Batches:
         return True
 
     def _take(self, size: int) -> _Batch | None:
-        """The next batch, with what it needs to commit (epochs) or to be put back (generations)."""
+        """The next batch, with what it needs to commit (positions) or to be put back (generations)."""
         source, ledger = self.source, self.ledger
         with source.lock:
             self.failures.retain(ledger.owned)
-            records, ends = source.take_batch(size)
+            records, ends = source.take_batch(size, self.failures.focus(source.has_records))
             if not records:
                 return None
             generations = {tp: source.generation(tp) or 0 for tp in ends}
-            epochs = ledger.epochs(ends)
-        positions = {tp: (end, epochs[tp]) for tp, end in ends.items()}
-        return _Batch(records, generations, epochs, positions)
+            positions = ledger.positions(ends)
+        return _Batch(records, generations, positions)
 
     def _requeue(self, taken: _Batch) -> None:
         """Messages of a batch that did not commit go back in front of their queues."""
@@ -148,18 +163,69 @@ class Batches:
             self.failures.done([(r.topic, r.partition, r.offset) for r in taken.records])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("committed %d messages: %s", len(taken.records), ", ".join(
-                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (nxt, epoch) in sorted(taken.positions.items())))
+                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (_, nxt, epoch) in sorted(taken.positions.items())))
 
     def _notify_committed(self, msgs: Sequence[Message]) -> None:
+        if not msgs:
+            return
         try:
             self.processor.on_committed(msgs)
         except Exception as exc:  # the batch is committed: nothing to retry or roll back
             log.error("%s.on_committed failed (the batch stays committed): %s: %s",
                       type(self.processor).__name__, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
 
-    def _handler_failed(self, batch: Sequence[Record], cause: BaseException, epochs: Mapping[TP, int]) -> bool:
-        """Decide what a processor failure means; True if the batch is settled (dead-lettered)."""
-        failures = self.failures
+    # -- commits in doubt -------------------------------------------------------
+
+    def _resolve(self) -> bool:
+        """Settle the commit in doubt by reading its rows back on a fresh connection; True if it landed.
+
+        Landed (the rows hold the batch's end under our epoch): the batch is committed,
+        whatever the error said. Not landed (the rows still hold its start): it is
+        put back and retried. Rows whose epoch moved meanwhile are another owner's or an
+        operator's now: handled as fenced, their records dropped. If the database cannot
+        be read, nothing else happens until it can: the worker never guesses.
+        """
+        doubt = self.in_doubt
+        assert doubt is not None
+        if not self.db_backoff.ready():
+            return False
+        positions = doubt.taken.positions
+        try:
+            rows = self.store.rows(self.group, partitions=list(positions))
+        except SQLAlchemyError as exc:
+            self.db_backoff.failed(f"learn whether the commit of {doubt.what} landed (its answer was lost)", exc)
+            return False
+        self.in_doubt = None
+        self.db_backoff.succeeded()
+        landed, moved = _outcome(positions, rows)
+        if moved:
+            self._on_fenced(moved, positions)
+        if landed:
+            log.warning("the COMMIT of %s (%s) lost its answer (%s) but landed: not processing it again",
+                        doubt.what, _describe(positions), first_line(doubt.cause))
+            self._committed(doubt.taken)
+            self._notify_committed(doubt.msgs)
+            return True
+        log.warning("the COMMIT of %s (%s) lost its answer (%s) and did not land: processing it again",
+                    doubt.what, _describe(positions), first_line(doubt.cause))
+        if not self._failed(doubt.taken, doubt.cause, f"commit {doubt.what}"):
+            self._requeue(doubt.taken)
+        return False
+
+    # -- failures ---------------------------------------------------------------
+
+    def _failed(self, taken: _Batch, cause: BaseException, what: str) -> bool:
+        """A batch did not commit. The database being away is retried as it is, after a
+        backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
+        True if the batch is settled (dead-lettered, or in doubt): do not requeue it."""
+        if transient(cause):
+            self.db_backoff.failed(what, cause)
+            return False
+        return self._handler_failed(taken, cause)
+
+    def _handler_failed(self, taken: _Batch, cause: BaseException) -> bool:
+        """Decide what a processor failure means; True if the batch is settled (dead-lettered or in doubt)."""
+        failures, batch = self.failures, taken.records
         if len(batch) > 1:
             log.warning("a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
                         len(batch), type(cause).__name__, cause)
@@ -177,30 +243,31 @@ class Batches:
                 f"processor {type(self.processor).__name__} failed on {where} after {failure.attempts} attempt(s): "
                 f"{failure.error}; its offset was not committed (on_error=stop)"
             ) from cause
-        return self._dead_letter(record, failure, epochs)
+        return self._dead_letter(taken, failure)
 
-    def _dead_letter(self, record: Record, failure: Failure, epochs: Mapping[TP, int]) -> bool:
+    def _dead_letter(self, taken: _Batch, failure: Failure) -> bool:
         """Write the message to the dead letters in the same transaction that moves its offset past it."""
-        tp = (record.topic, record.partition)
-        positions = {tp: (record.offset + 1, epochs[tp])}
+        record = taken.records[0]
         try:
             fenced = self._commit_with(
-                positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
+                taken.positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
+        except _CommitInDoubt as exc:
+            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter")
+            return True
         except SQLAlchemyError as exc:
             self.db_backoff.failed("write a dead letter", exc)
             return False
         if fenced:
-            self._on_fenced(fenced, epochs)
+            self._on_fenced(fenced, taken.positions)
             return False
-        self.ledger.committed(positions)
-        self.failures.done([(record.topic, record.partition, record.offset)])
+        self._committed(taken)
         log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
                     record.offset, failure.attempts, failure.error)
         return True
 
-    def _transact(
-        self, batch: Sequence[Record], positions: Mapping[TP, tuple[int, int]]
-    ) -> tuple[set[TP], Sequence[Message]]:
+    # -- the transaction ----------------------------------------------------------
+
+    def _transact(self, taken: _Batch) -> tuple[set[TP], Sequence[Message]]:
         """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`.
 
         Returns the fenced partitions and the messages as the processor saw them.
@@ -210,39 +277,53 @@ class Batches:
         def handle(conn: Connection) -> None:
             nonlocal msgs
             try:
-                msgs = self._messages(batch)
+                msgs = self._messages(taken.records)
                 run_handler(self.processor, conn, msgs)
             except Exception as exc:
                 raise _HandlerFailed(str(exc)) from exc
 
         self.busy = True
         try:
-            return self._commit_with(positions, handle), msgs
+            try:
+                return self._commit_with(taken.positions, handle), msgs
+            except _CommitInDoubt as exc:
+                exc.msgs = msgs
+                raise
         finally:
             self.busy = False
 
-    def _commit_with(self, positions: Mapping[TP, tuple[int, int]], write: Callable[[Connection], None]) -> set[TP]:
-        """One transaction: ``write(conn)``, then ``next_offset`` for each partition ``WHERE epoch = ours``.
+    def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
+        """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.
 
-        Returns the fenced partitions (the transaction was rolled back) or an empty set (committed).
+        Returns the fenced partitions (the transaction was rolled back) or an empty set
+        (committed). Raises what ``write`` or the database raised before COMMIT (nothing
+        landed), or :class:`_CommitInDoubt` if the COMMIT itself raised (it may have).
         """
-        store = self.store
         conn = self._batch_connection()
-        trans = conn.begin()
         try:
+            trans = conn.begin()
             write(conn)
             # Last statement before COMMIT: the row locks are held as briefly as possible.
-            fenced = store.commit_offsets(conn, self.group, positions)
+            fenced = self.store.commit_offsets(conn, self.group, positions)
             if fenced:
                 trans.rollback()
                 return fenced
-            trans.commit()
-            return set()
         except BaseException:
             # Whatever failed (the processor, the database, a signal), start the next
             # batch on a fresh connection: this one may be broken or mid-transaction.
             self._drop_batch_connection()
             raise
+        try:
+            trans.commit()
+        except Exception as exc:
+            # The COMMIT was sent, or may have been: the server may have committed and
+            # its answer been lost. Never assume either way (see _resolve).
+            self._drop_batch_connection()
+            raise _CommitInDoubt(str(exc)) from exc
+        except BaseException:
+            self._drop_batch_connection()
+            raise
+        return set()
 
     def _batch_connection(self) -> Connection:
         """The connection batches run on, checked out once and kept.
@@ -251,9 +332,16 @@ class Batches:
         and, worse, a reset (ROLLBACK) that releases the GIL: under a busy fetch
         thread, getting it back can take a whole switch interval (5 ms) per batch.
         """
-        if self._batch_conn is None:
-            self._batch_conn = self.store.engine.connect()
-        return self._batch_conn
+        conn = self._batch_conn
+        if conn is not None and conn.in_transaction():
+            # Something began a transaction outside a batch (it must not have: the
+            # processor's session is closed between batches); never build on it.
+            log.error("the batch connection was left inside a transaction outside a batch: replacing it")
+            self._drop_batch_connection()
+            conn = None
+        if conn is None:
+            conn = self._batch_conn = self.store.engine.connect().execution_options(**WRITES)
+        return conn
 
     def _drop_batch_connection(self) -> None:
         conn, self._batch_conn = self._batch_conn, None
@@ -274,18 +362,44 @@ class Batches:
             messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, r.timestamp)))
         return messages
 
-    def _on_fenced(self, fenced: set[TP], epochs: Mapping[TP, int]) -> None:
-        """Some rows no longer carry our epoch; the transaction was rolled back.
+    def _on_fenced(self, fenced: set[TP], positions: Mapping[TP, Position]) -> None:
+        """Some rows no longer carry our epoch (or our offset); the transaction was rolled back.
 
         A partition this worker reset itself meanwhile is still ours (the reset
         already flushed and sought it). For the others, the row says whether an
         operator moved it (adopt the new position) or another worker claimed it
-        (drop it); the rest of the batch is retried under the same epochs.
+        (drop it); the rest of the batch is retried under the same epochs. If the
+        row cannot be read now, the partition stays as it is: its next commit is
+        fenced again, and the periodic epoch check retries.
         """
-        lost = self.ledger.still_ours(fenced, epochs)
+        lost = self.ledger.still_ours(fenced, positions)
         if lost:
-            log.warning("fenced on %s: their epoch moved; rolled back", fmt(lost))
+            log.warning("fenced on %s: their epoch or offset moved; rolled back", fmt(lost))
             try:
                 self._recheck(lost)
-            except SQLAlchemyError:
-                self._revoked(self.ledger.drop(lost, pause=True), "fenced")
+            except (SQLAlchemyError, BrokerError) as exc:
+                self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
+
+
+def _cause(exc: BaseException) -> Exception:
+    """The error behind kstore's wrappers (the processor's, or the database's)."""
+    cause = exc.__cause__ if isinstance(exc, (_HandlerFailed, _CommitInDoubt)) else exc
+    return cause if isinstance(cause, Exception) else exc  # type: ignore[return-value]
+
+
+def _outcome(positions: Mapping[TP, Position], rows: Mapping[TP, Row]) -> tuple[bool, set[TP]]:
+    """Whether a transaction that moved ``positions`` landed, from its rows read back; and
+    the partitions whose rows moved on since (another epoch, or an offset that is neither
+    the batch's start nor its end): those tell nothing about it and are fenced now."""
+    landed, moved = False, set()
+    for tp, (start, end, epoch) in positions.items():
+        row = rows.get(tp)
+        if row is not None and row.epoch == epoch and row.next_offset == end:
+            landed = True
+        elif row is None or row.epoch != epoch or row.next_offset != start:
+            moved.add(tp)
+    return landed, moved
+
+
+def _describe(positions: Mapping[TP, Position]) -> str:
+    return ", ".join(f"{t}[{p}] {start}..{end - 1}" for (t, p), (start, end, _) in sorted(positions.items()))

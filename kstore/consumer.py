@@ -9,10 +9,32 @@ while the polling thread waits inside ``poll()``. They must not block, and must
 not take :attr:`KafkaSource.lock` (the polling thread may hold it: deadlock).
 So the listener only pauses the partitions and records what happened; the
 worker's fetch thread acts on those events after ``poll()`` returns.
+
+Invariants (the worker and the ledger rely on them):
+
+- **Owned <=> queued.** A partition has a :class:`_Queue` exactly while the ledger
+  delivers it (``Ledger.owned``); :meth:`KafkaSource.own` creates it, :meth:`disown`
+  removes it. Records of a partition without a queue are dropped on arrival.
+- **Generations are unique per worker.** Every flush (own, reset, disown) gives the
+  queue a new generation from one counter that only grows. A batch remembers the
+  generation of each partition when taken; putting it back (:meth:`requeue`) only
+  happens for a partition whose generation is unchanged, so records fetched before
+  a flush can never reach a queue made after it, even a new queue for the same
+  partition.
+- **Which thread calls what.** The fetch thread calls :meth:`poll` and applies
+  rebalance events; the main thread takes batches, requeues them, owns and
+  disowns partitions. Both do so under :attr:`lock`. The lock is held across the
+  local consumer calls (seek, pause, resume), never across network I/O: poll()
+  and the brokers' answers (log bounds) run without it.
+- kafka-python 3 raises when ``seek``/``pause``/``resume`` name a partition that
+  is no longer assigned (Kafka may revoke it on the IO thread at any moment, before
+  the event reaches the worker): those calls go through :meth:`_seek`,
+  :meth:`_pause`, :meth:`_resume`, which skip such partitions (the revoke event follows).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import threading
@@ -86,7 +108,8 @@ class _Queue:
     records: deque[Any] = field(default_factory=deque)
     #: Offset the next fetched record must have at least; anything below is stale.
     next_fetch: int = 0
-    #: Bumped on every flush: records fetched under an older generation are dropped.
+    #: A new value from the source's counter on every flush (never reused, even by a
+    #: new queue of the same partition): a batch taken under another generation is stale.
     generation: int = 0
 
 
@@ -123,6 +146,7 @@ class KafkaSource:
         #: Notified (under :attr:`lock`) when records were queued or the group changed.
         self.changed = threading.Condition(self.lock)
         self._queues: dict[TP, _Queue] = {}
+        self._generations = itertools.count(1)
         self._queued_records = 0
         self._queued_bytes = 0
         #: Fetching is paused for every owned partition while the queues hold too much.
@@ -208,7 +232,7 @@ class KafkaSource:
                     # Flushed and sought while poll() ran. These records may come from
                     # before or after that seek, but kafka-python's position moved past
                     # them either way: seek again, or records after the seek are lost.
-                    self.consumer.seek(ktp, q.next_fetch)
+                    self._seek(tp, q.next_fetch)
                     continue
                 queued += self._enqueue(q, krecords)
             if queued:
@@ -237,10 +261,10 @@ class KafkaSource:
         limit = self.settings.max_buffered_bytes
         if not self._throttled and self._queued_bytes >= limit:
             self._throttled = True
-            self.consumer.pause(*[TopicPartition(*tp) for tp in self._queues])
+            self._pause(self._queues)
         elif self._throttled and self._queued_bytes <= limit // 2:
             self._throttled = False
-            self.consumer.resume(*[TopicPartition(*tp) for tp in self._queues])
+            self._resume(self._queues)
 
     def room(self, limit: int, timeout_s: float) -> int:
         """How many records may be queued before ``limit`` is reached; waits up to
@@ -258,10 +282,14 @@ class KafkaSource:
         with self.lock:
             self.changed.notify_all()
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait until records are queued or :meth:`wake` is called, at most ``timeout_s``."""
+    def wait(self, timeout_s: float, *, unless_queued: bool = True) -> None:
+        """Wait until records are queued or :meth:`wake` is called, at most ``timeout_s``.
+
+        ``unless_queued=False`` waits even while records are queued: a worker that
+        may not process them yet (a retry's backoff) must sleep, not spin.
+        """
         with self.lock:
-            if not self._queued_records:
+            if not (unless_queued and self._queued_records):
                 self.changed.wait(timeout_s)
 
     def wait_for(self, count: int, timeout_s: float) -> None:
@@ -274,13 +302,13 @@ class KafkaSource:
                     return
                 self.changed.wait(remaining)
 
-    def take_batch(self, max_records: int) -> tuple[list[Record], dict[TP, int]]:
-        """Up to ``max_records`` queued records, taken round-robin across partitions,
-        and the offset after the last record taken of each partition."""
+    def take_batch(self, max_records: int, only: TP | None = None) -> tuple[list[Record], dict[TP, int]]:
+        """Up to ``max_records`` queued records, taken round-robin across partitions (or of
+        partition ``only``), and the offset after the last record taken of each partition."""
         batch: list[Record] = []
         ends: dict[TP, int] = {}
         with self.lock:
-            queues = [(tp, q.records) for tp, q in self._queues.items() if q.records]
+            queues = [(tp, q.records) for tp, q in self._queues.items() if q.records and only in (None, tp)]
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
                 for tp, records in queues:
@@ -297,6 +325,10 @@ class KafkaSource:
                     self._throttle()
                 self.changed.notify_all()  # room for the fetcher
         return batch, ends
+
+    def has_records(self, tp: TP) -> bool:
+        q = self._queues.get(tp)
+        return q is not None and bool(q.records)
 
     def generation(self, tp: TP) -> int | None:
         q = self._queues.get(tp)
@@ -325,16 +357,39 @@ class KafkaSource:
         q = self._queues.setdefault(tp, _Queue())
         self._flush(q)
         q.next_fetch = offset
-        ktp = TopicPartition(*tp)
-        self.consumer.seek(ktp, offset)
+        self._seek(tp, offset)
         if not self._throttled:
-            self.consumer.resume(ktp)
+            self._resume([tp])
 
     def _flush(self, q: _Queue) -> None:
         self._queued_records -= len(q.records)
         self._queued_bytes -= records_size(q.records)
         q.records.clear()
-        q.generation += 1
+        q.generation = next(self._generations)
+
+    # kafka-python 3 raises ValueError (seek) or KeyError (pause, resume) for a partition
+    # that is not assigned. Kafka can take one away on its IO thread at any moment, and
+    # the worker hears of it at the next event: until then, skip it.
+
+    def _seek(self, tp: TP, offset: int) -> None:
+        try:
+            self.consumer.seek(TopicPartition(*tp), offset)
+        except (ValueError, KeyError):
+            log.debug("%s[%d] is no longer assigned: not seeking it", *tp)
+
+    def _pause(self, tps: Iterable[TP]) -> None:
+        for tp in tps:
+            try:
+                self.consumer.pause(TopicPartition(*tp))
+            except (ValueError, KeyError):
+                log.debug("%s[%d] is no longer assigned: not pausing it", *tp)
+
+    def _resume(self, tps: Iterable[TP]) -> None:
+        for tp in tps:
+            try:
+                self.consumer.resume(TopicPartition(*tp))
+            except (ValueError, KeyError):
+                log.debug("%s[%d] is no longer assigned: not resuming it", *tp)
 
     def disown(self, tps: Iterable[TP], pause: bool = False) -> None:
         """Stop delivering ``tps`` and flush their queues (revoked, lost or fenced)."""
@@ -343,19 +398,28 @@ class KafkaSource:
                 q = self._queues.pop(tp, None)
                 if q is not None:
                     self._flush(q)
-                if pause and tp in self.assignment():
-                    self.consumer.pause(TopicPartition(*tp))
+                if pause:
+                    self._pause([tp])
 
     def assignment(self) -> set[TP]:
         return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
 
     def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
-        """``(log start, log end)`` offsets of each partition, asked of the brokers."""
-        return log_bounds(self.consumer, tps)
+        """``(log start, log end)`` offsets of each partition, asked of the brokers.
+
+        Raises :class:`BrokerError` if the brokers do not answer (the caller retries later).
+        """
+        try:
+            return log_bounds(self.consumer, tps)
+        except KafkaError as exc:
+            raise BrokerError(f"cannot read the log bounds of {len(tps)} partition(s): {exc}") from exc
 
     def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
         """The first offset at or after each time, or None when no record is that recent."""
-        return offsets_for_times(self.consumer, targets)
+        try:
+            return offsets_for_times(self.consumer, targets)
+        except KafkaError as exc:
+            raise BrokerError(f"cannot look up offsets by time: {exc}") from exc
 
     def close(self) -> None:
         """Leave the group without committing anything to Kafka."""

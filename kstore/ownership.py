@@ -15,10 +15,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy import Connection
+
 from .consumer import TP, KafkaSource
-from .errors import InvalidOffsetError, KstoreError
+from .errors import FencedError, InvalidOffsetError, KstoreError
 from .settings import Settings, parse_start_policy
-from .store import Row, Store, first_line
+from .store import Claim, Position, Row, Store, first_line
 from .targets import Target, check_target, policy_offset
 
 log = logging.getLogger("kstore.worker")
@@ -30,6 +32,21 @@ class Owned:
 
     epoch: int
     committed: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a claimed (or reset) partition starts, decided before it is placed."""
+
+    epoch: int
+    #: The offset stored in the row (None: never stored).
+    stored: int | None
+    #: Where delivery starts; None: held (stored offset past the log end).
+    offset: int | None
+    #: Why it does not start at the stored offset (for the history and the log).
+    why: str | None = None
+    #: Messages skipped because retention deleted them, said loudly.
+    lost: str | None = None
 
 
 def fmt(tps: Iterable[TP]) -> str:
@@ -60,8 +77,10 @@ class Ledger:
     def claim_pending(self) -> list[TP]:
         """Claim the pending partitions still assigned and place each one; returns them.
 
-        Raises SQLAlchemyError if the database fails: the partitions then stay
-        paused and pending, and kstore never falls back to Kafka's own offsets.
+        Raises SQLAlchemyError (database) or KafkaError (log bounds) on failure: the
+        partitions then stay paused and pending, and kstore never falls back to
+        Kafka's own offsets. Nothing is placed before the claim's transaction has
+        committed, so no record is delivered under a claim that may not have landed.
         """
         assigned = self.source.assignment()
         with self.source.lock:
@@ -69,51 +88,69 @@ class Ledger:
             tps = sorted(self.pending)
         if not tps:
             return []
-        claims = self.store.claim(self.group, tps, self.worker_id)
+        # Asked of the brokers before the claim, so the claim's transaction (and its
+        # row locks) never waits on Kafka.
         bounds = self.source.log_bounds(tps)
+        times = self._policy_times(tps)
+        with self.store.claiming(self.group, tps, self.worker_id) as (conn, claims):
+            plans = {tp: self._plan(tp, claims[tp], bounds[tp], times.get(tp)) for tp in tps}
+            for tp, plan in plans.items():
+                self._persist(conn, tp, plan)
         with self.source.lock:
             # Revoked while the claim ran: the fetcher thread already dropped it from pending.
             tps = [tp for tp in tps if tp in self.pending]
             for tp in tps:
-                self._place(tp, claims[tp].epoch, claims[tp].next_offset, bounds[tp])
+                self._apply(tp, plans[tp])
             self.pending.difference_update(tps)
         return tps
 
-    def _place(self, tp: TP, epoch: int, stored: int | None, bounds: tuple[int, int]) -> None:
-        """Start delivering ``tp`` from its stored offset, or the start policy, or hold it. Lock held."""
+    def _plan(self, tp: TP, claim: Claim, bounds: tuple[int, int], policy_found: int | None) -> _Plan:
+        """Where a claimed partition starts: its stored offset, the start policy, or nowhere (held)."""
         start, end = bounds
+        stored, epoch = claim.next_offset, claim.epoch
+        if stored is not None and start <= stored <= end:
+            return _Plan(epoch, stored, stored)
         if stored is not None and stored > end:
-            self._hold(tp, epoch, stored, end)
-            return
-        offset = stored
-        if stored is None or stored < start:
-            why = "no stored offset" if stored is None else (
-                f"stored offset {stored} is below the log start {start} (deleted by retention?)")
-            offset = self._policy_offset(tp, bounds)
-            if stored is not None:
-                log.warning("%s[%d]: %s; MESSAGES %d..%d WERE NEVER PROCESSED; starting at %d (start_from=%s)",
-                            tp[0], tp[1], why, stored, start - 1, offset, self.settings.start_from)
-            # Persist where we start, so a restart before the first commit resumes
-            # here (a "latest" resolved again later would skip records).
-            epoch = self.store.reset(self.group, tp, offset, expected_epoch=epoch,
-                                     reason=f"{why}: start_from={self.settings.start_from}")
-        assert offset is not None
-        self.held.pop(tp, None)
-        self.owned[tp] = Owned(epoch, offset)
-        self.source.own(tp, offset)
-
-    def _hold(self, tp: TP, epoch: int, stored: int, end: int) -> None:
-        """A stored offset past the log end means the topic was recreated (or the row is wrong):
-        consuming from anywhere would be a guess, so wait for an operator's reset."""
-        if self.held.get(tp) != epoch:
             why = (f"stored offset {stored} is past the log end {end} (topic recreated?): partition held, "
                    f"nothing consumed until `kstore offsets set --group {self.group} --topic {tp[0]} "
                    f"--partition {tp[1]} ... --execute`")
-            log.error("%s[%d]: %s", tp[0], tp[1], why)
-            self.store.note(self.group, tp, stored, epoch, why)
-        self.held[tp] = epoch
-        self.owned.pop(tp, None)
-        self.source.disown([tp], pause=True)
+            return _Plan(epoch, stored, None, why)
+        offset = policy_offset(self.policy, bounds, policy_found)
+        if stored is None:
+            return _Plan(epoch, stored, offset, f"no stored offset: start_from={self.settings.start_from}")
+        return _Plan(epoch, stored, offset,
+                     f"stored offset {stored} is below the log start {start} (deleted by retention?): "
+                     f"start_from={self.settings.start_from}",
+                     lost=f"MESSAGES {stored}..{start - 1} WERE NEVER PROCESSED")
+
+    def _persist(self, conn: Connection, tp: TP, plan: _Plan) -> None:
+        """Inside the claim: store a start that is not the stored offset (so a restart before
+        the first commit resumes there, not at a "latest" resolved again later), or note a hold."""
+        if plan.offset is None:
+            self.store._record(conn, self.group, tp, plan.stored, plan.stored, plan.epoch, plan.why or "held")
+        elif plan.offset != plan.stored:
+            self.store.start_at(conn, self.group, tp, plan.offset, plan.epoch, plan.why or "", plan.stored)
+
+    def _apply(self, tp: TP, plan: _Plan) -> None:
+        """Deliver ``tp`` from the plan's offset, or hold it. Lock held; the plan is stored."""
+        if plan.offset is None:
+            assert plan.stored is not None
+            log.error("%s[%d]: %s", tp[0], tp[1], plan.why)
+            self.held[tp] = plan.epoch
+            self.owned.pop(tp, None)
+            self.source.disown([tp], pause=True)
+            return
+        if plan.lost:
+            log.warning("%s[%d]: %s; %s; starting at %d", tp[0], tp[1], plan.why, plan.lost, plan.offset)
+        self.held.pop(tp, None)
+        self.owned[tp] = Owned(plan.epoch, plan.offset)
+        self.source.own(tp, plan.offset)
+
+    def _policy_times(self, tps: list[TP]) -> dict[TP, int | None]:
+        """For a ``start_from`` time: the first offset at or after it, per partition."""
+        if not isinstance(self.policy, datetime):
+            return {}
+        return self.source.offsets_for_times({tp: self.policy for tp in tps})
 
     def _policy_offset(self, tp: TP, bounds: tuple[int, int]) -> int:
         found = self.source.offsets_for_times({tp: self.policy}) if isinstance(self.policy, datetime) else {}
@@ -147,25 +184,49 @@ class Ledger:
 
         Returns ``(adopted, dropped)``. An admin reset keeps the row's owner,
         a claim by another worker replaces it: that is how the two are told apart.
+        The rows and the log bounds are read without the lock; what is done with
+        them is decided under it, for partitions this worker still delivers then
+        (a revoke may have come in between: such a partition is not placed again).
         """
-        rows = self.store.rows(self.group, partitions=list(tps))
+        tps = list(tps)
+        rows = self.store.rows(self.group, partitions=tps)
         mine = {tp: row for tp, row in rows.items() if row.owner == self.worker_id}
-        others = [tp for tp in tps if tp not in mine]
-        self.fenced_at.update({tp: time.monotonic() for tp in others})
-        if mine:
-            bounds = self.source.log_bounds(list(mine))
-            with self.source.lock:
-                for tp, row in mine.items():
-                    self._adopt(tp, row, bounds[tp])
-        return list(mine), self.drop(others, pause=True)
+        bounds = self.source.log_bounds(list(mine)) if mine else {}
+        adopted: list[TP] = []
+        with self.source.lock:
+            others = [tp for tp in tps if tp not in mine and (tp in self.owned or tp in self.held)]
+            self.fenced_at.update({tp: time.monotonic() for tp in others})
+            for tp, row in mine.items():
+                if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp]):
+                    adopted.append(tp)
+            dropped = self.drop(others, pause=True)
+        return adopted, dropped
 
-    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int]) -> None:
+    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int]) -> bool:
+        """Follow the stored row of a partition this worker still owns. Lock held."""
         current = self.owned.get(tp)
+        if current is not None and current.epoch == row.epoch and current.committed == row.next_offset:
+            return False  # adopted already (by the periodic check or a fence in between)
         if current is not None and current.epoch == row.epoch:
-            return  # adopted already (by the periodic check or a fence in between)
-        log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
-                 row.next_offset, row.epoch)
-        self._place(tp, row.epoch, row.next_offset, bounds)
+            # Same epoch, another offset: only a commit this worker misjudged could do
+            # that. The stored row is the truth: deliver from there.
+            log.error("%s[%d]: stored offset %s differs from this worker's %d under the same epoch %d: "
+                      "following the stored offset", tp[0], tp[1], row.next_offset, current.committed, row.epoch)
+        else:
+            log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
+                     row.next_offset, row.epoch)
+        plan = self._plan(tp, Claim(row.next_offset, row.epoch), bounds, None)
+        if plan.offset is not None and plan.offset != plan.stored:
+            # Reset below the log start (or to nothing): store where we start, under the row's epoch.
+            try:
+                plan = _Plan(self.store.reset(self.group, tp, plan.offset, expected_epoch=row.epoch,
+                                              reason=plan.why or ""), plan.stored, plan.offset, plan.why, plan.lost)
+            except FencedError:
+                self.fenced_at[tp] = time.monotonic()
+                self.drop([tp], pause=True)
+                return False
+        self._apply(tp, plan)
+        return True
 
     def reclaim_orphans(self) -> list[TP]:
         """Partitions fenced a session timeout ago that Kafka still assigns here go back to pending.
@@ -231,21 +292,29 @@ class Ledger:
 
     # -- for the batch loop -------------------------------------------------------
 
-    def epochs(self, tps: Iterable[TP]) -> dict[TP, int]:
-        return {tp: self.owned[tp].epoch for tp in tps}
+    def positions(self, ends: Mapping[TP, int]) -> dict[TP, Position]:
+        """What a batch ending at ``ends`` commits: ``(stored offset, new offset, epoch)`` per partition.
 
-    def committed(self, positions: Mapping[TP, tuple[int, int]]) -> None:
-        """Note committed positions, for partitions still held at the batch's epoch."""
+        Caller holds the lock (the batch is taken under it). The stored offset is the
+        compare-and-set's expectation: the commit matches only if the row still has it.
+        """
+        owned = self.owned
+        return {tp: (owned[tp].committed, end, owned[tp].epoch) for tp, end in ends.items()}
+
+    def committed(self, positions: Mapping[TP, Position]) -> None:
+        """Note committed positions, for partitions still held at the batch's epoch and position."""
         with self.source.lock:
-            for tp, (nxt, epoch) in positions.items():
+            for tp, (start, nxt, epoch) in positions.items():
                 owned = self.owned.get(tp)
-                if owned is not None and owned.epoch == epoch:
+                if owned is not None and owned.epoch == epoch and owned.committed == start:
                     owned.committed = nxt
 
-    def still_ours(self, tps: Iterable[TP], epochs: Mapping[TP, int]) -> list[TP]:
+    def still_ours(self, tps: Iterable[TP], positions: Mapping[TP, Position]) -> list[TP]:
         """Of fenced partitions, those this worker has not itself moved since the batch began."""
         with self.source.lock:
-            return [tp for tp in tps if tp in self.owned and self.owned[tp].epoch == epochs[tp]]
+            owned = self.owned
+            return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp][2]
+                    and owned[tp].committed == positions[tp][0]]
 
     def offsets(self) -> dict[TP, int]:
         with self.source.lock:

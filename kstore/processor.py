@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, cast
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+from .errors import KstoreError
 from .retry import RetryPolicy
 from .session import batch_session
 
@@ -59,6 +60,19 @@ def decode(data: bytes | None, fmt: Format) -> Any:
     return json.loads(data)
 
 
+class _OutsideBatch:
+    """What :attr:`Processor.session` is between batches: every use is a clear error."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise KstoreError(
+            f"Processor.session.{name}: the session only exists inside handle()/handle_batch(); "
+            "use self.engine in setup(), teardown(), on_assigned(), on_revoked() and on_committed()"
+        )
+
+    def __repr__(self) -> str:
+        return "<no session: outside a batch>"
+
+
 class Processor:
     """Subclass this and implement :meth:`handle` (or :meth:`handle_batch`).
 
@@ -85,8 +99,10 @@ class Processor:
     #: INSERTs, when anything else needs the database (see :mod:`kstore.session`).
     defer_inserts: ClassVar[bool] = True
 
-    #: The SQLAlchemy session of the batch in flight; set by the worker.
-    session: Session
+    #: The SQLAlchemy session of the batch in flight; set by the worker for the length of
+    #: ``handle``/``handle_batch`` only. Outside a batch it raises a clear error: a session
+    #: used there would open a transaction that no batch ends.
+    session: Session = cast(Session, _OutsideBatch())
     #: The worker's engine, set before :meth:`setup` (e.g. to create the processor's tables).
     #: Writes through it are NOT part of a batch's transaction: use :attr:`session` for effects.
     engine: Engine
@@ -132,6 +148,11 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message])
     ``session.commit()`` by the processor only flushes, so the caller commits the
     processor's writes together with its own (the offsets, a dead letter's mark).
     """
-    with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
-        processor.session = session
-        processor.handle_batch(msgs)
+    try:
+        with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
+            processor.session = session
+            processor.handle_batch(msgs)
+    finally:
+        # The session is closed; a hook that used it after the batch would begin a
+        # transaction on the worker's connection that nothing ends.
+        vars(processor).pop("session", None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -91,6 +91,16 @@ class Failures:
     def active(self) -> bool:
         """Whether any message is failing or being isolated (else :meth:`done` has nothing to do)."""
         return bool(self._failures or self._isolating)
+
+    def focus(self, has_records: Callable[[TP], bool]) -> TP | None:
+        """While isolating: the partition to take the next batch from, alone.
+
+        A failed batch may hold several partitions; isolation batches take from one
+        of them at a time, so halving pins the failure to a message of that partition.
+        (Taken across partitions, a poison message at the head of one partition next to
+        another's backlog would ride along in every halved batch and never be tried alone.)
+        """
+        return next((tp for tp in self._isolating if has_records(tp)), None)
 
     def batch_size(self, normal: int) -> int:
         return min(self._isolation_size, normal) if self._isolating else normal

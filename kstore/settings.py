@@ -64,6 +64,11 @@ class Settings:
     #: PostgreSQL: a paused zombie's open transaction is ended after this long,
     #: so it cannot hold the offsets' row locks past the Kafka session timeout.
     idle_in_transaction_timeout_ms: int = 10_000
+    #: PostgreSQL: a round trip on kstore's connections (a statement, COMMIT) that gets no
+    #: answer within this many seconds is abandoned: the connection is cut and what was
+    #: in flight is resolved (a COMMIT is read back). Also the TCP user timeout. It caps
+    #: how long one statement of a processor may run; 0 turns the deadline off.
+    db_timeout_s: float = 30.0
     #: Seconds to wait for the brokers at start-up.
     connect_timeout_s: float = 30.0
     #: After SIGTERM/SIGINT, how long the batch in flight may run before it is rolled back.

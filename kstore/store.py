@@ -4,6 +4,14 @@ All writes use bound parameters. A claim and an offset commit both take the
 partition row's lock, which is what fences a zombie worker: once another worker
 has claimed a row (bumping ``epoch``), an UPDATE ``WHERE epoch = <old>``
 matches nothing and the zombie's transaction is rolled back.
+
+An offset commit is a compare-and-set: it also matches the ``next_offset`` the
+worker believes is stored (where the batch starts). The epoch alone does not
+make a retried commit safe: after a COMMIT whose answer was lost, the same
+batch re-run under the same epoch would match again and its effects would land
+twice. With the start position in the predicate the second attempt matches
+nothing; and the worker reads the row back before retrying anyway (see
+:mod:`kstore.batches`).
 """
 
 from __future__ import annotations
@@ -11,7 +19,8 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -35,15 +44,19 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
+from . import deadline
 from .errors import ConfigurationError, DatabaseError, FencedError
 from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 TopicPartition = tuple[str, int]
+#: What an offset commit writes for one partition: (expected next_offset, new next_offset, epoch).
+Position = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,7 @@ class Row:
 
 @dataclass(frozen=True)
 class HistoryEntry:
-    """One recorded reset."""
+    """One recorded reset (or note)."""
 
     consumer_group: str
     topic: str
@@ -78,6 +91,9 @@ class HistoryEntry:
     by_user: str
     by_host: str
     reason: str
+    #: The request that wrote it (one per reset, shared by its partitions), to look a reset up
+    #: after its COMMIT's answer was lost; None for notes and for rows older than migration 0004.
+    request_id: str | None = None
 
 
 def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Table, Table]:
@@ -109,6 +125,7 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Ta
         Column("by_user", String(255), nullable=False),
         Column("by_host", String(255), nullable=False),
         Column("reason", Text, nullable=False),
+        Column("request_id", String(32), nullable=True),
     )
     return offsets, history
 
@@ -120,10 +137,14 @@ def make_engine(settings: Settings) -> Engine:
     # (database restarted) fails its batch, which is rolled back and retried.
     kwargs: dict[str, Any] = {}
     if url.startswith("postgresql"):
-        # A zombie paused inside a transaction must not hold the offsets' row
-        # locks past the Kafka session timeout, or the new owner's claim stalls.
+        parsed = make_url(url)
         kwargs["connect_args"] = {
-            "options": f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms}"
+            # A zombie paused inside a transaction must not hold the offsets' row
+            # locks past the Kafka session timeout, or the new owner's claim stalls.
+            "options": f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms}",
+            # A database that goes silent must not hang the worker (see kstore/deadline.py).
+            **deadline.connect_args(settings.db_timeout_s, dict(parsed.query),
+                                    parsed.get_driver_name() == "psycopg2"),
         }
     try:
         engine = create_engine(url, **kwargs)
@@ -202,11 +223,21 @@ class Store:
                 f"cannot connect to database {self.settings.safe_dsn}: {first_line(exc)}"
             ) from None
 
-    def claim(self, group: str, partitions: Iterable[TopicPartition], owner: str) -> dict[TopicPartition, Claim]:
+    @contextmanager
+    def claiming(
+        self, group: str, partitions: Iterable[TopicPartition], owner: str
+    ) -> Iterator[tuple[Connection, dict[TopicPartition, Claim]]]:
         """Claim partitions for worker ``owner``: bump each row's epoch (creating missing rows).
 
-        One statement for all partitions. The returned epochs fence every
-        earlier owner: their commits ``WHERE epoch = <theirs>`` now match nothing.
+        One statement for all partitions, inside a transaction that stays open for the
+        block, so the caller can write where each partition starts (:meth:`start_at`)
+        in the same transaction: the claim and the starting positions land together
+        or not at all. The returned epochs fence every earlier owner: their commits
+        ``WHERE epoch = <theirs>`` now match nothing.
+
+        A claim whose COMMIT fails is never resolved by reading back: the caller
+        simply claims again. That is safe either way: a claim has no effects, and a
+        claim that did land only bumped an epoch nobody else holds.
         """
         stamp = now()
         rows = [
@@ -214,35 +245,49 @@ class Store:
              "epoch": 1, "updated_at": stamp, "owner": owner}
             for t, p in partitions
         ]
-        if not rows:
-            return {}
         o = self.offsets
         stmt = self._insert(o).values(rows).on_conflict_do_update(
             index_elements=[o.c.consumer_group, o.c.topic, o.c.partition_id],
             set_={"epoch": o.c.epoch + 1, "updated_at": stamp, "owner": owner},
         ).returning(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch)
-        with self.engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                # A zombie holding the row lock must make the claim fail (and be
-                # retried), not hang the new owner's poll loop.
-                conn.execute(text(f"SET LOCAL lock_timeout = {int(self.settings.claim_lock_timeout_ms)}"))
-            result = conn.execute(stmt)
-            return {(r.topic, r.partition_id): Claim(r.next_offset, r.epoch) for r in result}
+        with self.engine.connect() as conn, conn.execution_options(**WRITES).begin():
+            claims: dict[TopicPartition, Claim] = {}
+            if rows:
+                if conn.dialect.name == "postgresql":
+                    # A zombie holding the row lock must make the claim fail (and be
+                    # retried), not hang the new owner's poll loop.
+                    conn.execute(text(f"SET LOCAL lock_timeout = {int(self.settings.claim_lock_timeout_ms)}"))
+                claims = {(r.topic, r.partition_id): Claim(r.next_offset, r.epoch) for r in conn.execute(stmt)}
+            yield conn, claims
+
+    def start_at(self, conn: Connection, group: str, tp: TopicPartition, offset: int, epoch: int,
+                 reason: str, from_offset: int | None) -> None:
+        """Inside a claim: store where a partition starts (no offset stored, or below the log
+        start) and record it in the history. The epoch is the claim's own, not bumped again."""
+        o = self.offsets
+        done = conn.execute(o.update().where(
+            o.c.consumer_group == group, o.c.topic == tp[0], o.c.partition_id == tp[1], o.c.epoch == epoch,
+        ).values(next_offset=offset, updated_at=now())).rowcount
+        if done != 1:  # the claim's transaction holds the row lock: this cannot happen
+            raise FencedError(f"{tp[0]}[{tp[1]}] of group {group!r} changed inside its own claim")
+        self._record(conn, group, tp, from_offset, offset, epoch, reason)
 
     def commit_offsets(
-        self, conn: Connection, group: str, positions: Mapping[TopicPartition, tuple[int, int]]
+        self, conn: Connection, group: str, positions: Mapping[TopicPartition, Position]
     ) -> set[TopicPartition]:
-        """Move ``next_offset`` for each partition, only where the epoch is still ours.
+        """Move ``next_offset`` for each partition, only where the epoch is still ours and
+        the stored offset is still where this worker believes it is (compare-and-set).
 
-        ``positions`` maps a partition to ``(next_offset, claimed_epoch)``. One
-        statement; returns the partitions that did NOT match (fenced). The
-        caller must roll back if that set is not empty.
+        ``positions`` maps a partition to ``(expected next_offset, new next_offset,
+        claimed epoch)``. One statement; returns the partitions that did NOT match
+        (fenced, or moved under us). The caller must roll back if that set is not empty.
         """
         if not positions:
             return set()
         params: dict[str, Any] = {"g": group, "u": now()}
-        for i, ((t, p), (nxt, epoch)) in enumerate(positions.items()):
+        for i, ((t, p), (start, nxt, epoch)) in enumerate(positions.items()):
             params[f"t{i}"], params[f"p{i}"], params[f"n{i}"], params[f"e{i}"] = t, p, nxt, epoch
+            params[f"s{i}"] = start
         matched = {(r[0], r[1]) for r in conn.execute(self._commit_statement(len(positions)), params)}
         return set(positions) - matched
 
@@ -259,7 +304,8 @@ class Store:
             q = self.engine.dialect.identifier_preparer
             topic, part, nxt, epoch = (q.quote(c) for c in ("topic", "partition_id", "next_offset", "epoch"))
             whens = " ".join(f"WHEN {topic} = :t{i} AND {part} = :p{i} THEN :n{i}" for i in range(n))
-            keys = " OR ".join(f"({topic} = :t{i} AND {part} = :p{i} AND {epoch} = :e{i})" for i in range(n))
+            keys = " OR ".join(f"({topic} = :t{i} AND {part} = :p{i} AND {epoch} = :e{i} AND {nxt} = :s{i})"
+                               for i in range(n))
             stmt = text(
                 f"UPDATE {q.format_table(self.offsets)} "
                 f"SET {nxt} = CASE {whens} ELSE {nxt} END, {q.quote('updated_at')} = :u "
@@ -283,28 +329,16 @@ class Store:
         owns that epoch (else :class:`FencedError`). Without, it always wins (an
         admin reset; the row is created if missing) and keeps the owner, who
         notices the new epoch and adopts the new position. Returns the new epoch.
+
+        On SQLite it waits for a worker's write instead of failing, and a COMMIT
+        whose answer is lost is resolved by reading the history back: see
+        :func:`kstore.resets.move`.
         """
-        o = self.offsets
-        where = [o.c.consumer_group == group, o.c.topic == tp[0], o.c.partition_id == tp[1]]
-        if expected_epoch is not None:
-            where.append(o.c.epoch == expected_epoch)
-        with self.engine.begin() as conn:
-            before = conn.execute(select(o.c.next_offset).where(*where).with_for_update()).first()
-            if before is None and expected_epoch is not None:
-                raise FencedError(f"{tp[0]}[{tp[1]}] of group {group!r} is no longer held at epoch {expected_epoch}")
-            if before is None:
-                conn.execute(o.insert().values(consumer_group=group, topic=tp[0], partition_id=tp[1],
-                                               next_offset=to_offset, epoch=1, updated_at=now()))
-                epoch = 1
-            else:
-                stmt = (
-                    o.update().where(*where)
-                    .values(next_offset=to_offset, epoch=o.c.epoch + 1, updated_at=now())
-                    .returning(o.c.epoch)
-                )
-                epoch = int(conn.execute(stmt).scalar_one())
-            self._record(conn, group, tp, None if before is None else before.next_offset, to_offset, epoch, reason)
-            return epoch
+        from .resets import move  # here, not at the top: kstore.resets builds on this module
+
+        fence = {} if expected_epoch is None else {tp: expected_epoch}
+        (moved,) = move(self, group, [tp], lambda _tp, _stored: to_offset, reason=reason, expected_epochs=fence)
+        return moved.epoch
 
     def note(self, group: str, tp: TopicPartition, offset: int | None, epoch: int, reason: str) -> None:
         """Record an event in the history without moving anything (e.g. a partition held back)."""
@@ -313,12 +347,13 @@ class Store:
 
     def _record(
         self, conn: Connection, group: str, tp: TopicPartition,
-        from_offset: int | None, to_offset: int | None, epoch: int, reason: str,
+        from_offset: int | None, to_offset: int | None, epoch: int, reason: str, *, request_id: str | None = None,
     ) -> None:
         user, host = actor()
         conn.execute(self.history.insert().values(
             consumer_group=group, topic=tp[0], partition_id=tp[1], from_offset=from_offset,
             to_offset=to_offset, epoch=epoch, at=now(), by_user=user, by_host=host, reason=reason,
+            request_id=request_id,
         ))
 
     def rows(
@@ -351,9 +386,40 @@ class Store:
         with self.engine.connect() as conn:
             return [
                 HistoryEntry(r.consumer_group, r.topic, r.partition_id, r.from_offset, r.to_offset, r.epoch,
-                             r.at, r.by_user, r.by_host, r.reason)
+                             r.at, r.by_user, r.by_host, r.reason, r.request_id)
                 for r in conn.execute(stmt)
             ]
+
+
+#: SQLSTATE classes and codes that say "the database, not this batch": connection
+#: exceptions, transaction rollbacks (serialization failure, deadlock), insufficient
+#: resources, operator intervention (shutdown), and a lock that could not be had.
+_TRANSIENT_SQLSTATES = ("08", "40", "53", "57P", "55P03")
+#: SQLite's messages for a database that is busy or failing, rather than a bad statement.
+_TRANSIENT_SQLITE = ("database is locked", "database table is locked", "disk i/o error", "unable to open")
+
+
+def transient(exc: BaseException) -> bool:
+    """True if ``exc`` says the database is unavailable (retry the same batch later),
+    False if it is about what the batch did (a constraint, a missing table, a bad
+    statement: the batch's failure, isolated and retried like a processor error).
+
+    Retrying a batch error forever at full size would stall the pipeline; counting a
+    database outage against a message would dead-letter good messages.
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    if code:
+        return str(code).startswith(_TRANSIENT_SQLSTATES)
+    if type(orig).__module__.startswith("sqlite3"):
+        return any(m in str(orig).lower() for m in _TRANSIENT_SQLITE)
+    # A psycopg2 OperationalError without a SQLSTATE comes from the client side: the
+    # connection failed or was cut (the server never answered).
+    return isinstance(exc, OperationalError)
 
 
 def first_line(exc: BaseException) -> str:

@@ -95,7 +95,7 @@ class Worker:
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
-                                self._db_backoff, self._recheck, self._revoked)
+                                self._db_backoff, self._recheck)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -179,10 +179,12 @@ class Worker:
                 last_activity = time.monotonic()
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
-            if source.queued() and batches.ready():
+            ready = batches.ready()
+            if source.queued() and ready:
                 continue
-            # Nothing to do now: sleep until records arrive or the group changes (or a retry is due).
-            source.wait(IDLE_WAIT_S)
+            # Nothing to do now: sleep until records arrive or the group changes (or a retry
+            # is due). While a retry waits, sleep even with records queued: never spin.
+            source.wait(IDLE_WAIT_S, unless_queued=ready)
 
     def request_stop(self) -> None:
         """Finish the batch in flight, commit it, leave the group. Safe from any thread or signal handler."""
@@ -268,7 +270,9 @@ class Worker:
             return
         try:
             claimed = ledger.claim_pending()
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, BrokerError) as exc:
+            # Nothing was placed: whether the claim's COMMIT landed or not, claiming again
+            # is right (a claim has no effects; a landed one only bumped an epoch).
             self._db_backoff.failed(f"claim {fmt(ledger.pending)} (they stay paused)", exc)
             return
         self._db_backoff.succeeded()
@@ -290,7 +294,7 @@ class Worker:
             stale = self._led.stale()
             if stale:
                 self._recheck(stale)
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, BrokerError) as exc:
             self._db_backoff.failed("check the partitions' epochs", exc)
 
     def _recheck(self, tps: list[TP]) -> None:
