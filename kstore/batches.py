@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import deadletters
 from .consumer import TP, KafkaSource, Record
-from .errors import BrokerError, ProcessorError
+from .errors import BrokerError, CommitInDoubtError, ProcessorError
 from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
@@ -377,7 +377,7 @@ class Batches:
             log.warning("fenced on %s: their epoch or offset moved; rolled back", fmt(lost))
             try:
                 self._recheck(lost)
-            except (SQLAlchemyError, BrokerError) as exc:
+            except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
                 self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
 
 

@@ -182,14 +182,14 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
 @click.pass_context
 def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit: int, as_json: bool,
                     dsn: str | None) -> None:
-    """Every reset of a group, newest first: when, who, from, to, why."""
+    """Every reset of a group, newest first: when, who, from, to, why, and the request id that wrote it."""
     rows = _run(ctx, lambda: Settings.from_env(dsn=dsn), lambda s: admin.offset_history(s, group, topic, limit))
     if as_json:
         click.echo(json.dumps([{**dataclasses.asdict(r), "at": r.at.isoformat()} for r in rows], indent=2))
         return
-    click.echo(_table(["AT", "TOPIC", "PARTITION", "FROM", "TO", "EPOCH", "BY", "REASON"],
+    click.echo(_table(["AT", "TOPIC", "PARTITION", "FROM", "TO", "EPOCH", "BY", "REQUEST", "REASON"],
                       [[r.at.strftime("%Y-%m-%d %H:%M:%S"), r.topic, r.partition_id, r.from_offset, r.to_offset,
-                        r.epoch, f"{r.by_user}@{r.by_host}", r.reason] for r in rows]))
+                        r.epoch, f"{r.by_user}@{r.by_host}", r.request_id, r.reason] for r in rows]))
 
 
 @cli.group("dead-letters")
@@ -302,7 +302,9 @@ def _install_signals(w: Worker, timeout_s: float) -> None:
         log.info("%s received: finishing the batch in flight (at most %gs), then leaving the group",
                  signal.Signals(signum).name, timeout_s)
         w.request_stop()
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        # Then every second: a batch that starts after the first alarm (or is between
+        # statements then) is still bounded.
+        signal.setitimer(signal.ITIMER_REAL, timeout_s, 1.0)
 
     def on_alarm(_signum: int, _frame: Any) -> None:
         if w.busy:  # otherwise the loop is already on its way out: let it leave the group cleanly

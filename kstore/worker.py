@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .batches import Batches
 from .consumer import TP, KafkaSource
-from .errors import BrokerError, ConfigurationError, KstoreError
+from .errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
 from .processor import Processor
@@ -270,7 +270,7 @@ class Worker:
             return
         try:
             claimed = ledger.claim_pending()
-        except (SQLAlchemyError, BrokerError) as exc:
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
             # Nothing was placed: whether the claim's COMMIT landed or not, claiming again
             # is right (a claim has no effects; a landed one only bumped an epoch).
             self._db_backoff.failed(f"claim {fmt(ledger.pending)} (they stay paused)", exc)
@@ -294,7 +294,7 @@ class Worker:
             stale = self._led.stale()
             if stale:
                 self._recheck(stale)
-        except (SQLAlchemyError, BrokerError) as exc:
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
             self._db_backoff.failed("check the partitions' epochs", exc)
 
     def _recheck(self, tps: list[TP]) -> None:
