@@ -10,7 +10,10 @@ exactly once and that the worker says what happened.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,3 +119,92 @@ def test_a_silent_database_is_detected_within_the_deadline(pg_dsn: str, pg_proxy
     wait_until(lambda: len(effects(pg_dsn)) >= len(first | second), 60, what="processing after the partition")
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | second)
+
+
+def history_moves(dsn: str, group: str) -> list[tuple[str, int, int, int]]:
+    """Operator resets of a group: (topic, partition, from, to)."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text(
+                "SELECT topic, partition_id, from_offset, to_offset FROM kstore_offset_history "
+                "WHERE consumer_group = :g AND reason LIKE 'kstore offsets set%' ORDER BY id"), {"g": group})]
+    finally:
+        engine.dispose()
+
+
+def expected_counts(sent: set[tuple[str, int, int]],
+                    moves: list[tuple[str, int, int, int]]) -> Counter[tuple[str, int, int]]:
+    """How many effects each message must have: once, plus once more for every backward
+    reset whose range covers it (a replay the operator asked for)."""
+    counts = Counter({key: 1 for key in sent})
+    for topic, partition, start, end in ((t, p, to, frm) for t, p, frm, to in moves):
+        assert start <= end, "the test only shifts backwards"
+        for offset in range(start, end):
+            counts[(topic, partition, offset)] += 1
+    return counts
+
+
+def test_exactly_once_through_cut_commits_blackholes_poison_and_online_resets(
+        kafka: str, pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any, produce: Any, workers: Any) -> None:
+    """Everything at once, against the real broker and PostgreSQL behind the proxy: 6 COMMITs
+    whose answers are lost, two 30 s blackholes, a poison message at the head of one partition
+    while another has a backlog, and `kstore offsets set --shift-by` replays while it runs.
+    Every message's effect lands exactly as often as the stored offsets say (once, plus once per
+    replay the operator asked for), the poison is dead-lettered once, and the worker notices each
+    silence within its deadline and carries on."""
+    topic, group = new_topic(4), "everything"
+    sent = set(produce(topic, [f"backlog{i}" for i in range(2500)], partition=0))
+    (poison,) = produce(topic, ["poison"], partition=3)
+    sent |= set(produce(topic, [f"spread{i}" for i in range(1200)]))
+    w = workers(pg_proxy.dsn_through(pg_dsn), topic, group,
+                env={"KSTORE_TEST_FAIL_VALUE": "poison", "KSTORE_DB_TIMEOUT_S": "5", "KSTORE_MAX_BATCH_SIZE": "200",
+                     "KSTORE_TEST_BATCH_SLEEP": "0.02"},
+                args=["--on-error", "dead_letter", "--max-attempts", "2"])
+    w.wait_for_log(r"claimed ")
+
+    def cut_commits(n: int) -> None:
+        for _ in range(n):
+            target = pg_proxy.commits_cut + 1
+            pg_proxy.cut_after_commit()
+            wait_until(lambda target=target: pg_proxy.commits_cut >= target, 60, what="a COMMIT cut")
+            sent.update(produce(topic, [f"more{len(sent)}-{i}" for i in range(100)]))
+
+    def blackhole() -> None:
+        deadline_lines = w.log.count("no answer within its deadline")
+        pg_proxy.blackhole_for(30)
+        started = time.monotonic()
+        w.wait_for_log(r"no answer within its deadline", timeout=20, count=deadline_lines + 1)
+        assert time.monotonic() - started < 5 + 5, "a silent database was not noticed within the 5 s deadline"
+        sent.update(produce(topic, [f"dark{len(sent)}-{i}" for i in range(300)]))
+        time.sleep(max(0.0, started + 30 - time.monotonic()))
+
+    def shift_back(partition: int) -> None:
+        r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", group, "--topic", topic,
+                            "--partition", str(partition), "--shift-by", "-40", "--clamp", "--dsn", pg_dsn,
+                            "--bootstrap-servers", kafka, "--execute"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+
+    cut_commits(3)
+    shift_back(0)
+    blackhole()
+    cut_commits(3)
+    shift_back(1)
+    blackhole()
+    shift_back(0)
+    sent.update(produce(topic, [f"last{i}" for i in range(200)]))
+
+    ends = {(topic, p): 1 + max(o for t, pp, o in sent | {poison} if pp == p) for p in range(4)}
+    wait_until(lambda: stored_offsets(pg_dsn, group) == ends, 180, what="every partition caught up")
+    time.sleep(1)
+    assert w.terminate() == 0
+    assert len(sent) >= 5000 and pg_proxy.commits_cut >= 6
+    assert [tuple(r) for r in dead_letters(pg_dsn)] == [poison]
+    moves = history_moves(pg_dsn, group)
+    assert len(moves) == 3
+    counts = effects(pg_dsn)
+    expected = expected_counts(sent, moves)
+    wrong = {k: (counts.get(k, 0), n) for k, n in expected.items() if counts.get(k, 0) != n}
+    extra = set(counts) - set(expected)
+    assert not wrong, f"{len(wrong)} messages with the wrong number of effects (got, want): {sorted(wrong.items())[:5]}"
+    assert not extra, f"effects of messages never sent: {sorted(extra)[:5]}"
