@@ -84,8 +84,10 @@ class Ledger:
         """
         assigned = self.source.assignment()
         with self.source.lock:
-            self.pending &= assigned
-            tps = sorted(self.pending)
+            # Claim what Kafka assigns now. The rest stays pending, not discarded: a
+            # partition leaves pending only by its revoke event (a momentarily empty
+            # assignment mid-rebalance must not make the worker forget a partition).
+            tps = sorted(self.pending & assigned)
         if not tps:
             return []
         # Asked of the brokers before the claim, so the claim's transaction (and its
