@@ -5,6 +5,17 @@ stored offset (or the start policy), holding back a partition whose stored offse
 lies past the log end, adopting an operator's reset, dropping a partition another
 worker claimed, and ``reset_offsets``. Every change of position happens under
 :attr:`KafkaSource.lock`, together with the flush and seek of the partition's queue.
+
+Invariants:
+
+- ``owned``, ``held`` and ``pending`` are disjoint. A partition is delivered
+  (has a queue in the source) exactly while it is in ``owned``.
+- ``owned[tp].committed`` is the ``next_offset`` stored for ``tp`` under
+  ``owned[tp].epoch``: set from the row when claimed or reset, moved only by a
+  commit this worker saw land. A batch's commit expects it (compare-and-set).
+- Nothing is placed (sought, resumed) before the transaction that claimed it
+  has answered; a partition revoked while a claim or a re-check ran is not
+  placed again (they re-check ``pending``/``owned`` under the lock).
 """
 
 from __future__ import annotations

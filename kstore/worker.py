@@ -4,6 +4,25 @@ process one batch at a time (one transaction with its offsets).
 
 The worker is a plain object: ``run()``, ``request_stop()``, ``close()``. It
 installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
+
+Threads, and who may call what:
+
+- **main thread** (:meth:`Worker.step`): claims, epoch checks, resets, batches,
+  every database statement, every processor hook. Nothing else touches the
+  database or the processor.
+- **fetch thread** (:meth:`Worker.fetch_once`): ``poll()`` and the rebalance
+  events it brings (revoked and lost partitions are dropped and flushed at once,
+  assigned ones become pending). It never touches the database.
+- **kafka-python's IO thread**: runs the rebalance listener, which only pauses
+  and records (see :mod:`kstore.consumer`).
+- **the deadline watchdog** (:mod:`kstore.deadline`): only cuts sockets.
+
+Locks: :attr:`KafkaSource.lock` guards the queues and the ledger's maps. It is
+held across local consumer calls (seek, pause, resume) and, in
+``reset_offsets``, across the store write of the new position (so a partition is
+never fetched, delivered and reset at once). It is never held across ``poll()``,
+a batch's transaction, a claim or a read of the log bounds: those read state
+under the lock, do their I/O without it, and re-check under it before acting.
 """
 
 from __future__ import annotations
@@ -128,9 +147,9 @@ class Worker:
         self.connect()
         log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
-        self.processor.engine = self._db.engine
+        self.processor.engine = self.store.engine
         self.processor.setup()
-        self._src.subscribe()
+        self.source.subscribe()
 
     def _fetch_loop(self) -> None:
         """The fetcher thread: polls Kafka all the time, so the group membership stays alive
@@ -140,11 +159,11 @@ class Worker:
                 self.fetch_once()
         except BaseException as exc:  # handed to the main thread, which raises it
             self._fetch_error = exc
-            self._src.wake()
+            self.source.wake()
 
     def fetch_once(self) -> None:
         """One turn of the fetcher thread: poll Kafka once, then act on the rebalance events it brought."""
-        source, s = self._src, self.settings
+        source, s = self.source, self.settings
         # Decode at most two batches ahead of processing: the rest waits in
         # kafka-python's buffers, undecoded. Decoding far ahead only costs CPU
         # (and, under one GIL, processing time) for records that wait longer.
@@ -162,10 +181,10 @@ class Worker:
         self._notify_revoked()
         self._claim_pending()
         self._check_epochs()
-        return self._bat.process_next()
+        return self.batches.process_next()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
-        source, ledger, batches = self._src, self._led, self._bat
+        source, ledger, batches = self.source, self.ledger, self.batches
         committed = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
@@ -212,20 +231,26 @@ class Worker:
         """True while a batch's transaction is open (for the CLI's shutdown timeout)."""
         return self._batches is not None and self._batches.busy
 
+    # The parts connect() builds; each raises a clear error before it was called.
+
     @property
-    def _src(self) -> KafkaSource:
+    def source(self) -> KafkaSource:
+        """The Kafka side: consumer, per-partition queues, the partition lock."""
         return _connected(self._source)
 
     @property
-    def _db(self) -> Store:
+    def store(self) -> Store:
+        """The offsets and history tables of the worker's database."""
         return _connected(self._store)
 
     @property
-    def _bat(self) -> Batches:
+    def batches(self) -> Batches:
+        """The batch loop: take, transact, commit, failures, commits in doubt."""
         return _connected(self._batches)
 
     @property
-    def _led(self) -> Ledger:
+    def ledger(self) -> Ledger:
+        """Which partitions the worker owns, holds or must claim, at which epoch and offset."""
         return _connected(self._ledger)
 
     # -- partition ownership --------------------------------------------------
@@ -236,7 +261,7 @@ class Worker:
         Revoked and lost partitions are flushed at once, so no record of theirs
         is delivered after; the processor hears of it on the main thread.
         """
-        source, ledger = self._src, self._led
+        source, ledger = self.source, self.ledger
         events = source.take_events()
         if not events:
             return
@@ -253,7 +278,7 @@ class Worker:
             source.changed.notify_all()
 
     def _notify_revoked(self) -> None:
-        with self._src.lock:
+        with self.source.lock:
             notices, self._revoked_notices = self._revoked_notices, []
         for tps in notices:
             self.processor.on_revoked(tps)
@@ -265,7 +290,7 @@ class Worker:
 
     def _claim_pending(self) -> None:
         """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
-        ledger = self._led
+        ledger = self.ledger
         if not ledger.pending or not self._db_backoff.ready():
             return
         try:
@@ -287,18 +312,18 @@ class Worker:
         if time.monotonic() < self._next_epoch_check:
             return
         self._next_epoch_check = time.monotonic() + self.settings.epoch_check_interval_s
-        orphans = self._led.reclaim_orphans()
+        orphans = self.ledger.reclaim_orphans()
         if orphans:
             log.warning("%s still assigned here a session timeout after being fenced: claiming again", fmt(orphans))
         try:
-            stale = self._led.stale()
+            stale = self.ledger.stale()
             if stale:
                 self._recheck(stale)
         except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
             self._db_backoff.failed("check the partitions' epochs", exc)
 
     def _recheck(self, tps: list[TP]) -> None:
-        _adopted, dropped = self._led.recheck(tps)
+        _adopted, dropped = self.ledger.recheck(tps)
         if dropped:
             log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
             self._revoked(dropped, "fenced")
@@ -325,7 +350,7 @@ class Worker:
         """
         targets = dict(pairs.items() if isinstance(pairs, Mapping) else pairs)
         strict = self.settings.strict_resets if strict is None else strict
-        return self._led.reset(targets, strict, reason)
+        return self.ledger.reset(targets, strict, reason)
 
     @property
     def held_offsets(self) -> dict[TP, int]:

@@ -74,7 +74,7 @@ def test_reset_flushes_queued_messages_the_origin_bug(pg_dsn: str, kafka: str, n
     w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=5, max_poll_records=100)
     assert gate.entered.wait(30), "first batch never arrived"
     assert gate.delivered == [0, 1, 2, 3, 4]
-    assert w._src.queued() > 0, "the test needs messages queued in kstore when it resets"
+    assert w.source.queued() > 0, "the test needs messages queued in kstore when it resets"
 
     assert w.reset_offsets({(topic, 0): 50}) == {(topic, 0): 50}
     assert w.held_offsets == {(topic, 0): 50}
@@ -225,7 +225,7 @@ def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, ne
     w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=10, max_poll_records=10)
     try:
         wait_until(lambda: w.held_offsets.get(tp) == 100, 30, what="drained")
-        consumer = w._src.consumer
+        consumer = w.source.consumer
         real_poll = consumer.poll
         injected: list[dict[TopicPartitionKey, int]] = []
 
