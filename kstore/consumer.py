@@ -147,6 +147,8 @@ class KafkaSource:
         self.changed = threading.Condition(self.lock)
         self._queues: dict[TP, _Queue] = {}
         self._generations = itertools.count(1)
+        #: Where take_batch starts its round across the partitions (rotates).
+        self._next_first = 0
         self._queued_records = 0
         self._queued_bytes = 0
         #: Fetching is paused for every owned partition while the queues hold too much.
@@ -309,6 +311,11 @@ class KafkaSource:
         ends: dict[TP, int] = {}
         with self.lock:
             queues = [(tp, q.records) for tp, q in self._queues.items() if q.records and only in (None, tp)]
+            if len(queues) > 1:
+                # Start one partition further each time: with fewer records wanted than
+                # partitions queued, the last ones would otherwise never be served.
+                self._next_first = start = (self._next_first + 1) % len(queues)
+                queues = queues[start:] + queues[:start]
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
                 for tp, records in queues:
@@ -358,6 +365,8 @@ class KafkaSource:
         self._flush(q)
         q.next_fetch = offset
         self._seek(tp, offset)
+        if self._throttled:
+            self._throttle()  # the flush may have made room: resume everything (this one included)
         if not self._throttled:
             self._resume([tp])
 
@@ -400,6 +409,10 @@ class KafkaSource:
                     self._flush(q)
                 if pause:
                     self._pause([tp])
+            if self._throttled:
+                # The flush may have freed enough: if nothing re-evaluated the bound, the
+                # other partitions would stay paused with empty queues for good.
+                self._throttle()
 
     def assignment(self) -> set[TP]:
         return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
