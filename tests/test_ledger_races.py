@@ -1,0 +1,161 @@
+"""Races between the worker's threads, replayed deterministically: the real Ledger,
+KafkaSource and Store (on SQLite), a stub consumer, and the interleaving forced by
+running the fetch thread's part inside a read of the main thread's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from kafka import TopicPartition
+
+from kstore import Settings, migrate
+from kstore.consumer import KafkaSource
+from kstore.ownership import Ledger
+from kstore.store import Store, make_engine
+
+TOPIC = "races"
+TP = (TOPIC, 0)
+
+
+@dataclass(frozen=True)
+class Rec:
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int = 0
+    key: bytes | None = None
+    value: bytes | None = b"v"
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+    serialized_key_size: int = -1
+    serialized_value_size: int = 1
+
+
+class StubConsumer:
+    """What KafkaSource and Ledger call, with kafka-python 3's refusals for unassigned partitions."""
+
+    def __init__(self) -> None:
+        self.assigned: set[tuple[str, int]] = set()
+        self.positions: dict[tuple[str, int], int] = {}
+        self.log_start = 0
+
+    def _check(self, ktp: TopicPartition, error: type[Exception]) -> tuple[str, int]:
+        tp = (ktp.topic, ktp.partition)
+        if tp not in self.assigned:
+            raise error("Unassigned partition")
+        return tp
+
+    def seek(self, ktp: TopicPartition, offset: int) -> None:
+        self.positions[self._check(ktp, ValueError)] = offset
+
+    def pause(self, *ktps: TopicPartition) -> None:
+        for ktp in ktps:
+            self._check(ktp, KeyError)
+
+    def resume(self, *ktps: TopicPartition) -> None:
+        for ktp in ktps:
+            self._check(ktp, KeyError)
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(*tp) for tp in self.assigned}
+
+    def beginning_offsets(self, ktps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        return {k: self.log_start for k in ktps}
+
+    def end_offsets(self, ktps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        return {k: 1000 for k in ktps}
+
+    def close(self, autocommit: bool = False) -> None:
+        pass
+
+
+class StubSource(KafkaSource):
+    def _connect(self) -> Any:
+        return StubConsumer()
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> tuple[Store, StubSource, Ledger]:
+    settings = Settings(dsn=f"sqlite:///{tmp_path / 'races.db'}")
+    migrate(settings)
+    store = Store(make_engine(settings), settings)
+    source = StubSource(settings, "g", [TOPIC], "me")
+    ledger = Ledger(settings, "g", "me", store, source)
+    source.consumer.assigned.add(TP)
+    ledger.pending.add(TP)
+    assert ledger.claim_pending() == [TP]
+    return store, source, ledger
+
+
+def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_record(
+        parts: tuple[Store, StubSource, Ledger]) -> None:
+    """Defect 4. A batch of offsets 0..4 is in flight; an operator resets the partition to 100.
+    While the worker re-reads the row (without the lock), an eager rebalance revokes the
+    partition and assigns it again. The old code placed it anyway, in a new queue whose
+    generation restarted at 1, so the in-flight batch's requeue matched and offsets 0..4 sat
+    at the head of a queue sought to 100: delivered and committed, they undid the reset."""
+    store, source, ledger = parts
+    with source.lock:
+        source._enqueue(source._queues[TP], [Rec(TOPIC, 0, o) for o in range(10)])
+        records, _ends = source.take_batch(5)
+        generations = {TP: source.generation(TP) or 0}
+    store.reset("g", TP, 100, expected_epoch=None, reason="operator")
+
+    read_rows = store.rows
+
+    def rows_then_rebalance(*args: Any, **kwargs: Any) -> Any:
+        rows = read_rows(*args, **kwargs)
+        # The fetch thread's turn, between the read and the decision: revoked, then assigned again.
+        ledger.drop([TP])
+        with source.lock:
+            ledger.pending.add(TP)
+        return rows
+
+    store.rows = rows_then_rebalance  # type: ignore[method-assign]
+    ledger.recheck([TP])
+    source.requeue(records, generations)
+
+    with source.lock:
+        queued, _ = source.take_batch(100)
+    stale = [r.offset for r in queued if r.offset < 100]
+    assert not stale, f"records from before the reset would be delivered after it: {stale}"
+    assert TP in ledger.pending, "the partition must be claimed again, not placed by the recheck"
+
+
+def test_generations_are_never_reused_for_a_partition(parts: tuple[Store, StubSource, Ledger]) -> None:
+    """The invariant behind the fix: a queue made after a flush never shares a generation with
+    one before it, even when the partition was dropped and owned again in between."""
+    _store, source, ledger = parts
+    seen = [source.generation(TP)]
+    for offset in range(5):
+        ledger.drop([TP])
+        with source.lock:
+            source.own(TP, offset)
+        seen.append(source.generation(TP))
+    assert len(set(seen)) == len(seen), seen
+
+
+def test_an_operators_reset_fenced_by_another_claim_while_adopted_drops_the_partition(
+        parts: tuple[Store, StubSource, Ledger]) -> None:
+    """Defect 7: an operator reset below the log start is adopted by storing the start policy's
+    offset under the row's epoch; another worker claiming the row in between made that write
+    raise FencedError, which nothing caught: the worker exited."""
+    store, source, ledger = parts
+    source.consumer.log_start = 50
+    store.reset("g", TP, 10, expected_epoch=None, reason="operator")
+    read_rows = store.rows
+
+    def rows_then_claimed_elsewhere(*args: Any, **kwargs: Any) -> Any:
+        rows = read_rows(*args, **kwargs)
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE kstore_offsets SET epoch = epoch + 1, owner = 'other'"))
+        return rows
+
+    store.rows = rows_then_claimed_elsewhere  # type: ignore[method-assign]
+    adopted, _dropped = ledger.recheck([TP])
+    assert adopted == [] and TP not in ledger.owned and source.generation(TP) is None
+    assert TP in ledger.fenced_at, "a partition Kafka still assigns here must be claimed again later"
