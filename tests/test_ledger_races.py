@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
+from sqlalchemy.exc import OperationalError
 
-from kstore import Settings, migrate
+from kstore import Processor, Settings, migrate
+from kstore.batches import Batches
 from kstore.consumer import KafkaSource
-from kstore.ownership import Ledger
+from kstore.ownership import Backoff, Ledger
 from kstore.store import Store, make_engine
 
 TOPIC = "races"
@@ -159,3 +161,20 @@ def test_an_operators_reset_fenced_by_another_claim_while_adopted_drops_the_part
     adopted, _dropped = ledger.recheck([TP])
     assert adopted == [] and TP not in ledger.owned and source.generation(TP) is None
     assert TP in ledger.fenced_at, "a partition Kafka still assigns here must be claimed again later"
+
+
+def test_a_fenced_partition_whose_row_cannot_be_read_now_stays_owned(parts: tuple[Store, StubSource, Ledger]) -> None:
+    """Defect 7: when re-reading a fenced partition's row failed (database away), the old code
+    dropped and paused it without marking it for a later claim: nobody consumed it again.
+    Now it stays as it is (its next commit is fenced again) and the database backoff retries."""
+    store, source, ledger = parts
+
+    def recheck(_tps: list[tuple[str, int]]) -> None:
+        raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+
+    batches = Batches(Processor(), ledger.settings, "g", store, source, ledger, Backoff(0.5, 10), recheck)
+    with source.lock:
+        positions = ledger.positions({TP: 5})
+    batches._on_fenced({TP}, positions)
+    assert TP in ledger.owned and source.generation(TP) is not None
+    assert not batches.db_backoff.ready(), "the database error must hold off the next attempt"
