@@ -40,7 +40,7 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal, Protocol
@@ -387,18 +387,18 @@ class KafkaSource:
             log.debug("%s[%d] is no longer assigned: not seeking it", *tp)
 
     def _pause(self, tps: Iterable[TP]) -> None:
-        for tp in tps:
-            try:
-                self.consumer.pause(TopicPartition(*tp))
-            except (ValueError, KeyError):
-                log.debug("%s[%d] is no longer assigned: not pausing it", *tp)
+        self._each(self.consumer.pause, tps, "pausing")
 
     def _resume(self, tps: Iterable[TP]) -> None:
+        self._each(self.consumer.resume, tps, "resuming")
+
+    @staticmethod
+    def _each(call: Callable[[TopicPartition], None], tps: Iterable[TP], doing: str) -> None:
         for tp in tps:
             try:
-                self.consumer.resume(TopicPartition(*tp))
+                call(TopicPartition(*tp))
             except (ValueError, KeyError):
-                log.debug("%s[%d] is no longer assigned: not resuming it", *tp)
+                log.debug("%s[%d] is no longer assigned: not %s it", tp[0], tp[1], doing)
 
     def disown(self, tps: Iterable[TP], pause: bool = False) -> None:
         """Stop delivering ``tps`` and flush their queues (revoked, lost or fenced)."""
