@@ -18,6 +18,7 @@ from .errors import (
 from .migration import migrate
 from .processor import Message, Processor
 from .retry import Retry, RetryPolicy
+from .session import DeferredInsertError
 from .settings import Settings
 from .targets import EARLIEST, LATEST
 from .worker import Worker, load_processor
@@ -40,6 +41,7 @@ __all__ = [
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",
+    "DeferredInsertError",
     "DatabaseError",
     "FencedError",
     "InvalidOffsetError",
