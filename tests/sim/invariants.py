@@ -78,7 +78,10 @@ def check_delivery(worker_id: str, taken: dict[TP, int | None], rows: dict[TP, S
     if epoch is None:
         raise Violation("delivery", f"{where}: delivered although not owned (claimed) when the batch was taken")
     reset = journal.last_reset.get(tp)
-    if reset is not None and epoch >= reset[0] and offsets[0] < reset[1]:
+    # Only at the reset's own epoch: a later epoch means a later claim or reset, which the
+    # journal may not have seen yet (a reset_offsets nested inside this very turn); the row
+    # check below holds such a batch to the offset stored at its epoch instead.
+    if reset is not None and epoch == reset[0] and offsets[0] < reset[1]:
         raise Violation("delivery", f"{where} delivered at epoch {epoch}: a stale record after the reset to "
                                     f"{reset[1]} at epoch {reset[0]}\nresets of it so far: {', '.join(resets)}")
     row = rows.get(tp)
