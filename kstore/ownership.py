@@ -205,17 +205,18 @@ class Ledger:
         rows = self.store.rows(self.group, partitions=tps)
         mine = {tp: row for tp, row in rows.items() if row.owner == self.worker_id}
         bounds = self.source.log_bounds(list(mine)) if mine else {}
+        times = self._policy_times(list(mine)) if mine else {}
         adopted: list[TP] = []
         with self.source.lock:
             others = [tp for tp in tps if tp not in mine and (tp in self.owned or tp in self.held)]
             self.fenced_at.update({tp: time.monotonic() for tp in others})
             for tp, row in mine.items():
-                if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp]):
+                if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp], times.get(tp)):
                     adopted.append(tp)
             dropped = self.drop(others, pause=True)
         return adopted, dropped
 
-    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int]) -> bool:
+    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int], policy_found: int | None) -> bool:
         """Follow the stored row of a partition this worker still owns. Lock held."""
         current = self.owned.get(tp)
         if current is not None and current.epoch == row.epoch and current.committed == row.next_offset:
@@ -228,7 +229,7 @@ class Ledger:
         else:
             log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
                      row.next_offset, row.epoch)
-        plan = self._plan(tp, Claim(row.next_offset, row.epoch), bounds, None)
+        plan = self._plan(tp, Claim(row.next_offset, row.epoch), bounds, policy_found)
         if plan.offset is not None and plan.offset != plan.stored:
             # Reset below the log start (or to nothing): store where we start, under the row's epoch.
             try:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
+from kafka.structs import OffsetAndTimestamp
 from sqlalchemy.exc import OperationalError
 
 from kstore import Processor, Settings, migrate
@@ -70,6 +71,9 @@ class StubConsumer:
 
     def end_offsets(self, ktps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         return {k: 1000 for k in ktps}
+
+    def offsets_for_times(self, query: dict[TopicPartition, int]) -> dict[TopicPartition, Any]:
+        return {k: OffsetAndTimestamp(70, ms, -1) for k, ms in query.items()}
 
     def close(self, autocommit: bool = False) -> None:
         pass
@@ -178,3 +182,21 @@ def test_a_fenced_partition_whose_row_cannot_be_read_now_stays_owned(parts: tupl
     batches._on_fenced({TP}, positions)
     assert TP in ledger.owned and source.generation(TP) is not None
     assert not batches.db_backoff.ready(), "the database error must hold off the next attempt"
+
+
+def test_an_operators_reset_below_the_log_start_adopts_a_time_start_policy_at_its_time(tmp_path: Path) -> None:
+    """With ``start_from`` a time, a reset below the log start (retention) must start at the first
+    record at or after that time, as a claim does, not at the log end."""
+    settings = Settings(dsn=f"sqlite:///{tmp_path / 'policy.db'}", start_from="2026-01-01T00:00:00+00:00")
+    migrate(settings)
+    store = Store(make_engine(settings), settings)
+    source = StubSource(settings, "g", [TOPIC], "me")
+    ledger = Ledger(settings, "g", "me", store, source)
+    source.consumer.assigned.add(TP)
+    ledger.pending.add(TP)
+    ledger.claim_pending()
+    assert ledger.offsets() == {TP: 70}
+    source.consumer.log_start = 50
+    store.reset("g", TP, 10, expected_epoch=None, reason="operator")
+    assert ledger.recheck([TP])[0] == [TP]
+    assert ledger.offsets() == {TP: 70} and source.consumer.positions[TP] == 70
