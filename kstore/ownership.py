@@ -276,9 +276,7 @@ class Ledger:
             for tp, (offset, why) in resolved.items():
                 note = reason if why is None else f"{reason}: {why}"
                 epoch = self.store.reset(self.group, tp, offset, expected_epoch=epochs[tp], reason=note)
-                self.held.pop(tp, None)
-                self.owned[tp] = Owned(epoch, offset)
-                self.source.own(tp, offset)
+                self._apply(tp, _Plan(epoch, None, offset))
                 log.info("reset %s[%d] to %d (%s)", tp[0], tp[1], offset, note)
         return {tp: offset for tp, (offset, _why) in resolved.items()}
 
