@@ -21,13 +21,63 @@ import click
 
 from . import admin, deadletters
 from .errors import KstoreError
+from .kafkaconnect import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from .migration import migrate as migrate_db
 from .settings import Settings
 from .worker import Worker, load_processor
 
 log = logging.getLogger("kstore.cli")
 
-dsn_option = click.option("--dsn", default=None, help="Database URL [env KSTORE_DSN; default sqlite:///kstore.db]")
+
+
+def dsn_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--dsn-file", default=None, metavar="PATH",
+                     help="Read the database URL from this file (keeps its password out of the process list) "
+                          "[env KSTORE_DSN_FILE]")(f)
+    return click.option("--dsn", default=None, help="Database URL [env KSTORE_DSN; default sqlite:///kstore.db]")(f)
+
+
+def _parse_kafka_options(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}")
+        options[name.strip()] = value
+    return options
+
+
+def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """How to reach the brokers: address, TLS, SASL and any other kafka-python option."""
+    for decorator in reversed([
+        click.option("--bootstrap-servers", default=None,
+                     help="Kafka brokers, HOST:PORT[,...] [env KSTORE_BOOTSTRAP_SERVERS]"),
+        click.option("--security-protocol", default=None, type=click.Choice(SECURITY_PROTOCOLS, case_sensitive=False),
+                     help="[env KSTORE_SECURITY_PROTOCOL; default PLAINTEXT]"),
+        click.option("--sasl-mechanism", default=None,
+                     help=f"With SASL_*: {', '.join(SASL_MECHANISM_NAMES)} [env KSTORE_SASL_MECHANISM]"),
+        click.option("--sasl-username", default=None, help="[env KSTORE_SASL_USERNAME]"),
+        click.option("--sasl-password-file", default=None, metavar="PATH",
+                     help="Read the SASL password from this file [env KSTORE_SASL_PASSWORD_FILE, "
+                          "or KSTORE_SASL_PASSWORD]"),
+        click.option("--sasl-oauth-token-provider", default=None, metavar="MODULE:CALLABLE",
+                     help="OAUTHBEARER: returns the current token [env KSTORE_SASL_OAUTH_TOKEN_PROVIDER]"),
+        click.option("--ssl-cafile", default=None, metavar="PATH",
+                     help="CA certificate(s) of the brokers, PEM [env KSTORE_SSL_CAFILE; default: the system's]"),
+        click.option("--ssl-certfile", default=None, metavar="PATH",
+                     help="Client certificate for mutual TLS, PEM [env KSTORE_SSL_CERTFILE]"),
+        click.option("--ssl-keyfile", default=None, metavar="PATH",
+                     help="Its private key, PEM [env KSTORE_SSL_KEYFILE]"),
+        click.option("--ssl-key-password-file", default=None, metavar="PATH",
+                     help="Read the key's password from this file [env KSTORE_SSL_KEY_PASSWORD_FILE]"),
+        click.option("--ssl-check-hostname/--no-ssl-check-hostname", default=None,
+                     help="Check the broker certificate's host name [env KSTORE_SSL_CHECK_HOSTNAME; default on]"),
+        click.option("--kafka-option", "kafka_options", multiple=True, metavar="NAME=VALUE",
+                     callback=_parse_kafka_options,
+                     help="Any other kafka-python consumer option, repeatable [env KSTORE_KAFKA_<NAME>]"),
+    ]):
+        f = decorator(f)
+    return f
 
 
 @click.group()
@@ -56,6 +106,7 @@ def _run(ctx: click.Context, settings_factory: Callable[[], Settings], action: C
     settings: Settings | None = None
     try:
         settings = settings_factory()
+        _hide_in_logs(settings.secrets)
         return action(settings)
     except KstoreError as exc:
         _fail(ctx, settings, f"kstore: error: {exc}", exc.exit_code)
@@ -72,31 +123,54 @@ def _fail(ctx: click.Context, settings: Settings | None, message: str, code: int
 
 
 def _scrub(message: str, settings: Settings | None) -> str:
-    """Belt and braces: never print a password, even if a driver put it in a message."""
+    """Belt and braces: never print a secret, even if a driver put it in a message."""
     line = " ".join(message.splitlines())
-    if settings is not None:
-        from sqlalchemy.engine import make_url
-
-        password = make_url(settings.dsn).password
-        if password:
-            line = line.replace(str(password), "***")
+    for secret in settings.secrets if settings is not None else ():
+        line = line.replace(secret, "***")
     return line
+
+
+class _HideSecrets(logging.Filter):
+    """Masks the settings' secrets in every log record (kstore's, the drivers', with --debug too)."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        hidden = text
+        for secret in self.secrets:
+            hidden = hidden.replace(secret, "***")
+            if record.exc_text:
+                record.exc_text = record.exc_text.replace(secret, "***")
+        if hidden != text:
+            record.msg, record.args = hidden, None
+        return True
+
+
+def _hide_in_logs(secrets: list[str]) -> None:
+    if secrets:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_HideSecrets(secrets))
 
 
 @cli.command()
 @dsn_option
 @click.option("--revision", default="head", show_default=True, help="Migrate to this revision.")
 @click.pass_context
-def migrate(ctx: click.Context, dsn: str | None, revision: str) -> None:
+def migrate(ctx: click.Context, dsn: str | None, dsn_file: str | None, revision: str) -> None:
     """Create or upgrade kstore's tables (its own Alembic history, kstore_alembic_version)."""
-    revision = _run(ctx, lambda: Settings.from_env(dsn=dsn), lambda s: migrate_db(s, revision))
+    revision = _run(ctx, lambda: Settings.from_env(dsn=dsn, dsn_file=dsn_file), lambda s: migrate_db(s, revision))
     click.echo(f"kstore tables are at migration {revision}")
 
 
 @cli.command()
 @click.argument("processor")
 @dsn_option
-@click.option("--bootstrap-servers", default=None, help="Kafka brokers, HOST:PORT[,...] [env KSTORE_BOOTSTRAP_SERVERS]")
+@kafka_connection_options
 @click.option("--group", default=None, help="Pipeline name (Kafka group id); overrides the processor's.")
 @click.option("--topic", "topics", multiple=True, help="Topic to consume (repeatable); overrides the processor's.")
 @click.option("--start-from", default=None, help="earliest, latest or ISO 8601 time, if no stored offset.")
@@ -122,7 +196,7 @@ def offsets() -> None:
 
 
 def _kafka_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    f = click.option("--bootstrap-servers", default=None, help="Kafka brokers [env KSTORE_BOOTSTRAP_SERVERS]")(f)
+    f = kafka_connection_options(f)
     f = dsn_option(f)
     f = click.option("--group", required=True, help="Pipeline name (Kafka group id).")(f)
     return f
@@ -181,9 +255,9 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit: int, as_json: bool,
-                    dsn: str | None) -> None:
+                    **db: Any) -> None:
     """Every reset of a group, newest first: when, who, from, to, why, and the request id that wrote it."""
-    rows = _run(ctx, lambda: Settings.from_env(dsn=dsn), lambda s: admin.offset_history(s, group, topic, limit))
+    rows = _run(ctx, lambda: Settings.from_env(**db), lambda s: admin.offset_history(s, group, topic, limit))
     if as_json:
         click.echo(json.dumps([{**dataclasses.asdict(r), "at": r.at.isoformat()} for r in rows], indent=2))
         return
@@ -203,7 +277,7 @@ def dead_letters() -> None:
 @click.option("--all", "show_all", is_flag=True, help="Include replayed ones.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, dsn: str | None) -> None:
+def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, **db: Any) -> None:
     """The group's dead letters (not yet replayed, unless --all)."""
     def find(s: Settings) -> list[deadletters.DeadLetter]:
         store = deadletters.DeadLetters(s)
@@ -212,7 +286,7 @@ def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json
         finally:
             store.close()
 
-    letters = _run(ctx, lambda: Settings.from_env(dsn=dsn), find)
+    letters = _run(ctx, lambda: Settings.from_env(**db), find)
     if as_json:
         click.echo(json.dumps([d.summary() for d in letters], indent=2))
         return
@@ -225,7 +299,7 @@ def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json
 @dsn_option
 @click.argument("dead_letter_id", type=int)
 @click.pass_context
-def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, dsn: str | None) -> None:
+def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> None:
     """One dead letter in full: the message, the error and its traceback."""
     def get(s: Settings) -> deadletters.DeadLetter:
         store = deadletters.DeadLetters(s)
@@ -234,7 +308,7 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, dsn: str | Non
         finally:
             store.close()
 
-    d = _run(ctx, lambda: Settings.from_env(dsn=dsn), get)
+    d = _run(ctx, lambda: Settings.from_env(**db), get)
     for name, value in d.summary().items():
         click.echo(f"{name}: {value}")
     click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}\ntraceback:\n{d.traceback}")
@@ -247,13 +321,13 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, dsn: str | Non
 @click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
 @click.pass_context
 def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...],
-                        dsn: str | None) -> None:
+                        **db: Any) -> None:
     """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects."""
     def replay(s: Settings) -> deadletters.ReplayResult:
         sys.path.insert(0, os.getcwd())
         return deadletters.replay_dead_letters(s, load_processor(processor), group, ids or None)
 
-    result = _run(ctx, lambda: Settings.from_env(dsn=dsn), replay)
+    result = _run(ctx, lambda: Settings.from_env(**db), replay)
     click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "
                f"of {group!r}), failed {len(result.failed)}")
     for letter_id, error in result.failed.items():

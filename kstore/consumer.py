@@ -1,4 +1,4 @@
-"""The Kafka side of kstore: the only module that imports kafka-python.
+"""The Kafka side of kstore (with :mod:`kstore.kafkaconnect`, which makes its clients).
 
 :class:`KafkaSource` owns the consumer, the rebalance listener, per-partition
 queues of records already returned by ``poll()`` and the lock that makes
@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal, Protocol
 
-from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka.errors import KafkaError
 
 from .errors import BrokerError, ConfigurationError
+from .kafkaconnect import open_admin, open_consumer
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -159,31 +160,20 @@ class KafkaSource:
 
     def _connect(self) -> Any:
         s = self.settings
-        try:
-            consumer = KafkaConsumer(
-                bootstrap_servers=s.bootstrap_servers.split(","),
-                group_id=self.group,
-                client_id=s.client_id or f"kstore-{self.worker_id.replace(':', '-')}",
-                # Offsets live in the database; Kafka's committed offsets are
-                # never written (kafka-python seeks to any it finds).
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                allow_auto_create_topics=False,
-                max_poll_records=s.max_poll_records,
-                session_timeout_ms=s.session_timeout_ms,
-                heartbeat_interval_ms=s.heartbeat_interval_ms,
-                max_poll_interval_ms=s.max_poll_interval_ms,
-                # The constructor blocks until the brokers answer (to learn their version).
-                bootstrap_timeout_ms=int(s.connect_timeout_s * 1000),
-            )
-        except KafkaTimeoutError:
-            raise BrokerError(
-                f"cannot reach Kafka at {s.bootstrap_servers} within {s.connect_timeout_s:g}s: "
-                "check --bootstrap-servers"
-            ) from None
-        except KafkaError as exc:
-            raise BrokerError(f"Kafka at {s.bootstrap_servers} refused the client: {exc}") from None
-        return consumer
+        return open_consumer(
+            s,
+            group_id=self.group,
+            client_id=s.client_id or f"kstore-{self.worker_id.replace(':', '-')}",
+            # Offsets live in the database; Kafka's committed offsets are
+            # never written (kafka-python seeks to any it finds).
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            allow_auto_create_topics=False,
+            max_poll_records=s.max_poll_records,
+            session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
+            max_poll_interval_ms=s.max_poll_interval_ms,
+        )
 
     def check_topics(self) -> None:
         """Raise a clear error if a topic does not exist (topics are never auto-created)."""
@@ -459,17 +449,13 @@ class KafkaInspector:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        servers = settings.bootstrap_servers.split(",")
-        timeout_ms = int(settings.connect_timeout_s * 1000)
+        self.consumer = open_consumer(settings, group_id=None, enable_auto_commit=False,
+                                      allow_auto_create_topics=False)
         try:
-            self.consumer = KafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False,
-                                          allow_auto_create_topics=False, bootstrap_timeout_ms=timeout_ms)
-            self.admin = KafkaAdminClient(bootstrap_servers=servers, bootstrap_timeout_ms=timeout_ms)
-        except KafkaTimeoutError:
-            raise BrokerError(
-                f"cannot reach Kafka at {settings.bootstrap_servers} within {settings.connect_timeout_s:g}s: "
-                "check --bootstrap-servers"
-            ) from None
+            self.admin = open_admin(settings)
+        except BaseException:
+            self.consumer.close(autocommit=False)
+            raise
 
     def partitions(self, topic: str) -> list[int]:
         found = self.consumer.partitions_for_topic(topic)

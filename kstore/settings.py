@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -17,8 +17,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError
+from .kafkaconnect import check_kafka_options, check_security
 
 ENV_PREFIX = "KSTORE_"
+#: ``KSTORE_KAFKA_<NAME>`` sets kafka-python's option ``<name>`` (see ``kafka_options``).
+KAFKA_ENV_PREFIX = "KSTORE_KAFKA_"
+#: Settings that hold a secret: never in repr, logs or errors; each can be read from a
+#: file (``KSTORE_<NAME>_FILE``, or ``<name>_file=`` given to from_env), the container convention.
+SECRETS = ("dsn", "sasl_password", "ssl_key_password")
 # Variables under the prefix that belong to tools around kstore, not to Settings.
 _FOREIGN_ENV = ("KSTORE_TEST_", "KSTORE_CACHE_DIR", "KSTORE_DEBUG")
 START_POLICIES = ("earliest", "latest")
@@ -28,8 +34,28 @@ START_POLICIES = ("earliest", "latest")
 class Settings:
     """Everything a worker needs to know; see the README for each field."""
 
-    dsn: str = "sqlite:///kstore.db"
+    dsn: str = field(default="sqlite:///kstore.db", repr=False)
     bootstrap_servers: str = "127.0.0.1:9092"
+    #: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
+    security_protocol: str = "PLAINTEXT"
+    #: With SASL_*: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER (or AWS_MSK_IAM, GSSAPI).
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    #: OAUTHBEARER: ``MODULE:CALLABLE``, a function returning the current token, or a
+    #: kafka-python ``AbstractTokenProvider`` subclass (made without arguments) or instance.
+    sasl_oauth_token_provider: str | None = None
+    #: The CA certificate(s) that signed the brokers' certificates, PEM; default: the system's.
+    ssl_cafile: str | None = None
+    #: Mutual TLS: the client certificate (PEM; may hold the key too) and its key.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = field(default=None, repr=False)
+    #: Check that a broker's certificate is for the host connected to. Leave it on.
+    ssl_check_hostname: bool = True
+    #: Any other kafka-python consumer option by name, e.g. ``{"fetch_max_bytes": 1048576}``;
+    #: text values are converted to the option's type. Checked when the Kafka client is made.
+    kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: Overrides the processor's ``group`` when set.
     group: str | None = None
     #: Overrides the processor's ``topics`` when not empty.
@@ -83,6 +109,12 @@ class Settings:
     def __post_init__(self) -> None:
         if isinstance(self.topics, str):
             object.__setattr__(self, "topics", _split(self.topics))
+        object.__setattr__(self, "security_protocol", self.security_protocol.strip().upper())
+        if self.sasl_mechanism is not None:
+            object.__setattr__(self, "sasl_mechanism", self.sasl_mechanism.strip().upper())
+        object.__setattr__(self, "kafka_options", dict(self.kafka_options))
+        check_security(self)
+        check_kafka_options(self.kafka_options)
         for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
@@ -106,6 +138,12 @@ class Settings:
         """The DSN with its password masked, for logs and messages."""
         return make_url(self.dsn).render_as_string(hide_password=True)
 
+    @property
+    def secrets(self) -> list[str]:
+        """Every secret value these settings hold (the DSN's password too), to scrub from output."""
+        found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password]
+        return [str(v) for v in found if v]
+
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed; ``None`` values are ignored."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -115,22 +153,62 @@ class Settings:
         """Settings from ``KSTORE_<FIELD>`` variables, then ``overrides`` (``None`` = unset).
 
         An unknown ``KSTORE_*`` variable is an error, so a typo is not silently ignored.
+        ``KSTORE_KAFKA_<NAME>`` sets a kafka-python option; ``KSTORE_<SECRET>_FILE`` (and an
+        override ``<secret>_file``) reads a secret from a file. ``kafka_options`` given as an
+        override add to (and win over) those from the environment.
         """
-        env = os.environ if environ is None else environ
         types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in env.items():
-            if not key.startswith(ENV_PREFIX) or key.startswith(_FOREIGN_ENV):
-                continue
-            name = key[len(ENV_PREFIX):].lower()
-            if name not in types:
-                raise ConfigurationError(f"unknown setting in environment: {key}")
-            values[name] = _convert(key, raw, str(types[name]))
+        values, kafka_options = _read_environ(os.environ if environ is None else environ, types)
+        for secret in SECRETS:
+            path = overrides.pop(f"{secret}_file", None)
+            if path is not None:
+                if overrides.get(secret) is not None:
+                    raise ConfigurationError(f"give {secret} or {secret}_file, not both")
+                overrides[secret] = _read_secret(f"--{secret.replace('_', '-')}-file", path)
+        kafka_options.update(overrides.pop("kafka_options", None) or {})
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if kafka_options:
+            values["kafka_options"] = kafka_options
         unknown = set(values) - set(types)
         if unknown:
             raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+
+def _read_environ(env: Mapping[str, str], types: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Settings and Kafka options from ``KSTORE_*`` variables."""
+    values: dict[str, Any] = {}
+    kafka_options: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key.startswith(_FOREIGN_ENV):
+            continue
+        if key.startswith(KAFKA_ENV_PREFIX):
+            kafka_options[key[len(KAFKA_ENV_PREFIX):].lower()] = raw
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name.endswith("_file") and name[:-5] in SECRETS:
+            _set_once(values, name[:-5], _read_secret(key, raw), key)
+            continue
+        if name not in types:
+            raise ConfigurationError(f"unknown setting in environment: {key}")
+        _set_once(values, name, _convert(key, raw, str(types[name])), key)
+    return values, kafka_options
+
+
+def _set_once(values: dict[str, Any], name: str, value: Any, key: str) -> None:
+    if name in values:
+        raise ConfigurationError(f"{key}: {name} is given twice (as KSTORE_{name.upper()} and "
+                                 f"KSTORE_{name.upper()}_FILE); keep one")
+    values[name] = value
+
+
+def _read_secret(source: str, path: str) -> str:
+    """A secret file's content without its trailing line break (as `echo` or an editor leaves it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read the secret file {source}={path}: {exc.strerror}") from None
 
 
 def _split(raw: str) -> tuple[str, ...]:
