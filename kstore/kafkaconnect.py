@@ -311,6 +311,9 @@ def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     """A KafkaConsumer with kstore's own settings (``kstore_config``) over the user's options."""
     config = client_config(settings)
     config.update(kstore_config)
+    given = check_kafka_options(settings.kafka_options)
+    if given:
+        log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(given.items())))
     return _open(settings, config, lambda: KafkaConsumer(**config))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -96,3 +98,14 @@ class JsonRecorder(Recorder):
     """Recorder for JSON values: a value that is not JSON fails to deserialize."""
 
     value_format = "json"
+
+
+def oauth_token() -> str:
+    """An OAUTHBEARER token Kafka's default (unsecured) validator accepts: an unsigned JWT
+    (alg none) with a subject, issued now, expiring in an hour. Used as
+    ``--sasl-oauth-token-provider processors:oauth_token``."""
+    def part(obj: dict[str, object]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).decode().rstrip("=")
+
+    now = int(time.time())
+    return f"{part({'alg': 'none'})}.{part({'sub': 'kstore-test', 'iat': now, 'exp': now + 3600})}."
