@@ -25,6 +25,10 @@ Command line::
     python -m kstore.devbroker start [--brokers 3] [--state-file PATH]   # detached
     python -m kstore.devbroker stop [--state-file PATH]
     python -m kstore.devbroker run [--brokers 3]                          # foreground, Ctrl-C
+    python -m kstore.devbroker start --secured      # TLS/SASL listeners; prints SecuredEndpoints as JSON
+
+:class:`SecuredBroker` adds TLS and SASL listeners to one node, with throwaway certificates
+(:mod:`kstore.devcerts`) and users, for testing clients' security settings.
 
 A JVM started by a :class:`Cluster` (not detached) never outlives the Python process: it runs
 in its own process group, an ``atexit`` hook stops it, and a small watchdog process stops it
@@ -59,6 +63,8 @@ from xml.sax.saxutils import quoteattr
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from kstore.devcerts import CertificateAuthority, KeyPair, encrypt_key
+
 __all__ = [
     "DEFAULT_VERSION",
     "Broker",
@@ -67,6 +73,10 @@ __all__ = [
     "DevBrokerError",
     "Node",
     "NodeState",
+    "SCRAM_MECHANISM",
+    "SecuredBroker",
+    "SecuredEndpoints",
+    "WRONG_HOSTNAME",
     "cache_root",
     "fetch_jars",
     "java_executable",
@@ -381,6 +391,8 @@ class Node:
     directory: Path
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     watchdog: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    #: Ports of listeners besides PLAINTEXT and CONTROLLER, by listener name (SecuredBroker).
+    extra_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -585,11 +597,24 @@ class Cluster:
 
     # -- configuration ------------------------------------------------------------------------
 
+    def _extra_listeners(self) -> Sequence[str]:
+        """Names of listeners a subclass adds to each node; each gets a port in ``Node.extra_ports``."""
+        return ()
+
+    def _format_options(self, node: Node) -> list[str]:
+        """Extra ``kafka.tools.StorageTool format`` arguments (SCRAM users for SecuredBroker)."""
+        return []
+
     def _plan_nodes(self) -> list[Node]:
-        ports = _free_ports(2 * self.n_brokers)
-        nodes = [
-            Node(i + 1, ports[2 * i], ports[2 * i + 1], self.data_dir / f"node-{i + 1}") for i in range(self.n_brokers)
-        ]
+        extra = list(self._extra_listeners())
+        per_node = 2 + len(extra)
+        ports = _free_ports(per_node * self.n_brokers)
+        nodes = []
+        for i in range(self.n_brokers):
+            own = ports[per_node * i : per_node * (i + 1)]
+            node = Node(i + 1, own[0], own[1], self.data_dir / f"node-{i + 1}")
+            node.extra_ports = dict(zip(extra, own[2:], strict=True))
+            nodes.append(node)
         voters = ",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in nodes)
         for node in nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
@@ -661,6 +686,7 @@ class Cluster:
                 self.cluster_id,
                 "--config",
                 str(node.properties_file),
+                *self._format_options(node),
             )
             with node.console_file.open("ab") as out:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
@@ -809,6 +835,213 @@ class Broker(Cluster):
 
 
 # --------------------------------------------------------------------------------------------
+# A broker with secured listeners
+# --------------------------------------------------------------------------------------------
+
+_SASL_SSL, _SSL, _SASL_PLAINTEXT, _WRONG_HOST = "SASL_SSL", "SSL", "SASL_PLAINTEXT", "WRONG_HOST"
+_SECURED_PROTOCOLS = {_SASL_SSL: "SASL_SSL", _SSL: "SSL", _SASL_PLAINTEXT: "SASL_PLAINTEXT", _WRONG_HOST: "SSL"}
+#: The SCRAM mechanism of the SASL_SSL listener.
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+_SCRAM_MODULE = "org.apache.kafka.common.security.scram.ScramLoginModule"
+_PLAIN_MODULE = "org.apache.kafka.common.security.plain.PlainLoginModule"
+_OAUTH_MODULE = "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule"
+#: The only name in the WRONG_HOST listener's certificate: a client that checks hostnames fails.
+WRONG_HOSTNAME = "wrong.example.invalid"
+
+
+@dataclass(frozen=True)
+class SecuredEndpoints:
+    """Where a :class:`SecuredBroker` listens, and the files and credentials its clients need.
+
+    Every address is ``127.0.0.1:PORT``; every file is a PEM file in the broker's data folder.
+    The broker's certificates (``IP:127.0.0.1``, ``DNS:localhost``) are signed by ``ca_file``.
+    """
+
+    #: No security; the test harness and inter-broker traffic use it.
+    plaintext: str
+    #: SASL SCRAM-SHA-512 over TLS (``scram_user``/``scram_password``); no client certificate.
+    sasl_ssl: str
+    #: Mutual TLS: a client certificate signed by ``ca_file`` is required.
+    ssl: str
+    #: SASL without TLS: PLAIN (``plain_user``/``plain_password``) and OAUTHBEARER (unsigned JWTs).
+    sasl_plaintext: str
+    #: TLS without client auth, whose certificate names only ``wrong.example.invalid``.
+    wrong_hostname: str
+    ca_file: str
+    #: A CA that signed nothing the broker uses: a client trusting only it refuses the broker.
+    other_ca_file: str
+    #: Signed by ``ca_file``, for the mutual-TLS listener.
+    client_cert_file: str
+    client_key_file: str
+    #: ``client_key_file`` encrypted (PKCS#8, AES-256) with ``client_key_password``.
+    client_key_encrypted_file: str
+    client_key_password: str
+    #: Signed by ``ca_file`` but valid only in January 2020.
+    expired_cert_file: str
+    expired_key_file: str
+    scram_user: str
+    scram_password: str
+    plain_user: str
+    plain_password: str
+    scram_mechanism: str = SCRAM_MECHANISM
+
+
+@dataclass(frozen=True)
+class _BrokerTls:
+    keystore: Path
+    wrong_host_keystore: Path
+    ca: CertificateAuthority
+    other_ca: CertificateAuthority
+    client: KeyPair
+    client_key_encrypted: Path
+    expired: KeyPair
+
+
+def _make_broker_tls(directory: Path, key_password: str) -> _BrokerTls:
+    # ~30 ms in all with EC keys: cheaper than keeping them between runs.
+    ca = CertificateAuthority.create(directory / "ca", "kstore-dev-ca")
+    other_ca = CertificateAuthority.create(directory / "other-ca", "kstore-dev-other-ca")
+    broker = ca.issue("broker", sans=(f"IP:{HOST}", "DNS:localhost"))
+    wrong = ca.issue("broker-wrong-host", sans=(f"DNS:{WRONG_HOSTNAME}",))
+    client = ca.issue("client")
+    return _BrokerTls(
+        keystore=broker.write_bundle(directory / "broker.keystore.pem", ca.cert),
+        wrong_host_keystore=wrong.write_bundle(directory / "broker-wrong-host.keystore.pem", ca.cert),
+        ca=ca,
+        other_ca=other_ca,
+        client=client,
+        client_key_encrypted=encrypt_key(client.key, directory / "client.encrypted.key", key_password),
+        expired=ca.issue("client-expired", expired=True),
+    )
+
+
+def _jaas(module: str, **options: str) -> str:
+    return " ".join([module, "required", *(f'{k}="{v}"' for k, v in options.items())]) + ";"
+
+
+class SecuredBroker(Broker):
+    """One Kafka node with TLS and SASL listeners besides PLAINTEXT, for testing clients' security.
+
+    Listeners (see :class:`SecuredEndpoints`, from :attr:`endpoints` once started): SASL_SSL
+    with SCRAM-SHA-512, SSL with client certificates required, SASL_PLAINTEXT with PLAIN and
+    OAUTHBEARER, and an SSL listener whose certificate is for a wrong hostname. A throwaway CA,
+    a second unrelated CA and the certificates are made with ``openssl`` at start, in the data
+    folder. The SCRAM user is created when the storage is formatted (``--add-scram``), so it
+    exists before the broker serves.
+
+    OAUTHBEARER uses Kafka's default *unsecured* validator: any unsigned JWT (``alg: none``)
+    with a ``sub`` and an ``exp`` in the future is accepted (see ``unsecured_jwt`` in
+    tests/test_devbroker_secured.py).
+    """
+
+    def __init__(
+        self,
+        *,
+        scram_user: str = "kstore-scram",
+        scram_password: str = "scram-secret",
+        plain_user: str = "kstore-plain",
+        plain_password: str = "plain-secret",
+        client_key_password: str = "client-key-secret",
+        version: str = DEFAULT_VERSION,
+        data_dir: str | os.PathLike[str] | None = None,
+        heap: str = DEFAULT_HEAP,
+        jvm_options: Sequence[str] = DEFAULT_JVM_OPTIONS,
+        extra_config: Mapping[str, str] | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        detach: bool = False,
+    ) -> None:
+        super().__init__(
+            version=version,
+            data_dir=data_dir,
+            heap=heap,
+            jvm_options=jvm_options,
+            extra_config=extra_config,
+            start_timeout=start_timeout,
+            detach=detach,
+        )
+        self.scram_user = scram_user
+        self.scram_password = scram_password
+        self.plain_user = plain_user
+        self.plain_password = plain_password
+        self.client_key_password = client_key_password
+        self._tls: _BrokerTls | None = None
+
+    @property
+    def endpoints(self) -> SecuredEndpoints:
+        if self._tls is None or not self.nodes:
+            raise DevBrokerError("the broker has not been started")
+        tls, node = self._tls, self.nodes[0]
+        return SecuredEndpoints(
+            plaintext=node.address,
+            sasl_ssl=f"{HOST}:{node.extra_ports[_SASL_SSL]}",
+            ssl=f"{HOST}:{node.extra_ports[_SSL]}",
+            sasl_plaintext=f"{HOST}:{node.extra_ports[_SASL_PLAINTEXT]}",
+            wrong_hostname=f"{HOST}:{node.extra_ports[_WRONG_HOST]}",
+            ca_file=str(tls.ca.cert),
+            other_ca_file=str(tls.other_ca.cert),
+            client_cert_file=str(tls.client.cert),
+            client_key_file=str(tls.client.key),
+            client_key_encrypted_file=str(tls.client_key_encrypted),
+            client_key_password=self.client_key_password,
+            expired_cert_file=str(tls.expired.cert),
+            expired_key_file=str(tls.expired.key),
+            scram_user=self.scram_user,
+            scram_password=self.scram_password,
+            plain_user=self.plain_user,
+            plain_password=self.plain_password,
+        )
+
+    def _extra_listeners(self) -> Sequence[str]:
+        return tuple(_SECURED_PROTOCOLS)
+
+    def _plan_nodes(self) -> list[Node]:
+        # Before the properties are written: they name the certificate files.
+        self._tls = _make_broker_tls(self.data_dir / "tls", self.client_key_password)
+        return super()._plan_nodes()
+
+    def _format_options(self, node: Node) -> list[str]:
+        return ["--add-scram", f"{SCRAM_MECHANISM}=[name={self.scram_user},password={self.scram_password}]"]
+
+    def _server_properties(self, node: Node, voters: str) -> dict[str, str]:
+        if self._tls is None:
+            raise DevBrokerError("the TLS files are made before the properties")
+        ports = {"PLAINTEXT": node.port, **node.extra_ports}
+        served = ",".join(f"{name}://{HOST}:{port}" for name, port in ports.items())
+        protocols = {"PLAINTEXT": "PLAINTEXT", "CONTROLLER": "PLAINTEXT", **_SECURED_PROTOCOLS}
+        scram = SCRAM_MECHANISM.lower()
+        props = super()._server_properties(node, voters)
+        props.update(
+            {
+                "listeners": f"{served},CONTROLLER://{HOST}:{node.controller_port}",
+                "advertised.listeners": served,
+                "listener.security.protocol.map": ",".join(f"{k}:{v}" for k, v in protocols.items()),
+                # PEM files, read by Kafka directly (no JKS or PKCS12 conversion). The key is
+                # unencrypted, so no ssl.key.password (a PEM keystore takes no store password).
+                "ssl.keystore.type": "PEM",
+                "ssl.keystore.location": str(self._tls.keystore),
+                "ssl.truststore.type": "PEM",
+                "ssl.truststore.location": str(self._tls.ca.cert),
+                # Per-listener settings override the global ssl.* ones for that listener only.
+                f"listener.name.{_SSL.lower()}.ssl.client.auth": "required",
+                f"listener.name.{_WRONG_HOST.lower()}.ssl.keystore.location": str(self._tls.wrong_host_keystore),
+                f"listener.name.{_SASL_SSL.lower()}.sasl.enabled.mechanisms": SCRAM_MECHANISM,
+                f"listener.name.{_SASL_SSL.lower()}.{scram}.sasl.jaas.config": _jaas(_SCRAM_MODULE),
+                f"listener.name.{_SASL_PLAINTEXT.lower()}.sasl.enabled.mechanisms": "PLAIN,OAUTHBEARER",
+                f"listener.name.{_SASL_PLAINTEXT.lower()}.plain.sasl.jaas.config": _jaas(
+                    _PLAIN_MODULE, **{f"user_{self.plain_user}": self.plain_password}
+                ),
+                # The broker logs in too, with an unsecured token of its own; clients' tokens
+                # are checked by the default unsecured validator (signature alg "none").
+                f"listener.name.{_SASL_PLAINTEXT.lower()}.oauthbearer.sasl.jaas.config": _jaas(
+                    _OAUTH_MODULE, unsecuredLoginStringClaim_sub="kstore-devbroker"
+                ),
+            }
+        )
+        props.update(self.extra_config)
+        return props
+
+
+# --------------------------------------------------------------------------------------------
 # Detached clusters (state file)
 # --------------------------------------------------------------------------------------------
 
@@ -874,22 +1107,34 @@ def _write_state(path: Path, cluster: Cluster) -> None:
     tmp.replace(path)
 
 
+def _new_cluster(args: argparse.Namespace, *, detach: bool) -> Cluster:
+    if not args.secured:
+        return Cluster(
+            args.brokers, version=args.version, data_dir=args.data_dir, start_timeout=args.timeout, detach=detach
+        )
+    if args.brokers != 1:
+        raise DevBrokerError("--secured starts a single broker; drop --brokers")
+    return SecuredBroker(version=args.version, data_dir=args.data_dir, start_timeout=args.timeout, detach=detach)
+
+
+def _print_started(cluster: Cluster) -> None:
+    # A secured broker's addresses, files and credentials, as JSON (SecuredEndpoints' fields).
+    if isinstance(cluster, SecuredBroker):
+        print(json.dumps(asdict(cluster.endpoints), indent=2), flush=True)
+    else:
+        print(cluster.bootstrap_servers, flush=True)
+
+
 def _cmd_start(args: argparse.Namespace) -> int:
     state_file = Path(args.state_file)
     running = _running_state(state_file)
     if running is not None:
         print(f"already running ({state_file}): {running.bootstrap_servers}", file=sys.stderr)
         return 1
-    cluster = Cluster(
-        args.brokers,
-        version=args.version,
-        data_dir=args.data_dir,
-        start_timeout=args.timeout,
-        detach=True,
-    )
+    cluster = _new_cluster(args, detach=True)
     cluster.start()
     _write_state(state_file, cluster)
-    print(cluster.bootstrap_servers, flush=True)
+    _print_started(cluster)
     return 0
 
 
@@ -913,11 +1158,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # too because a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
-    cluster = Cluster(args.brokers, version=args.version, data_dir=args.data_dir, start_timeout=args.timeout)
+    cluster = _new_cluster(args, detach=False)
     try:
         with cluster:
             _write_state(state_file, cluster)
-            print(cluster.bootstrap_servers, flush=True)
+            _print_started(cluster)
             print("running; Ctrl-C to stop", file=sys.stderr, flush=True)
             while all(node.running for node in cluster.nodes):
                 time.sleep(0.5)
@@ -947,6 +1192,12 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--data-dir", default=None, help="kept after stop (default: temp)")
         cmd.add_argument("--timeout", type=float, default=DEFAULT_START_TIMEOUT)
         cmd.add_argument("--state-file", default=str(DEFAULT_STATE_FILE))
+        cmd.add_argument(
+            "--secured",
+            action="store_true",
+            help="one broker with SASL_SSL, SSL (mutual TLS), SASL_PLAINTEXT and wrong-hostname TLS listeners;"
+            " prints their addresses, certificate files and users as JSON",
+        )
         cmd.set_defaults(func=func)
     stop = sub.add_parser("stop", help="stop what 'start' started")
     stop.add_argument("--state-file", default=str(DEFAULT_STATE_FILE))
