@@ -7,8 +7,11 @@ session; it never skips.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,8 @@ from kafka.admin import NewTopic
 from pytest_postgresql import factories
 
 from kstore import Settings, migrate
-from kstore.devbroker import Cluster
+from kstore.devbroker import Cluster, SecuredBroker, SecuredEndpoints
+from kstore.devcerts import CertificateAuthority
 
 from .harness import TESTS_DIR, WorkerProcess, wait_until
 from .processors import metadata as effects_metadata
@@ -31,6 +35,15 @@ postgresql = factories.postgresql("postgresql_proc")
 PG_PASSWORD = "pg-s3cret-Pw"
 postgresql_pw_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"),
                                                password=PG_PASSWORD, port=None)
+#: A third server with TLS (ssl=on). Its certificate and key are made by `pg_tls_files` before it
+#: starts, at a path fixed now because pytest-postgresql takes the server options when the
+#: fixture is defined (the pid keeps parallel sessions apart).
+_PG_TLS_DIR = Path(tempfile.gettempdir()) / f"kstore-pg-tls-{os.getpid()}"
+_postgresql_tls_server = factories.postgresql_proc(
+    executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"), port=None,
+    postgres_options=f"-c ssl=on -c ssl_cert_file={_PG_TLS_DIR / 'server.pem'} "
+                     f"-c ssl_key_file={_PG_TLS_DIR / 'server.key'}",
+)
 
 #: Broker settings for tests: topics exist only when a test creates them.
 BROKER_CONFIG = {"auto.create.topics.enable": "false"}
@@ -51,6 +64,18 @@ def kafka() -> Iterator[str]:
         yield cluster.bootstrap_servers
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def secure_kafka() -> Iterator[SecuredEndpoints]:
+    """A second broker with SASL_SSL (SCRAM), mutual-TLS, SASL_PLAINTEXT (PLAIN, OAUTHBEARER) and
+    wrong-hostname TLS listeners besides PLAINTEXT, with its CA, client certificates and users."""
+    broker = SecuredBroker(extra_config=BROKER_CONFIG)
+    broker.start()
+    try:
+        yield broker.endpoints
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="session")
@@ -119,6 +144,50 @@ def pg_dsn(postgresql: Any) -> str:
     """A fresh PostgreSQL database with kstore's tables and the tests' effects table."""
     info = postgresql.info
     return _prepare(f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}")
+
+
+@dataclass(frozen=True)
+class PgTlsFiles:
+    """The TLS server's CA (clients verify against it) and an unrelated CA (which must fail)."""
+
+    ca_file: Path
+    other_ca_file: Path
+
+
+@pytest.fixture(scope="session")
+def pg_tls_files() -> Iterator[PgTlsFiles]:
+    """Certificates for the TLS PostgreSQL server: for 127.0.0.1 and localhost, from a throwaway CA."""
+    if _PG_TLS_DIR.exists():
+        shutil.rmtree(_PG_TLS_DIR)
+    ca = CertificateAuthority.create(_PG_TLS_DIR, "kstore-pg-ca")
+    server = ca.issue("server", sans=("IP:127.0.0.1", "DNS:localhost"))
+    other = CertificateAuthority.create(_PG_TLS_DIR / "other", "kstore-pg-other-ca")
+    # The server runs as `postgres` when the tests run as root (tests/pg_ctl_as_postgres.sh), and
+    # refuses a key that anyone but its owner can read: the key is postgres's, mode 0600.
+    _PG_TLS_DIR.chmod(0o755)
+    if os.geteuid() == 0:
+        shutil.chown(server.key, user="postgres", group="postgres")
+    try:
+        yield PgTlsFiles(ca.cert, other.cert)
+    finally:
+        shutil.rmtree(_PG_TLS_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgresql_tls_proc(pg_tls_files: PgTlsFiles, request: pytest.FixtureRequest) -> Any:
+    """The PostgreSQL server with ssl=on (started after its certificate exists)."""
+    return request.getfixturevalue("_postgresql_tls_server")
+
+
+postgresql_tls = factories.postgresql("postgresql_tls_proc")
+
+
+@pytest.fixture
+def pg_tls_dsn(postgresql_tls: Any, pg_tls_files: PgTlsFiles) -> str:
+    """Like ``pg_dsn``, on the TLS server, with ``sslmode=verify-full`` against its CA."""
+    info = postgresql_tls.info
+    return _prepare(f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
+                    f"?sslmode=verify-full&sslrootcert={pg_tls_files.ca_file}")
 
 
 @pytest.fixture
