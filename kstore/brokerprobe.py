@@ -11,13 +11,14 @@ is made kstore opens one connection itself, with the same TLS context, and asks:
    refused the client certificate (or needs one).
 2. Does the broker answer an ApiVersions request? A TLS listener spoken to in plain
    text closes the connection: that is confirmed with a second, TLS connection.
-3. With SASL: does the broker enable the mechanism (a SaslHandshake, no credentials
-   sent)? Without SASL: does it answer a Metadata request (a SASL listener closes
-   the connection instead)?
+3. With SASL: does the broker enable the mechanism (SaslHandshake), and does it
+   accept the credentials (PLAIN, SCRAM, OAUTHBEARER, through kafka-python's own
+   mechanism classes)? kafka-python retries a refused login until its timeout too,
+   as the broker closes the connection right after refusing. Without SASL: does it
+   answer a Metadata request (a SASL listener closes the connection instead)?
 
 A clear answer raises :class:`~kstore.errors.BrokerError`; anything else (no broker
-up yet, a timeout, a proxy in between) lets the client try as usual. Wrong
-credentials are left to kafka-python, which fails on them at once.
+up yet, a timeout, a proxy in between) lets the client try as usual.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kafka.net.sasl import get_sasl_mechanism
+
 from .errors import BrokerError
 
-_API_VERSIONS, _METADATA, _SASL_HANDSHAKE = 18, 3, 17
+_API_VERSIONS, _METADATA, _SASL_HANDSHAKE, _SASL_AUTHENTICATE = 18, 3, 17, 36
+#: Mechanisms the probe logs in with (kafka-python's own implementation); GSSAPI and
+#: AWS_MSK_IAM need outside parts and are left to the client.
+_AUTHENTICATED_HERE = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
 _UNSUPPORTED_SASL_MECHANISM = 33
 #: Metadata versions whose request is the topics array and the auto-create flag (v8 adds two flags).
 _METADATA_VERSIONS = range(4, 8)
@@ -41,6 +47,10 @@ _CLIENT_ID = b"kstore-probe"
 
 class _Inconclusive(Exception):
     """The probe learned nothing certain: let the client try."""
+
+
+class _TlsRecord(Exception):
+    """A plain-text request got a TLS record back (an alert): the listener speaks TLS."""
 
 
 def probe(settings: Any, config: Mapping[str, Any]) -> None:
@@ -55,7 +65,7 @@ def probe(settings: Any, config: Mapping[str, Any]) -> None:
         except OSError:
             continue  # not up (yet): the client waits for it as it always does
         try:
-            _check(sock, host, port, settings, config.get("ssl_context"), timeout)
+            _check(sock, host, port, settings, config)
         except _Inconclusive:
             pass
         finally:
@@ -70,41 +80,61 @@ def _split_address(server: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check(sock: socket.socket, host: str, port: int, settings: Any, context: ssl.SSLContext | None,
-           timeout: float) -> None:
+def _check(sock: socket.socket, host: str, port: int, settings: Any, config: Mapping[str, Any]) -> None:
     where, protocol = f"{host}:{port}", settings.security_protocol
+    context: ssl.SSLContext | None = config.get("ssl_context")
+    has_certificate = bool(settings.ssl_certfile)
     stream: socket.socket = sock
     if context is not None:
-        stream = _handshake(context, sock, host, where)
-    with _answers(where, context is not None):
+        stream = _handshake(context, sock, host, where, has_certificate)
+    with _answers(where, context is not None, has_certificate):
         versions = _api_versions(_round_trip(stream, _request(_API_VERSIONS, 0, b"")))
-    if settings.sasl_mechanism:
-        body = _string(settings.sasl_mechanism)
-        with _answers(where, context is not None):
-            error, enabled = _sasl_handshake(_round_trip(stream, _request(_SASL_HANDSHAKE, 1, body)))
-        if error == _UNSUPPORTED_SASL_MECHANISM:
-            raise BrokerError(f"Kafka at {where} does not enable SASL mechanism {settings.sasl_mechanism} "
-                              f"on this listener; it enables: {', '.join(enabled) or 'none'}")
-        return
-    metadata = next((v for v in reversed(_METADATA_VERSIONS) if v in versions.get(_METADATA, ())), None)
-    if metadata is None:
-        return
-    try:
-        _round_trip(stream, _request(_METADATA, metadata, struct.pack(">ib", 0, 0)))
-    except (ConnectionError, EOFError):
-        raise BrokerError(f"Kafka at {where} closed the connection at the first request after ApiVersions: it "
-                          f"expects SASL authentication; set security_protocol to "
-                          f"{'SASL_SSL' if context is not None else 'SASL_PLAINTEXT'} and a sasl_mechanism "
-                          f"(security_protocol is {protocol})") from None
+        if settings.sasl_mechanism:
+            _sasl(stream, host, where, settings, config, versions)
+            return
+        metadata = next((v for v in reversed(_METADATA_VERSIONS) if v in versions.get(_METADATA, ())), None)
+        if metadata is None:
+            return
+        try:
+            _round_trip(stream, _request(_METADATA, metadata, struct.pack(">ib", 0, 0)))
+        except (ConnectionError, EOFError):
+            raise BrokerError(
+                f"Kafka at {where} closed the connection at the first request after ApiVersions: it expects SASL "
+                f"authentication; set security_protocol to {'SASL_SSL' if context is not None else 'SASL_PLAINTEXT'}"
+                f" and a sasl_mechanism (security_protocol is {protocol})") from None
 
 
-def _handshake(context: ssl.SSLContext, sock: socket.socket, host: str, where: str) -> socket.socket:
+def _sasl(stream: socket.socket, host: str, where: str, settings: Any, config: Mapping[str, Any],
+          versions: Mapping[int, range]) -> None:
+    """SaslHandshake, then (for the mechanisms that need nothing outside kstore) the authentication itself:
+    kafka-python retries a refused login until its timeout, as the broker closes right after refusing."""
+    mechanism_name = settings.sasl_mechanism
+    error, enabled = _sasl_handshake(_round_trip(stream, _request(_SASL_HANDSHAKE, 1, _string(mechanism_name))))
+    if error == _UNSUPPORTED_SASL_MECHANISM:
+        raise BrokerError(f"Kafka at {where} does not enable SASL mechanism {mechanism_name} "
+                          f"on this listener; it enables: {', '.join(enabled) or 'none'}")
+    if error != 0 or mechanism_name not in _AUTHENTICATED_HERE:
+        return
+    version = 1 if 1 in versions.get(_SASL_AUTHENTICATE, range(0, 2)) else 0
+    mechanism = get_sasl_mechanism(mechanism_name)(host=host, **config)
+    while not mechanism.is_done():
+        body = _round_trip(stream, _request(_SASL_AUTHENTICATE, version, _bytes(mechanism.auth_bytes())))
+        code, message, answer = _sasl_authenticate(body)
+        if code != 0:
+            who = f" as user {settings.sasl_username!r}" if settings.sasl_username else ""
+            raise BrokerError(f"Kafka at {where} refused SASL {mechanism_name} authentication{who}: "
+                              f"{message or f'error {code}'}")
+        mechanism.receive(answer)
+
+
+def _handshake(context: ssl.SSLContext, sock: socket.socket, host: str, where: str,
+               has_certificate: bool) -> socket.socket:
     try:
         return context.wrap_socket(sock, server_hostname=host)
     except ssl.SSLCertVerificationError as exc:
         raise BrokerError(f"Kafka at {where}: {_verify_failure(exc, host)}") from None
     except ssl.SSLError as exc:
-        raise BrokerError(f"Kafka at {where}: {_tls_failure(exc)}") from None
+        raise BrokerError(f"Kafka at {where}: {_tls_failure(exc, has_certificate)}") from None
     except (ConnectionError, EOFError):
         raise BrokerError(f"Kafka at {where} closed the connection during the TLS handshake: is it a TLS "
                           "listener? (security_protocol is SSL or SASL_SSL)") from None
@@ -122,29 +152,33 @@ def _verify_failure(exc: ssl.SSLCertVerificationError, host: str) -> str:
     return (f"the broker's TLS certificate is not trusted ({message}): give the CA that signed it as ssl_cafile")
 
 
-def _tls_failure(exc: ssl.SSLError) -> str:
+def _tls_failure(exc: ssl.SSLError, has_certificate: bool) -> str:
     reason = str(exc.reason or exc)
     if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST",
                   "UNEXPECTED_EOF_WHILE_READING", "UNSUPPORTED_PROTOCOL"):
         return (f"the listener does not speak TLS ({reason}): is it PLAINTEXT or SASL_PLAINTEXT? "
                 "(security_protocol is SSL or SASL_SSL)")
-    if "CERTIFICATE_REQUIRED" in reason or reason == "SSLV3_ALERT_HANDSHAKE_FAILURE":
-        return (f"the broker requires a client certificate ({reason}): give ssl_certfile and ssl_keyfile")
+    refused = "CERTIFICATE" in reason or "UNKNOWN_CA" in reason or reason.endswith("ALERT_HANDSHAKE_FAILURE")
+    if refused and not has_certificate:
+        return f"the broker requires a client certificate ({reason}): give ssl_certfile and ssl_keyfile"
     if "CERTIFICATE_EXPIRED" in reason:
         return f"the broker refused the client certificate: it has expired ({reason})"
-    if "CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
-        return (f"the broker refused the client certificate ({reason}): is it expired, or signed by a CA "
-                "the broker does not trust?")
+    if refused:
+        return (f"the broker refused the client certificate ({reason}): is it signed by a CA the broker "
+                "trusts, and still valid?")
     return f"TLS failed: {reason}"
 
 
 @contextlib.contextmanager
-def _answers(where: str, tls: bool) -> Iterator[None]:
+def _answers(where: str, tls: bool, has_certificate: bool) -> Iterator[None]:
     """Turn what a first request can meet into a diagnosis (or an inconclusive probe)."""
     try:
         yield
     except ssl.SSLError as exc:  # TLS 1.3: the broker's verdict on the client certificate comes after the handshake
-        raise BrokerError(f"Kafka at {where}: {_tls_failure(exc)}") from None
+        raise BrokerError(f"Kafka at {where}: {_tls_failure(exc, has_certificate)}") from None
+    except _TlsRecord:
+        raise BrokerError(f"Kafka at {where} is a TLS listener: set security_protocol to SSL or SASL_SSL "
+                          "(it answered a plain-text request with a TLS alert)") from None
     except (ConnectionError, EOFError):
         if not tls and _speaks_tls(where):
             raise BrokerError(f"Kafka at {where} is a TLS listener: set security_protocol to SSL or SASL_SSL "
@@ -182,9 +216,16 @@ def _string(text: str) -> bytes:
     return struct.pack(">h", len(raw)) + raw
 
 
+def _bytes(raw: bytes) -> bytes:
+    return struct.pack(">i", len(raw)) + raw
+
+
 def _round_trip(stream: socket.socket, request: bytes) -> bytes:
     stream.sendall(request)
-    (size,) = struct.unpack(">i", _read(stream, 4))
+    head = _read(stream, 4)
+    if head[0] in (0x15, 0x16) and head[1] == 0x03:  # a TLS alert or handshake record, not a Kafka size
+        raise _TlsRecord()
+    (size,) = struct.unpack(">i", head)
     if not 4 <= size <= 1 << 20:
         raise ValueError(f"implausible response size {size}")
     return _read(stream, size)[4:]  # without the correlation id
@@ -217,3 +258,12 @@ def _sasl_handshake(body: bytes) -> tuple[int, list[str]]:
         enabled.append(body[pos + 2:pos + 2 + length].decode(errors="replace"))
         pos += 2 + length
     return error, enabled
+
+
+def _sasl_authenticate(body: bytes) -> tuple[int, str | None, bytes]:
+    """SaslAuthenticate v0/v1: error code, error message, the server's auth bytes."""
+    error, length = struct.unpack_from(">hh", body, 0)
+    message = body[4:4 + length].decode(errors="replace") if length >= 0 else None
+    pos = 4 + max(0, length)
+    (size,) = struct.unpack_from(">i", body, pos)
+    return error, message, body[pos + 4:pos + 4 + max(0, size)]
