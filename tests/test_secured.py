@@ -290,3 +290,23 @@ def test_database_certificate_from_an_untrusted_ca_is_refused(pg_tls_dsn: str, s
     r, _ = kstore("migrate", "--dsn", dsn)
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "certificate verify failed" in r.stderr, r.stderr
+
+
+def test_no_secret_in_debug_output_or_help(secure_kafka: SecuredEndpoints, refused: Any, tmp_path: Path,
+                                           postgresql_pw_proc: Any) -> None:
+    """With --debug (tracebacks, kstore's and kafka-python's debug logs) a failing login through the
+    whole path prints neither the SASL password nor the database password; --help shows no default."""
+    from .conftest import PG_PASSWORD
+
+    ep, wrong = secure_kafka, "wrong-Secret-77"
+    dsn = (f"postgresql+psycopg2://{postgresql_pw_proc.user}:{PG_PASSWORD}@{postgresql_pw_proc.host}:"
+           f"{postgresql_pw_proc.port}/postgres")
+    assert kstore("migrate", "--dsn", dsn)[0].returncode == 0
+    r, _ = kstore("--debug", "offsets", "show", "--group", "g", "--dsn", dsn, *scram_args(ep, tmp_path, password=wrong))
+    assert r.returncode == 2 and "refused SASL SCRAM-SHA-512 authentication" in r.stderr, r.stderr
+    assert "Traceback" in r.stderr  # --debug did show it
+    for secret in (wrong, PG_PASSWORD):
+        assert secret not in r.stdout + r.stderr
+    r, _ = kstore("worker", "--help", env={"KSTORE_SASL_PASSWORD": wrong, "KSTORE_DSN": dsn})
+    assert r.returncode == 0 and "--sasl-password-file" in r.stdout
+    assert wrong not in r.stdout and PG_PASSWORD not in r.stdout
