@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import logging
 import operator
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from sqlalchemy import Connection
@@ -20,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import deadletters
 from .consumer import TP, KafkaSource, Record
 from .errors import BrokerError, CommitInDoubtError, ProcessorError
+from .metrics import Metrics
 from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
@@ -61,6 +64,12 @@ class _CommitInDoubt(Exception):
 #: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
 _message_fields = operator.attrgetter("topic", "partition", "offset", "key", "value", "headers", "timestamp")
 _new_message = functools.partial(tuple.__new__, Message)
+_tp_of = operator.attrgetter("topic", "partition")
+
+
+def _counts(records: Sequence[Record]) -> Counter[TP]:
+    """Messages per partition (C loops: this runs once per batch over every record)."""
+    return Counter(map(_tp_of, records))
 
 
 class _HandlerFailed(Exception):
@@ -80,8 +89,10 @@ class Batches:
         ledger: Ledger,
         db_backoff: Backoff,
         recheck: Callable[[list[TP]], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.processor = processor
+        self.metrics = metrics or Metrics(group)
         self.settings = settings
         self.group = group
         self.store, self.source, self.ledger = store, source, ledger
@@ -103,6 +114,10 @@ class Batches:
         self._batch_conn: Connection | None = None
         #: A commit whose outcome is unknown: nothing else is processed until it is settled.
         self.in_doubt: _InDoubt | None = None
+        #: The records of the batch in flight (read by the metrics' lag, from another thread).
+        self.in_flight: Sequence[Record] = ()
+        #: When the batch in flight sent its offsets UPDATE (the commit's duration starts there).
+        self._commit_started = 0.0
 
     def ready(self) -> bool:
         """False while a failed message or the database waits for its next attempt."""
@@ -123,6 +138,7 @@ class Batches:
         taken = self._take(size)
         if taken is None:
             return False
+        started = time.monotonic()
         try:
             fenced, msgs = self._transact(taken)
         except _CommitInDoubt as exc:
@@ -134,10 +150,12 @@ class Batches:
             return False
         self.db_backoff.succeeded()
         if fenced:
+            self.metrics.rolled_back("fenced")
             self._on_fenced(fenced, taken.positions)
             self._requeue(taken)
             return False
         self._committed(taken)
+        self.metrics.committed(_counts(taken.records), started, self._commit_started)
         self._notify_committed(msgs)
         return True
 
@@ -200,12 +218,18 @@ class Batches:
         landed, moved = _outcome(positions, rows)
         if moved:
             self._on_fenced(moved, positions)
+        self.metrics.in_doubt_resolved(landed)
         if landed:
             log.warning("the COMMIT of %s (%s) lost its answer (%s) but landed: not processing it again",
                         doubt.what, _describe(positions), first_line(doubt.cause))
             self._committed(doubt.taken)
+            if doubt.msgs:
+                self.metrics.committed(_counts(doubt.taken.records))
+            else:
+                self.metrics.dead_lettered()
             self._notify_committed(doubt.msgs)
             return True
+        self.metrics.rolled_back("in_doubt")
         log.warning("the COMMIT of %s (%s) lost its answer (%s) and did not land: processing it again",
                     doubt.what, _describe(positions), first_line(doubt.cause))
         if not self._failed(doubt.taken, doubt.cause, f"commit {doubt.what}"):
@@ -219,8 +243,10 @@ class Batches:
         backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
         True if the batch is settled (dead-lettered, or in doubt): do not requeue it."""
         if transient(cause):
+            self.metrics.rolled_back("database")
             self.db_backoff.failed(what, cause)
             return False
+        self.metrics.rolled_back("error")
         return self._handler_failed(taken, cause)
 
     def _handler_failed(self, taken: _Batch, cause: BaseException) -> bool:
@@ -235,8 +261,9 @@ class Batches:
         failure = failures.message_failed((record.topic, record.partition, record.offset), cause)
         where = f"{record.topic}[{record.partition}] offset {record.offset}"
         if not failures.exhausted(failure):
+            self.metrics.retried()
             log.warning("%s failed (attempt %d of %d): %s; retrying", where, failure.attempts,
-                        failures.policy.max_attempts, failure.error)
+                        failures.policy.max_attempts, failure.error, extra=_fields(record))
             return False
         if self.on_error != "dead_letter":
             raise ProcessorError(
@@ -255,14 +282,17 @@ class Batches:
             self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter")
             return True
         except SQLAlchemyError as exc:
+            self.metrics.rolled_back("database")
             self.db_backoff.failed("write a dead letter", exc)
             return False
         if fenced:
+            self.metrics.rolled_back("fenced")
             self._on_fenced(fenced, taken.positions)
             return False
         self._committed(taken)
+        self.metrics.dead_lettered()
         log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
-                    record.offset, failure.attempts, failure.error)
+                    record.offset, failure.attempts, failure.error, extra=_fields(record))
         return True
 
     # -- the transaction ----------------------------------------------------------
@@ -283,14 +313,20 @@ class Batches:
                 raise _HandlerFailed(str(exc)) from exc
 
         self.busy = True
+        self.in_flight = taken.records
         try:
             try:
                 return self._commit_with(taken.positions, handle), msgs
             except _CommitInDoubt as exc:
                 exc.msgs = msgs
                 raise
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # a stop signal's timeout, or a second signal: rolled back
+                    self.metrics.rolled_back("shutdown")
+                raise
         finally:
             self.busy = False
+            self.in_flight = ()
 
     def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
         """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.
@@ -303,6 +339,7 @@ class Batches:
         try:
             trans = conn.begin()
             write(conn)
+            self._commit_started = time.monotonic()
             # Last statement before COMMIT: the row locks are held as briefly as possible.
             fenced = self.store.commit_offsets(conn, self.group, positions)
             if fenced:
@@ -372,6 +409,7 @@ class Batches:
         row cannot be read now, the partition stays as it is: its next commit is
         fenced again, and the periodic epoch check retries.
         """
+        self.metrics.fenced()
         lost = self.ledger.still_ours(fenced, positions)
         if lost:
             log.warning("fenced on %s: their epoch or offset moved; rolled back", fmt(lost))
@@ -379,6 +417,11 @@ class Batches:
                 self._recheck(lost)
             except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
                 self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
+
+
+def _fields(record: Record) -> dict[str, object]:
+    """A log record's fields for one message (``--log-format json`` shows them)."""
+    return {"topic": record.topic, "partition": record.partition, "offset": record.offset}
 
 
 def _cause(exc: BaseException) -> Exception:

@@ -84,21 +84,46 @@ def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--debug", is_flag=True, default=False, help="Show tracebacks and debug logs.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+              envvar="KSTORE_LOG_FORMAT",
+              help="json: one JSON object a line (time, level, logger, message, group, and topic/partition/offset "
+                   "where one message is concerned) [env KSTORE_LOG_FORMAT]")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool, log_level: str) -> None:
+def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> None:
     """kstore: exactly-once Kafka pipelines writing to a SQL database."""
     debug = debug or os.environ.get("KSTORE_DEBUG", "") not in ("", "0")
     ctx.obj = {"debug": debug}
-    logging.basicConfig(
-        level=logging.DEBUG if debug else getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_json_formatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(LOG_CONTEXT)
+    logging.basicConfig(level=logging.DEBUG if debug else getattr(logging, log_level.upper()), handlers=[handler])
     if not debug:
         # kafka-python logs every failed connection attempt as an ERROR; kstore
         # reports what matters itself (and everything shows with --debug).
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
         logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+class _LogContext(logging.Filter):
+    """Adds the pipeline's group to every log record (a field of its own in JSON logs)."""
+
+    group: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.group is not None and not hasattr(record, "group"):
+            record.group = self.group
+        return True
+
+
+LOG_CONTEXT = _LogContext()
+
+
+def _json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.json import JsonFormatter
+
+    return JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
 
 
 def _run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Callable[[Settings], Any]) -> Any:
@@ -178,6 +203,8 @@ def migrate(ctx: click.Context, dsn: str | None, dsn_file: str | None, revision:
 @click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
               help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
 @click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
 @click.pass_context
 def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
     """Run PROCESSOR (MODULE:CLASS) until SIGTERM/SIGINT, exactly once."""
@@ -185,7 +212,9 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
 
     def start(settings: Settings) -> None:
         sys.path.insert(0, os.getcwd())
-        _run_worker(Worker(load_processor(processor), settings), settings.shutdown_timeout_s)
+        w = Worker(load_processor(processor), settings)
+        LOG_CONTEXT.group = w.group
+        _run_worker(w, settings.shutdown_timeout_s)
 
     _run(ctx, lambda: Settings.from_env(topics=tuple(topics) or None, **options), start)
 
@@ -334,6 +363,52 @@ def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: 
         click.echo(f"dead letter {letter_id} failed again: {error}", err=True)
     if result.failed:
         ctx.exit(1)
+
+
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop``: the loop ends after what it is doing, and the command exits 0."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop())
+
+
+@cli.command()
+@dsn_option
+@kafka_connection_options
+@click.option("--group", "groups", multiple=True, required=True, help="A pipeline (Kafka group id); repeatable.")
+@click.option("--port", type=int, required=True, help="Serve /metrics on this port (0: any free port, logged).")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Listen on this address.")
+@click.pass_context
+def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address: str, **opts: Any) -> None:
+    """Serve the lag of groups as Prometheus metrics on /metrics, no worker needed, until SIGTERM/SIGINT."""
+    from .exporter import Exporter
+
+    def serve(settings: Settings) -> None:
+        server = Exporter(settings, groups, port, address)
+        _stop_on_signals(server.request_stop)
+        server.run()
+
+    _run(ctx, lambda: Settings.from_env(**opts), serve)
+
+
+@cli.command()
+@_kafka_options
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (an unreadable group: one line, exit 2).")
+@click.pass_context
+def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: Any) -> None:
+    """A live view of a group's partitions: offsets, lag, owner, epoch, throughput, dead letters."""
+    from .top import Top
+
+    def watch(settings: Settings) -> None:
+        view = Top(settings, group, interval)
+        if once:
+            view.print_once()
+            return
+        _stop_on_signals(view.request_stop)
+        view.run()
+
+    _run(ctx, lambda: Settings.from_env(**opts), watch)
 
 
 def _iso_time(raw: str) -> datetime:

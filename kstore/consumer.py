@@ -47,6 +47,7 @@ from typing import Any, Literal, Protocol
 
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import KafkaError
+from kafka.structs import MemberState
 
 from .errors import BrokerError, ConfigurationError
 from .kafkaconnect import open_admin, open_consumer
@@ -322,6 +323,22 @@ class KafkaSource:
                     self._throttle()
                 self.changed.notify_all()  # room for the fetcher
         return batch, ends
+
+    def heads(self) -> dict[TP, tuple[int | None, int | None]]:
+        """For each owned partition: the last high watermark a fetch reported (None before
+        the first) and the timestamp (ms) of the first queued record (None if none is queued).
+        Local state only: no broker call."""
+        with self.lock:
+            return {tp: (self.consumer.highwater(TopicPartition(*tp)), q.records[0].timestamp if q.records else None)
+                    for tp, q in self._queues.items()}
+
+    def group_stable(self) -> bool:
+        """Whether the consumer has joined its group and is heartbeating (kafka-python's own view)."""
+        return bool(self.consumer.group_metadata().state == MemberState.STABLE)
+
+    def buffered(self) -> tuple[int, int, bool]:
+        """Records and bytes waiting in kstore's queues, and whether fetching is paused for them."""
+        return self._queued_records, self._queued_bytes, self._throttled
 
     def has_records(self, tp: TP) -> bool:
         q = self._queues.get(tp)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -109,7 +109,6 @@ class Metrics:
                                   registry=r)
         self._in_doubt = Counter("kstore_in_doubt_resolved", "COMMITs whose answer was lost, read back: outcome "
                                  "landed or not_landed.", ["group", "outcome"], registry=r)
-        self._owned = Gauge("kstore_partitions_owned", "Partitions this worker has claimed.", g, registry=r)
         for reason in ROLLBACK_REASONS:
             self._rolled_back.labels(group, reason)
         for outcome in ("landed", "not_landed"):
@@ -117,7 +116,6 @@ class Metrics:
         for counter in (self._batches, self._rebalances, self._fenced, self._retries, self._dead_letters,
                         self._db_errors):
             counter.labels(group)
-        self._owned.labels(group).set(0)
 
     def watch(self, lags: Callable[[], list[PartitionLag]],
               gauges: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
@@ -126,14 +124,19 @@ class Metrics:
 
     # -- what the engine reports -------------------------------------------------------------------
 
-    def committed(self, counts: Mapping[TP, int], started: float, commit_started: float) -> None:
-        now = time.monotonic()
+    def committed(self, counts: Mapping[TP, int], started: float | None = None,
+                  commit_started: float | None = None) -> None:
+        """A batch committed: ``counts`` messages per partition; its timings if known (not for
+        a commit in doubt found landed)."""
         for (topic, partition), n in counts.items():
             self._messages.labels(self.group, topic, str(partition)).inc(n)
         self._batches.labels(self.group).inc()
         self._batch_size.labels(self.group).observe(sum(counts.values()))
-        self._batch_seconds.labels(self.group).observe(now - started)
-        self._commit_seconds.labels(self.group).observe(now - commit_started)
+        now = time.monotonic()
+        if started is not None:
+            self._batch_seconds.labels(self.group).observe(now - started)
+        if commit_started is not None:
+            self._commit_seconds.labels(self.group).observe(now - commit_started)
 
     def rolled_back(self, reason: str) -> None:
         self._rolled_back.labels(self.group, reason).inc()
@@ -158,6 +161,3 @@ class Metrics:
 
     def in_doubt_resolved(self, landed: bool) -> None:
         self._in_doubt.labels(self.group, "landed" if landed else "not_landed").inc()
-
-    def owned(self, count: int) -> None:
-        self._owned.labels(self.group).set(count)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -336,16 +336,22 @@ class Ledger:
 class Backoff:
     """Exponential delay between database retries, reset by a success."""
 
-    def __init__(self, first: float, longest: float) -> None:
+    def __init__(self, first: float, longest: float, on_failure: Callable[[], None] | None = None) -> None:
         self.first = first
         self.longest = longest
         self.delay = first
         self.not_before = 0.0
+        #: True from a failure until the next success: the database is away (for /readyz).
+        self.failing = False
+        self._on_failure = on_failure
 
     def ready(self) -> bool:
         return time.monotonic() >= self.not_before
 
     def failed(self, what: str, exc: BaseException) -> float:
+        self.failing = True
+        if self._on_failure is not None:
+            self._on_failure()
         delay = self.delay
         self.delay = min(self.delay * 2, self.longest)
         self.not_before = time.monotonic() + delay
@@ -353,5 +359,6 @@ class Backoff:
         return delay
 
     def succeeded(self) -> None:
+        self.failing = False
         self.delay = self.first
         self.not_before = 0.0

@@ -26,7 +26,7 @@ KAFKA_ENV_PREFIX = "KSTORE_KAFKA_"
 #: file (``KSTORE_<NAME>_FILE``, or ``<name>_file=`` given to from_env), the container convention.
 SECRETS = ("dsn", "sasl_password", "ssl_key_password")
 # Variables under the prefix that belong to tools around kstore, not to Settings.
-_FOREIGN_ENV = ("KSTORE_TEST_", "KSTORE_CACHE_DIR", "KSTORE_DEBUG")
+_FOREIGN_ENV = ("KSTORE_TEST_", "KSTORE_SIM_", "KSTORE_CACHE_DIR", "KSTORE_DEBUG", "KSTORE_LOG_FORMAT")
 START_POLICIES = ("earliest", "latest")
 
 
@@ -101,6 +101,13 @@ class Settings:
     shutdown_timeout_s: float = 30.0
     #: How often a worker checks its partitions' epochs, to pick up an operator's reset.
     epoch_check_interval_s: float = 1.0
+    #: Serve /metrics, /livez and /readyz on this port (off when unset; 0 picks a free port).
+    metrics_port: int | None = None
+    #: The address the metrics port listens on.
+    metrics_host: str = "0.0.0.0"
+    #: /livez turns unhealthy once the batch loop or the fetch thread has not turned for this
+    #: long (a handler that never returns). Longer than your slowest batch.
+    liveness_timeout_s: float = 300.0
     #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
     client_id: str | None = None
     schema: str | None = None

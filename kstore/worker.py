@@ -43,6 +43,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from .batches import Batches
 from .consumer import TP, KafkaSource
 from .errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
+from .health import HealthServer, app
+from .metrics import Metrics, PartitionLag
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
 from .processor import Processor
@@ -85,7 +87,15 @@ class Worker:
         self._closing = threading.Event()
         self._fetch_error: BaseException | None = None
         self._revoked_notices: list[list[TP]] = []
-        self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
+        #: Counters and histograms of this worker, on its own registry (see kstore.metrics).
+        self.metrics = Metrics(self.group)
+        self.metrics.watch(self._lags, self._gauges)
+        self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY, on_failure=self.metrics.database_error)
+        #: When the main loop and the fetch thread last turned (for /livez).
+        self._started_at = self._last_turn = self._last_poll = 0.0
+        #: The group has assigned partitions (possibly none) at least once (for /readyz).
+        self._assigned_once = False
+        self._http: HealthServer | None = None
         self._next_epoch_check = 0.0
         self._store: Store | None = None
         self._batches: Batches | None = None
@@ -114,7 +124,7 @@ class Worker:
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
-                                self._db_backoff, self._recheck)
+                                self._db_backoff, self._recheck, self.metrics)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -150,6 +160,13 @@ class Worker:
         self.processor.engine = self.store.engine
         self.processor.setup()
         self.source.subscribe()
+        self._started_at = time.monotonic()
+        port = self.settings.metrics_port
+        if port is not None and self._http is None:
+            self._http = HealthServer(self.settings.metrics_host, port,
+                                      app(self.metrics.registry, self.liveness, self.readiness)).start()
+            log.info("serving /metrics, /livez and /readyz on http://%s:%d", self.settings.metrics_host,
+                     self._http.port)
 
     def _fetch_loop(self) -> None:
         """The fetcher thread: polls Kafka all the time, so the group membership stays alive
@@ -171,11 +188,13 @@ class Worker:
         room = source.room(limit, s.poll_timeout_ms / 1000)
         # Even with no room, poll (for one record): rebalances happen inside poll().
         source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
+        self._last_poll = time.monotonic()
         self._apply_events()
 
     def step(self) -> bool:
         """One turn of the main loop: tell the processor of revoked partitions, claim new
         ones, check epochs, then process one batch. True if a batch committed."""
+        self._last_turn = time.monotonic()
         if self._fetch_error is not None:
             raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
         self._notify_revoked()
@@ -216,15 +235,83 @@ class Worker:
         source, self._source = self._source, None
         if source is None:
             return
+        http, self._http = self._http, None
         try:
             self.processor.teardown()
         finally:
+            if http is not None:
+                http.stop()
             source.close()
             if self._batches is not None:
                 self._batches.close()
             if self._store is not None:
                 self._store.engine.dispose()
             log.info("worker for group %r stopped", self.group)
+
+    # -- what the metrics port shows --------------------------------------------
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics, /livez and /readyz are served on, once started (None: not served)."""
+        return None if self._http is None else self._http.port
+
+    def liveness(self) -> tuple[bool, str]:
+        """Healthy while the batch loop and the fetch thread keep turning (see kstore.health)."""
+        now, limit = time.monotonic(), self.settings.liveness_timeout_s
+        for what, last in (("the batch loop", self._last_turn), ("the fetch thread", self._last_poll)):
+            idle = now - max(last, self._started_at)
+            if idle > limit:
+                return False, f"{what} has not turned for {idle:.0f}s (liveness_timeout_s={limit:g})"
+        return True, "the batch loop and the fetch thread are turning"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready once joined, every assigned partition claimed, and the database answering."""
+        source, ledger = self._source, self._ledger
+        if source is None or ledger is None:
+            return False, "not connected"
+        if self._db_backoff.failing:
+            return False, "the database is not answering"
+        if not self._assigned_once or not source.group_stable():
+            return False, "not a stable member of the Kafka group yet"
+        with source.lock:
+            pending = sorted(ledger.pending)
+        if pending:
+            return False, f"claiming {fmt(pending)}"
+        return True, f"owns {len(ledger.offsets())} partition(s)"
+
+    def _lags(self) -> list[PartitionLag]:
+        """Per owned partition: high watermark minus stored offset, and the age of the oldest
+        message not yet committed (the batch in flight's, else the queue's head). No broker call."""
+        source, ledger, batches = self._source, self._ledger, self._batches
+        if source is None or ledger is None or batches is None:
+            return []
+        offsets, heads = ledger.offsets(), source.heads()
+        in_flight: dict[TP, int] = {}
+        for record in batches.in_flight:
+            in_flight.setdefault((record.topic, record.partition), record.timestamp)
+        now_ms = time.time() * 1000
+        lags = []
+        for tp, committed in sorted(offsets.items()):
+            highwater, head_ts = heads.get(tp, (None, None))
+            if highwater is None:
+                continue
+            behind = max(0, highwater - committed)
+            oldest = in_flight.get(tp, head_ts)
+            seconds = 0.0 if behind == 0 else (None if oldest is None else max(0.0, (now_ms - oldest) / 1000))
+            lags.append(PartitionLag(tp[0], tp[1], behind, seconds))
+        return lags
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        source, ledger = self._source, self._ledger
+        if source is None or ledger is None:
+            return {}
+        records, size, paused = source.buffered()
+        return {
+            "kstore_partitions_owned": ("Partitions this worker has claimed and delivers.", len(ledger.offsets())),
+            "kstore_buffered_records": ("Records fetched and waiting in kstore's queues.", records),
+            "kstore_buffered_bytes": ("Approximate memory of the records waiting in kstore's queues.", size),
+            "kstore_fetch_paused": ("1 while fetching is paused because the queues are full.", float(paused)),
+        }
 
     @property
     def busy(self) -> bool:
@@ -268,6 +355,8 @@ class Worker:
         with source.lock:
             for kind, tps in events:
                 if kind == "assigned":
+                    self.metrics.rebalanced()
+                    self._assigned_once = True
                     ledger.pending.update(tps)
                     log.info("assigned %s; claiming before any delivery", fmt(tps))
                 else:
@@ -293,6 +382,7 @@ class Worker:
         ledger = self.ledger
         if not ledger.pending or not self._db_backoff.ready():
             return
+        started = time.monotonic()
         try:
             claimed = ledger.claim_pending()
         except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
@@ -302,6 +392,7 @@ class Worker:
             return
         self._db_backoff.succeeded()
         if claimed:
+            self.metrics.claimed(time.monotonic() - started)
             offsets = ledger.offsets()
             log.info("claimed %s", ", ".join(
                 f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
