@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal, Protocol
 
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import KafkaError
+from kafka.errors import IllegalStateError, KafkaError
 from kafka.structs import MemberState
 
 from .errors import BrokerError, ConfigurationError
@@ -329,8 +329,14 @@ class KafkaSource:
         the first) and the timestamp (ms) of the first queued record (None if none is queued).
         Local state only: no broker call."""
         with self.lock:
-            return {tp: (self.consumer.highwater(TopicPartition(*tp)), q.records[0].timestamp if q.records else None)
+            return {tp: (self._highwater(tp), q.records[0].timestamp if q.records else None)
                     for tp, q in self._queues.items()}
+
+    def _highwater(self, tp: TP) -> int | None:
+        try:
+            return self.consumer.highwater(TopicPartition(*tp))  # type: ignore[no-any-return]
+        except IllegalStateError:  # revoked on the IO thread a moment ago; its revoke event follows
+            return None
 
     def group_stable(self) -> bool:
         """Whether the consumer has joined its group and is heartbeating (kafka-python's own view)."""

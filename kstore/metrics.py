@@ -12,6 +12,7 @@ Names follow Prometheus conventions: base units (seconds, messages, bytes),
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 
@@ -68,8 +71,13 @@ class _Computed(Collector):
         self.group, self._lags, self._gauges = group, lags, gauges
 
     def collect(self) -> Iterator[Any]:
-        yield from lag_families(self.group, self._lags())
-        for name, (help_text, value) in self._gauges().items():
+        try:  # a scrape must never fail as a whole: the counters still answer
+            lags, gauges = self._lags(), self._gauges()
+        except Exception:
+            log.warning("could not compute the lag gauges for this scrape", exc_info=True)
+            return
+        yield from lag_families(self.group, lags)
+        for name, (help_text, value) in gauges.items():
             family = GaugeMetricFamily(name, help_text, labels=["group"])
             family.add_metric([self.group], value)
             yield family

@@ -412,6 +412,9 @@ class Worker:
                 self._recheck(stale)
         except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
             self._db_backoff.failed("check the partitions' epochs", exc)
+            return
+        if self.ledger.owned or self.ledger.held:  # stale() asked the database: it answers
+            self._db_backoff.succeeded()  # (an idle worker learns it here, not from a batch)
 
     def _recheck(self, tps: list[TP]) -> None:
         _adopted, dropped = self.ledger.recheck(tps)
