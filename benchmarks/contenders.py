@@ -1,4 +1,5 @@
-"""The seven contenders of issue 6 (and an eighth for reference), and the ratios the issue sets targets for.
+"""The seven contenders of issue 6 (an eighth for reference, two for issue 12's metrics), and the ratios
+the issues set targets for.
 
 This module is imported by the parent only to know what to run; the code that
 runs in each child is named by ``entry`` and imported there alone, so a raw
@@ -44,6 +45,12 @@ CONTENDERS: tuple[Contender, ...] = (
     # kstore deferred them. Not in the issue; shows what deferring buys.
     Contender(8, "kstore-handle-immediate", "kstore, INSERT in handle(), not deferred",
               "benchmarks.kstore_loop:handle_immediate", writes_rows=True, kstore=True),
+    # Issue 12: contender 6 with its metrics served on --metrics-port and scraped every second,
+    # against contender 6 with nothing recorded at all (kstore always records; this one cannot).
+    Contender(9, "kstore-batch-metrics", "kstore, bulk INSERT, /metrics scraped every 1 s",
+              "benchmarks.kstore_loop:batch_scraped", writes_rows=True, kstore=True, settings={"metrics_port": 0}),
+    Contender(10, "kstore-batch-unrecorded", "kstore, bulk INSERT, no metrics recorded",
+              "benchmarks.kstore_loop:batch_unrecorded", writes_rows=True, kstore=True),
 )
 
 BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
@@ -68,6 +75,7 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(6, 3, 1.0),
     Ratio(2, 1, None),
     Ratio(8, 3, None),
+    Ratio(9, 10, 0.95),
 )
 
 #: The issue's memory target for the kstore contenders on the full 1,000,000-message run.

@@ -14,12 +14,17 @@ returned (a rolled-back batch is not reported; it is handled again).
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Settings, Worker
+from kstore.metrics import Metrics
+from kstore.settings import SECRETS
 
 from .meter import Meter, signal_ready
 
@@ -106,13 +111,40 @@ def _run(processor: _BenchProcessor, config: dict[str, Any]) -> None:
         client_id=f"bench-{config['contender']}",
         **config.get("kstore_settings", {}),
     )
-    per_run = ("dsn", "bootstrap_servers", "group", "topics")
+    per_run = ("dsn", "bootstrap_servers", "group", "topics", *SECRETS)
     processor.meter.extra["kstore_settings"] = {
         k: v for k, v in dataclasses.asdict(settings).items() if k not in per_run
     }
     worker = Worker(processor, settings)
     processor.stop = worker.request_stop
+    if config.get("unrecorded"):
+        worker.metrics = _Unrecorded(worker.group)
+    if settings.metrics_port is not None:
+        threading.Thread(target=_scrape, args=(worker, processor.meter), daemon=True).start()
     worker.run()
+
+
+class _Unrecorded(Metrics):
+    """Metrics that record nothing: the baseline the cost of recording is measured against."""
+
+
+for _name in ("committed", "rolled_back", "claimed", "rebalanced", "fenced", "retried", "dead_lettered",
+              "database_error", "in_doubt_resolved"):
+    setattr(_Unrecorded, _name, lambda self, *args, **kwargs: None)
+
+
+def _scrape(worker: Worker, meter: Meter) -> None:
+    """GET /metrics every second, as a (busy) Prometheus would; counts the scrapes."""
+    while worker.metrics_port is None:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+    scrapes = 0
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            response.read()
+        scrapes += 1
+        meter.extra["metrics_scrapes"] = scrapes
+        time.sleep(1.0)
 
 
 def noop(config: dict[str, Any], meter: Meter) -> None:
@@ -129,3 +161,11 @@ def batch(config: dict[str, Any], meter: Meter) -> None:
 
 def handle_immediate(config: dict[str, Any], meter: Meter) -> None:
     _run(ImmediateHandleProcessor(config, meter), config)
+
+
+def batch_scraped(config: dict[str, Any], meter: Meter) -> None:
+    _run(BatchProcessor(config, meter), config)
+
+
+def batch_unrecorded(config: dict[str, Any], meter: Meter) -> None:
+    _run(BatchProcessor(config, meter), {**config, "unrecorded": True})

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 CONTENDERS = [
     "kafka-python", "confluent-kafka", "at-least-once",
     "kstore-noop", "kstore-handle", "kstore-batch", "kstore-txn-per-msg", "kstore-handle-immediate",
+    "kstore-batch-metrics", "kstore-batch-unrecorded",
 ]
 
 
@@ -51,7 +52,7 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
         assert c["latency"]["exactly_once"]["passed"], c["name"]
         assert c["latency"]["count"] > 0 and c["latency"]["p99_ms"] >= c["latency"]["p50_ms"] > 0, c["name"]
     assert {c["name"]: c["messages"] for c in results["contenders"]}["kstore-txn-per-msg"] == 200
-    assert [r["ratio"] for r in results["ratios"]] == ["4/1", "5/3", "6/3", "2/1", "8/3"]
+    assert [r["ratio"] for r in results["ratios"]] == ["4/1", "5/3", "6/3", "2/1", "8/3", "9/10"]
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     assert "throughput ratios" in done.stdout
 
