@@ -177,6 +177,8 @@ class Batches:
 
     def _committed(self, taken: _Batch) -> None:
         self.ledger.committed(taken.positions)
+        if self.settings.mirror_offsets:
+            self.source.mirror({tp: new for tp, (_, new, _) in taken.positions.items()})
         if self.failures.active:
             self.failures.done([(r.topic, r.partition, r.offset) for r in taken.records])
         if log.isEnabledFor(logging.DEBUG):

@@ -40,12 +40,12 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal, Protocol
 
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.errors import IllegalStateError, KafkaError
 from kafka.structs import MemberState
 
@@ -123,9 +123,18 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         # Pause first: no record of a new partition may be fetched before the
-        # worker has claimed it and sought to the stored offset.
+        # worker has claimed it and sought to the stored offset. Then give each a
+        # position (a placeholder: paused, it is never fetched from; the claim seeks
+        # it): kafka-python looks up Kafka's committed offset (or resets) only for a
+        # partition with no position, and seeks to what it finds even after the
+        # worker's own seek, should its lookup still be in flight then. With a
+        # position from the start, nothing of Kafka's offsets (a mirror's, or a
+        # group's from before kstore) can ever move a partition.
         if assigned:
-            self._source.consumer.pause(*assigned)
+            consumer = self._source.consumer
+            consumer.pause(*assigned)
+            for tp in assigned:
+                consumer.seek(tp, 0)
         self._source._push_event("assigned", assigned)
 
     def on_partitions_revoked(self, revoked: Any) -> None:
@@ -156,6 +165,8 @@ class KafkaSource:
         #: Fetching is paused for every owned partition while the queues hold too much.
         self._throttled = False
         self._events: list[tuple[EventKind, list[TP]]] = []
+        #: Offsets committed to the database, to mirror to Kafka (``mirror_offsets``) on the fetch thread.
+        self._mirror: dict[TP, int] = {}
         self._events_lock = threading.Lock()  # the only lock the IO thread takes
         self.consumer = self._connect()
 
@@ -338,6 +349,24 @@ class KafkaSource:
         except IllegalStateError:  # revoked on the IO thread a moment ago; its revoke event follows
             return None
 
+    def mirror(self, offsets: Mapping[TP, int]) -> None:
+        """Queue committed offsets for :meth:`flush_mirror` (any thread)."""
+        with self.lock:
+            self._mirror.update(offsets)
+
+    def flush_mirror(self) -> None:
+        """On the fetch thread, after a poll: commit the queued offsets to Kafka, asynchronously,
+        marked as a mirror. Only for lag tools: kstore never reads them (see the listener)."""
+        with self.lock:
+            offsets, self._mirror = self._mirror, {}
+        if not offsets:
+            return
+        assigned = self.consumer.assignment()
+        commit = {TopicPartition(*tp): OffsetAndMetadata(offset, MIRROR_METADATA, -1) for tp, offset in offsets.items()
+                  if TopicPartition(*tp) in assigned}
+        if commit:
+            self.consumer.commit_async(commit, callback=_mirrored)
+
     def group_stable(self) -> bool:
         """Whether the consumer has joined its group and is heartbeating (kafka-python's own view)."""
         return bool(self.consumer.group_metadata().state == MemberState.STABLE)
@@ -450,6 +479,16 @@ class KafkaSource:
     def close(self) -> None:
         """Leave the group without committing anything to Kafka."""
         self.consumer.close(autocommit=False)
+
+
+#: The metadata of the offsets kstore mirrors to Kafka, so a reader can tell them apart.
+MIRROR_METADATA = "kstore-mirror"
+
+
+def _mirrored(offsets: Any, response: Any) -> None:
+    """A mirror commit's answer: a failure (a rebalance under way) is only logged; the next commit mirrors again."""
+    if isinstance(response, BaseException):
+        log.debug("mirroring offsets to Kafka failed (harmless; the next commit mirrors again): %s", response)
 
 
 def log_bounds(consumer: Any, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:

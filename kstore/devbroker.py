@@ -140,14 +140,29 @@ def fetch_jars(version: str = DEFAULT_VERSION) -> Path:
         if _cache_complete(home):
             return libs
         shutil.rmtree(libs, ignore_errors=True)
-        _copy_dependencies(home, version, extra=())
+        _copy_dependencies(home, version, extra=_tools_jars(version))
         # kafka_2.13 depends on slf4j-api (and from 4.1 on log4j-core) but not on the binding
         # between them, which the distribution adds: without it the broker logs nothing.
-        _copy_dependencies(home, version, extra=_logging_jars(libs))
+        _copy_dependencies(home, version, extra=[*_tools_jars(version), *_logging_jars(libs)])
         jars = _check_libs(libs, version)
         marker = {"version": version, "jars": jars}
         (home / _MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return libs
+
+
+def _tools_jars(version: str) -> list[tuple[str, str, str]]:
+    """Kafka's command-line tools (``kafka-consumer-groups.sh``'s ConsumerGroupCommand and the rest),
+    as the distribution ships them beside the broker."""
+    return [(KAFKA_GROUP, "kafka-tools", version)]
+
+
+def run_tool(main_class: str, *args: str, version: str = DEFAULT_VERSION,
+             timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run one of Kafka's own command-line tools from the cached jars, e.g.
+    ``run_tool("org.apache.kafka.tools.consumer.group.ConsumerGroupCommand", "--bootstrap-server", ...)``."""
+    libs = fetch_jars(version)
+    return subprocess.run([java_executable(), "-Xmx256m", "-cp", f"{libs}/*", main_class, *args],
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _cache_complete(home: Path) -> bool:
@@ -155,10 +170,12 @@ def _cache_complete(home: Path) -> bool:
     if not marker.is_file():
         return False
     try:
-        jars = json.loads(marker.read_text())["jars"]
+        found = json.loads(marker.read_text())
+        jars, version = found["jars"], found["version"]
     except (ValueError, KeyError, TypeError):
         return False
-    return all((home / "libs" / name).is_file() for name in jars)
+    # A cache made before the tools were added lacks them: fetched again.
+    return f"kafka-tools-{version}.jar" in jars and all((home / "libs" / name).is_file() for name in jars)
 
 
 @contextlib.contextmanager
@@ -236,7 +253,7 @@ def _logging_jars(libs: Path) -> list[tuple[str, str, str]]:
 
 def _check_libs(libs: Path, version: str) -> list[str]:
     jars = sorted(p.name for p in libs.glob("*.jar"))
-    wanted = [f"{KAFKA_ARTIFACT}-{version}.jar", f"kafka-clients-{version}.jar"]
+    wanted = [f"{KAFKA_ARTIFACT}-{version}.jar", f"kafka-clients-{version}.jar", f"kafka-tools-{version}.jar"]
     missing = [name for name in wanted if name not in jars]
     if not any(name.startswith("log4j-slf4j") for name in jars):
         missing.append("log4j-slf4j*-impl")

@@ -101,6 +101,9 @@ class Settings:
     shutdown_timeout_s: float = 30.0
     #: How often a worker checks its partitions' epochs, to pick up an operator's reset.
     epoch_check_interval_s: float = 1.0
+    #: After each commit, also commit the offsets to Kafka (asynchronously, metadata
+    #: ``kstore-mirror``) so Kafka's own lag tools see the pipeline. kstore never reads them.
+    mirror_offsets: bool = False
     #: Serve /metrics, /livez and /readyz on this port (off when unset; 0 picks a free port).
     metrics_port: int | None = None
     #: The address the metrics port listens on.

@@ -189,6 +189,8 @@ class Worker:
         # Even with no room, poll (for one record): rebalances happen inside poll().
         source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
         self._last_poll = time.monotonic()
+        if s.mirror_offsets:
+            source.flush_mirror()
         self._apply_events()
 
     def step(self) -> bool:

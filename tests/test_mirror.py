@@ -1,0 +1,73 @@
+"""Offsets mirrored to Kafka (``mirror_offsets``) for Kafka's own lag tools, and never read back.
+
+Kafka's offsets for a kstore group (a mirror's, or a group's from before kstore)
+must not move a partition: kafka-python looks them up for any assigned partition
+without a position, and kstore gives each one a placeholder position in the
+rebalance listener so it never does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kafka import KafkaAdminClient, OffsetAndMetadata, TopicPartition
+
+from kstore.devbroker import run_tool
+
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+
+GROUP_COMMAND = "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"
+
+
+def kafka_group_offsets(kafka: str, group: str) -> dict[tuple[str, int], int]:
+    """CURRENT-OFFSET per partition, as Kafka's own `kafka-consumer-groups.sh --describe` prints it."""
+    r = run_tool(GROUP_COMMAND, "--bootstrap-server", kafka, "--describe", "--group", group)
+    assert r.returncode == 0, r.stderr
+    found: dict[tuple[str, int], int] = {}
+    for line in r.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[0] == group and re.fullmatch(r"\d+", fields[3]):
+            found[(fields[1], int(fields[2]))] = int(fields[3])
+    return found
+
+
+def test_kafkas_own_tool_shows_the_mirrored_offsets(kafka: str, pg_dsn: str, new_topic: Any, produce: Any,
+                                                    workers: Any) -> None:
+    topic, group = new_topic(2), "mirrored"
+    sent = set(produce(topic, [f"m{i}" for i in range(400)]))
+    w = workers(pg_dsn, topic, group, env={"KSTORE_MIRROR_OFFSETS": "1", "KSTORE_MAX_BATCH_SIZE": "50"})
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what="every message processed")
+    stored = stored_offsets(pg_dsn, group)
+    wait_until(lambda: kafka_group_offsets(kafka, group) == stored, 30, interval=1,
+               what="Kafka's committed offsets equal to the database's")
+    assert w.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+
+
+def test_kafka_offsets_ahead_or_behind_the_database_change_nothing(kafka: str, pg_dsn: str, new_topic: Any,
+                                                                   produce: Any, workers: Any) -> None:
+    """The group's offsets in Kafka are tampered with (one partition back to 0, one far ahead):
+    the next worker still starts every partition at the database's offset, and kafka-python
+    never even looks Kafka's offsets up (its debug log says so when it does)."""
+    topic, group = new_topic(2), "tampered"
+    first = set(produce(topic, [f"a{i}" for i in range(300)]))
+    w = workers(pg_dsn, topic, group, env={"KSTORE_MIRROR_OFFSETS": "1"})
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first messages")
+    assert w.terminate() == 0
+    stored = stored_offsets(pg_dsn, group)
+    admin = KafkaAdminClient(bootstrap_servers=kafka)
+    try:
+        admin.alter_group_offsets(group, {TopicPartition(topic, 0): OffsetAndMetadata(0, "tampered", -1),
+                                          TopicPartition(topic, 1): OffsetAndMetadata(
+                                              stored[(topic, 1)] + 120, "tampered", -1)})
+    finally:
+        admin.close()
+    assert kafka_group_offsets(kafka, group) == {(topic, 0): 0, (topic, 1): stored[(topic, 1)] + 120}
+    second = set(produce(topic, [f"b{i}" for i in range(300)]))
+    w2 = workers(pg_dsn, topic, group, env={"KSTORE_DEBUG": "1"})
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first) + len(second), 60, what="the later messages")
+    assert w2.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), first | second)
+    assert "to the committed offset" not in w2.log  # kafka-python: "Setting offset for partition ... to the
+    assert "Resetting offset for partition" not in w2.log  # committed offset" / its own auto reset
