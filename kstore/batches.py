@@ -28,6 +28,7 @@ from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
 from .settings import Settings
 from .store import WRITES, Position, Row, Store, first_line, transient
+from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class Batches:
     ) -> None:
         self.processor = processor
         self.metrics = metrics or Metrics(group)
+        #: Spans per batch and per message, if OpenTelemetry is installed and configured.
+        self.tracing = Tracing(group)
         self.settings = settings
         self.group = group
         self.store, self.source, self.ledger = store, source, ledger
@@ -310,7 +313,7 @@ class Batches:
             nonlocal msgs
             try:
                 msgs = self._messages(taken.records)
-                run_handler(self.processor, conn, msgs)
+                run_handler(self.processor, conn, msgs, self.tracing)
             except Exception as exc:
                 raise _HandlerFailed(str(exc)) from exc
 

@@ -13,6 +13,8 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+    from .tracing import Tracing
+
 from .errors import KstoreError
 from .retry import RetryPolicy
 from .session import batch_session
@@ -141,17 +143,29 @@ class Processor:
             self.handle(msg)
 
 
-def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message]) -> None:
+def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
+                tracing: Tracing | None = None) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
     The session joins the caller's transaction as ``rollback_only``: a
     ``session.commit()`` by the processor only flushes, so the caller commits the
     processor's writes together with its own (the offsets, a dead letter's mark).
+    With ``tracing`` enabled, the batch is a span, and so is each ``handle(msg)`` when
+    the processor keeps the default ``handle_batch``.
     """
     try:
         with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
             processor.session = session
-            processor.handle_batch(msgs)
+            if tracing is None or not tracing.enabled:
+                processor.handle_batch(msgs)
+            else:
+                with tracing.batch(msgs):
+                    if type(processor).handle_batch is Processor.handle_batch:
+                        for msg in msgs:
+                            with tracing.message(msg):
+                                processor.handle(msg)
+                    else:
+                        processor.handle_batch(msgs)
     finally:
         # The session is closed; a hook that used it after the batch would begin a
         # transaction on the worker's connection that nothing ends.
