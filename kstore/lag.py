@@ -1,0 +1,254 @@
+"""Where a group stands, in messages and in seconds, read from the database and the brokers.
+
+No worker is needed: the stored offsets come from ``kstore_offsets``, the log
+bounds and live owners from the brokers, and the age of the oldest message not
+yet committed from the record at the stored offset itself, fetched by a consumer
+that is assigned the partition (no group) and reads one record. That timestamp is
+cached per (topic, partition, offset), so a steady scrape of a partition whose
+offset has not moved asks the brokers only for the log bounds.
+
+Used by ``kstore exporter`` and ``kstore top``; :class:`LagReader` keeps its
+connections between readings and opens them again after an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import deadletters
+from .consumer import TP, KafkaInspector, log_bounds
+from .errors import BrokerError, DatabaseError
+from .kafkaconnect import check_kafka_options, client_config, open_consumer
+from .metrics import PartitionLag
+from .migration import check_migrated
+from .settings import Settings
+from .store import Row, Store, first_line, make_engine
+
+log = logging.getLogger(__name__)
+
+#: A reading should answer well within a Prometheus scrape timeout (10 s by default), so a broker
+#: that stops answering fails it instead of holding it for kafka-python's default 30 s. A
+#: ``request_timeout_ms`` Kafka option given by the user wins.
+REQUEST_TIMEOUT_MS = 5000
+#: The reader's consumer fetches one record per partition: small fetches (the broker still
+#: returns the whole first record batch, whatever its size).
+_FETCH_CONFIG = {"max_poll_records": 1, "max_partition_fetch_bytes": 16384, "fetch_max_bytes": 65536,
+                 "fetch_max_wait_ms": 100}
+#: How long one reading waits for the records whose timestamps it needs.
+FETCH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PartitionReading:
+    """One partition of a group, as read now."""
+
+    topic: str
+    partition: int
+    #: The stored next offset (None: no row yet; the lag then counts from the log start).
+    stored_offset: int | None
+    log_start: int
+    log_end: int
+    #: Log end minus the next offset to process.
+    lag_messages: int
+    #: Age of the record at the next offset to process; 0 when caught up, None when unknown.
+    lag_seconds: float | None
+    epoch: int | None
+    #: The live member of the Kafka group assigned the partition, or None (read only with ``owners=True``).
+    owner: str | None
+    #: Dead letters of this partition not yet replayed.
+    dead_letters: int
+
+    @property
+    def lag(self) -> PartitionLag:
+        return PartitionLag(self.topic, self.partition, self.lag_messages, self.lag_seconds)
+
+
+@dataclass(frozen=True)
+class GroupReading:
+    """Every partition of a group's topics (the topics it has stored offsets for)."""
+
+    group: str
+    #: When it was read (``time.time()``).
+    at: float
+    partitions: list[PartitionReading]
+    #: All the group's dead letters not yet replayed (also those of topics it no longer reads).
+    dead_letters: int
+
+
+class LagReader:
+    """Reads groups' lag; one per process, not thread-safe (callers take a lock)."""
+
+    def __init__(self, settings: Settings, *, owners: bool = False, fetch_timeout_s: float = FETCH_TIMEOUT_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        client_config(settings)  # TLS files, a token provider: a mistake is named now, not at the first reading
+        self._request_timeout_ms = check_kafka_options(settings.kafka_options).get("request_timeout_ms",
+                                                                                   REQUEST_TIMEOUT_MS)
+        self.owners, self.fetch_timeout_s, self.clock = owners, fetch_timeout_s, clock
+        self.engine = make_engine(self.settings)
+        self.store = Store(self.engine, self.settings)
+        self.dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
+        self._migrated = False
+        self._consumer: Any = None  # partitions, log bounds, timestamps
+        self._inspector: KafkaInspector | None = None  # the group's live members (only with owners)
+        #: (topic, partition) -> (offset, its record's timestamp in ms, or None if it has none)
+        self._stamp_cache: dict[TP, tuple[int, int | None]] = {}
+
+    def read(self, group: str) -> GroupReading:
+        """The group now. Raises :class:`DatabaseError` or :class:`BrokerError` (the next call reconnects)."""
+        rows, dead = self._read_database(group)
+        try:
+            return self._read_brokers(group, rows, dead)
+        except KafkaError as exc:
+            self._close_kafka()
+            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers}: {first_line(exc)}") from None
+        except BrokerError:
+            self._close_kafka()
+            raise
+
+    def close(self) -> None:
+        self._close_kafka()
+        self.engine.dispose()
+
+    def reset(self) -> None:
+        """Drop every connection (after an unexpected error): the next reading opens them again."""
+        self.close()
+        self._migrated = False
+
+    # -- the database --------------------------------------------------------------------------
+
+    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int]]:
+        try:
+            if not self._migrated:
+                check_migrated(self.engine, self.settings)
+                self._migrated = True
+            rows = self.store.rows(group)
+            t = self.dead_letters
+            stmt = (select(t.c.topic, t.c.partition_id, func.count())
+                    .where(t.c.consumer_group == group, t.c.status == deadletters.DEAD)
+                    .group_by(t.c.topic, t.c.partition_id))
+            with self.engine.connect() as conn:
+                dead = {(topic, p): n for topic, p, n in conn.execute(stmt)}
+        except SQLAlchemyError as exc:
+            # Drop pooled connections that may be dead, so the next reading starts afresh.
+            self.engine.dispose()
+            raise DatabaseError(f"database {self.settings.safe_dsn}: {first_line(exc)}") from None
+        except DatabaseError:
+            self._migrated = False
+            raise
+        return rows, dead
+
+    # -- the brokers ---------------------------------------------------------------------------
+
+    def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int]) -> GroupReading:
+        consumer = self._kafka_consumer()
+        tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._partitions(consumer, topic)]
+        bounds = log_bounds(consumer, tps)
+        owners = self._live_owners(group) if self.owners else {}
+        nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
+        # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
+        waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}
+        stamps = self._oldest_timestamps(waiting)
+        now = self.clock()
+        out = []
+        for tp in tps:
+            row = rows.get(tp)
+            start, end = bounds[tp]
+            behind = max(0, end - nexts[tp])
+            out.append(PartitionReading(
+                topic=tp[0], partition=tp[1], stored_offset=row.next_offset if row else None,
+                log_start=start, log_end=end, lag_messages=behind,
+                lag_seconds=_age(now, stamps.get(tp)) if behind else 0.0,
+                epoch=row.epoch if row else None, owner=owners.get(tp), dead_letters=dead.get(tp, 0),
+            ))
+        return GroupReading(group, now, out, sum(dead.values()))
+
+    def _partitions(self, consumer: Any, topic: str) -> list[int]:
+        found = consumer.partitions_for_topic(topic)
+        if not found:
+            # Offsets stored for a topic deleted since: nothing to measure, and no reason to fail the group.
+            log.debug("topic %r has stored offsets but is not in the cluster: left out", topic)
+        return sorted(found or ())
+
+    def _live_owners(self, group: str) -> dict[TP, str]:
+        if self._inspector is None:
+            self._inspector = KafkaInspector(self.settings)
+        return self._inspector.live_owners(group)
+
+    def _kafka_consumer(self) -> Any:
+        if self._consumer is None:
+            # Assigned partitions, no group. An offset deleted by retention since it was
+            # asked for reads from the log start.
+            self._consumer = open_consumer(
+                self.settings, group_id=None, enable_auto_commit=False, allow_auto_create_topics=False,
+                auto_offset_reset="earliest", request_timeout_ms=self._request_timeout_ms, **_FETCH_CONFIG,
+            )
+        return self._consumer
+
+    def _oldest_timestamps(self, wanted: Mapping[TP, int]) -> dict[TP, int]:
+        """The timestamp (ms) of the record at each partition's next offset, from the cache or the brokers."""
+        for tp in set(self._stamp_cache) - set(wanted):
+            del self._stamp_cache[tp]  # caught up (or gone): its offset's timestamp is no longer needed
+        missing = {tp: offset for tp, offset in wanted.items() if self._stamp_cache.get(tp, (None,))[0] != offset}
+        if missing:
+            for tp, stamp in self._fetch_timestamps(missing).items():
+                self._stamp_cache[tp] = (missing[tp], stamp)
+        return {tp: stamp for tp, (_, stamp) in self._stamp_cache.items() if stamp is not None}
+
+    def _fetch_timestamps(self, offsets: Mapping[TP, int]) -> dict[TP, int | None]:
+        """One record of each partition, from its offset on: its timestamp (None: the record has none).
+
+        A partition whose record did not arrive within ``fetch_timeout_s`` is left out (asked again next time).
+        """
+        consumer = self._kafka_consumer()
+        ktps = {TopicPartition(*tp): offset for tp, offset in offsets.items()}
+        consumer.assign(list(ktps))
+        for ktp, offset in ktps.items():
+            consumer.seek(ktp, offset)
+        found: dict[TP, int | None] = {}
+        deadline = time.monotonic() + self.fetch_timeout_s
+        try:
+            while len(found) < len(ktps) and (left := deadline - time.monotonic()) > 0:
+                for ktp, records in consumer.poll(timeout_ms=max(1, int(left * 1000))).items():
+                    if records and (ktp.topic, ktp.partition) not in found:
+                        stamp = records[0].timestamp
+                        found[(ktp.topic, ktp.partition)] = stamp if stamp is not None and stamp >= 0 else None
+                    consumer.pause(ktp)  # one record is all it needs: fetch no more of this partition
+        finally:
+            consumer.unsubscribe()
+        return found
+
+    def _close_kafka(self) -> None:
+        consumer, inspector = self._consumer, self._inspector
+        self._consumer, self._inspector = None, None
+        self._stamp_cache.clear()
+        closers: list[Callable[[], None]] = []
+        if consumer is not None:
+            closers.append(lambda: consumer.close(autocommit=False))
+        if inspector is not None:
+            closers.append(inspector.close)
+        for close in closers:
+            try:
+                close()
+            except Exception:  # closing after an outage: nothing to save
+                log.debug("closing a Kafka client failed", exc_info=True)
+
+
+def _next_offset(row: Row | None, log_start: int) -> int:
+    """The next offset to process: the stored one, or the log start without one (as `kstore offsets show`)."""
+    return log_start if row is None or row.next_offset is None else row.next_offset
+
+
+def _age(now: float, stamp_ms: int | None) -> float | None:
+    if stamp_ms is None:
+        return None
+    return max(0.0, now - stamp_ms / 1000)
