@@ -17,7 +17,7 @@ from .errors import (
 )
 from .migration import migrate
 from .processor import Message, Processor
-from .retry import Retry, RetryPolicy
+from .retry import Reject, Retry, RetryPolicy
 from .session import DeferredInsertError
 from .settings import Settings
 from .targets import EARLIEST, LATEST
@@ -27,6 +27,7 @@ __all__ = [
     # writing a pipeline
     "Message",
     "Processor",
+    "Reject",
     "Retry",
     "RetryPolicy",
     # running it

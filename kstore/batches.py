@@ -258,8 +258,11 @@ class Batches:
         """Decide what a processor failure means; True if the batch is settled (dead-lettered or in doubt)."""
         failures, batch = self.failures, taken.records
         if len(batch) > 1:
-            log.warning("a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
-                        len(batch), type(cause).__name__, cause)
+            # One line when a failure is first met; the narrowing down that follows is DEBUG.
+            already = any(failures.isolating((r.topic, r.partition)) for r in batch[:1])
+            (log.debug if already else log.warning)(
+                "a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
+                len(batch), type(cause).__name__, cause)
             failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
             return False
         record = batch[0]
@@ -308,20 +311,38 @@ class Batches:
         Returns the fenced partitions and the messages as the processor saw them.
         """
         msgs: Sequence[Message] = ()
+        rejects: list[tuple[int, Exception]] | None = [] if self.on_error == "dead_letter" else None
+        letters: list[tuple[Record, Failure]] = []
 
         def handle(conn: Connection) -> None:
             nonlocal msgs
             try:
                 msgs = self._messages(taken.records)
-                run_handler(self.processor, conn, msgs, self.tracing)
+                run_handler(self.processor, conn, msgs, self.tracing, rejects)
             except Exception as exc:
                 raise _HandlerFailed(str(exc)) from exc
+            if rejects:
+                # Final errors raised before the message did anything: dead-lettered in this
+                # same transaction, which commits the rest of the batch and moves past them.
+                for index, error in rejects:
+                    failure = Failure(final=True)
+                    failure.record(error)
+                    letters.append((taken.records[index], failure))
+                    deadletters.write(conn, self._dead_letters, self.group, taken.records[index], failure)
+                rejected = {index for index, _ in rejects}
+                msgs = [m for i, m in enumerate(msgs) if i not in rejected]
 
         self.busy = True
         self.in_flight = taken.records
         try:
             try:
-                return self._commit_with(taken.positions, handle), msgs
+                fenced = self._commit_with(taken.positions, handle)
+                if not fenced:
+                    for record, failure in letters:
+                        self.metrics.dead_lettered()
+                        log.warning("dead-lettered %s[%d] offset %d at once: %s", record.topic, record.partition,
+                                    record.offset, failure.error, extra=_fields(record))
+                return fenced, msgs
             except _CommitInDoubt as exc:
                 exc.msgs = msgs
                 raise

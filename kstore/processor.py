@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -15,9 +17,9 @@ if TYPE_CHECKING:
 
     from .tracing import Tracing
 
-from .errors import KstoreError
+from .errors import ConfigurationError, KstoreError
 from .retry import RetryPolicy
-from .session import batch_session
+from .session import BatchSession, batch_session
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -143,8 +145,23 @@ class Processor:
             self.handle(msg)
 
 
+#: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs).
+HOOKS = ("setup", "teardown", "on_assigned", "on_revoked", "on_committed", "deserialize", "handle", "handle_batch")
+
+
+def check_processor(processor: Processor) -> None:
+    """Refuse what kstore cannot run: an ``async def`` hook would return a coroutine that never
+    runs, and the offsets of its messages would commit with no effect at all."""
+    for name in HOOKS:
+        fn = getattr(type(processor), name, None)
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise ConfigurationError(
+                f"{type(processor).__name__}.{name} is `async def`: kstore calls hooks synchronously, so its "
+                "coroutine would never run and the messages would be committed with no effect; use `def`")
+
+
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
-                tracing: Tracing | None = None) -> None:
+                tracing: Tracing | None = None, rejects: list[tuple[int, Exception]] | None = None) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
     The session joins the caller's transaction as ``rollback_only``: a
@@ -152,21 +169,44 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
     processor's writes together with its own (the offsets, a dead letter's mark).
     With ``tracing`` enabled, the batch is a span, and so is each ``handle(msg)`` when
     the processor keeps the default ``handle_batch``.
+
+    ``rejects``: with the default ``handle_batch``, a ``handle(msg)`` that raises a final
+    error (:class:`~kstore.retry.Reject`, or one the retry policy gives up on) *before
+    doing anything in the transaction* is appended here as ``(index, error)`` and the
+    batch goes on: the caller dead-letters it in the same transaction. One that did
+    something first (a statement, a flush) raises as any error does: the transaction,
+    with whatever it wrote, is rolled back.
     """
+    default = type(processor).handle_batch is Processor.handle_batch
+    span = tracing if tracing is not None and tracing.enabled else None
     try:
         with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
             processor.session = session
-            if tracing is None or not tracing.enabled:
-                processor.handle_batch(msgs)
-            else:
-                with tracing.batch(msgs):
-                    if type(processor).handle_batch is Processor.handle_batch:
-                        for msg in msgs:
-                            with tracing.message(msg):
-                                processor.handle(msg)
-                    else:
-                        processor.handle_batch(msgs)
+            with span.batch(msgs) if span is not None else contextlib.nullcontext():
+                if not default or (span is None and rejects is None):
+                    processor.handle_batch(msgs)
+                else:
+                    _handle_each(processor, session, msgs, span, rejects)
     finally:
         # The session is closed; a hook that used it after the batch would begin a
         # transaction on the worker's connection that nothing ends.
         vars(processor).pop("session", None)
+
+
+def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Tracing | None,
+                 rejects: list[tuple[int, Exception]] | None) -> None:
+    """The default ``handle_batch`` (``handle`` per message), with a span per message and
+    final errors that touched nothing set aside in ``rejects`` (see :func:`run_handler`)."""
+    handle = processor.handle
+    for index, msg in enumerate(msgs):
+        mark = session.touches
+        try:
+            if span is None:
+                handle(msg)
+            else:
+                with span.message(msg):
+                    handle(msg)
+        except Exception as exc:
+            if rejects is None or not processor.retry.gives_up_on(exc) or not session.untouched(mark):
+                raise
+            rejects.append((index, exc))

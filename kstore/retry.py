@@ -33,6 +33,13 @@ class Retry(Exception):
         self.delay = delay
 
 
+class Reject(Exception):
+    """Raise from ``handle``/``handle_batch`` for a message that can never succeed (invalid,
+    unparseable, refused by a rule): it is not retried. At once, with no backoff, it is
+    dead-lettered (``on_error="dead_letter"``) or stops the worker (``"stop"``).
+    """
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently a failing message is retried."""
@@ -44,6 +51,13 @@ class RetryPolicy:
     #: Each delay is scaled by a random factor in [1 - jitter, 1 + jitter], so that
     #: workers failing together do not retry in lockstep.
     jitter: float = 0.2
+    #: Exceptions that are never retried, like :class:`Reject` (always included): e.g.
+    #: ``(ValueError, KeyError)`` for a processor whose parsing errors are final.
+    give_up_on: tuple[type[BaseException], ...] = ()
+
+    def gives_up_on(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is final: the message is not attempted again."""
+        return isinstance(exc, (Reject, *self.give_up_on))
 
     def delay(self, attempts: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after ``attempts`` failed attempts (1 = the first failure)."""
@@ -61,6 +75,8 @@ class Failure:
     last_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     error: str = ""
     traceback: str = ""
+    #: The last error was final (:class:`Reject`, or one the policy gives up on): no more attempts.
+    final: bool = False
 
     def record(self, exc: BaseException) -> None:
         self.attempts += 1
@@ -115,14 +131,20 @@ class Failures:
         """Count an attempt; schedule the next one unless the policy is exhausted."""
         failure = self._failures.setdefault(key, Failure())
         failure.record(exc)
-        if failure.attempts < self.policy.max_attempts:
+        if self.policy.gives_up_on(exc):
+            failure.final = True
+        elif failure.attempts < self.policy.max_attempts:
             delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else self.policy.delay(
                 failure.attempts)
             self._not_before = time.monotonic() + delay
         return failure
 
     def exhausted(self, failure: Failure) -> bool:
-        return failure.attempts >= self.policy.max_attempts
+        return failure.final or failure.attempts >= self.policy.max_attempts
+
+    def isolating(self, tp: TP) -> bool:
+        """Whether a failed batch of this partition is being narrowed down."""
+        return tp in self._isolating
 
     def done(self, keys: list[MessageKey]) -> None:
         """These messages are committed (or dead-lettered): forget them, and end isolation past them."""

@@ -154,8 +154,17 @@ class BatchSession(Session):
         #: The error of a deferred INSERT that failed when sent: the session is failed for good.
         self._failure: BaseException | None = None
         self._failure_message = ""
+        #: Counts every call that may read or write through the session (statements, the
+        #: connection, flushes, savepoints): unchanged across a handle() call, plus no pending
+        #: ORM change, means that call did nothing in the transaction (see :meth:`untouched`).
+        self.touches = 0
+
+    def untouched(self, mark: int) -> bool:
+        """Nothing went through the session since ``touches`` was ``mark``, and no ORM change waits."""
+        return self.touches == mark and self._is_clean()
 
     def execute(self, statement: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self.touches += 1
         core = (not args and not kwargs and isinstance(statement, Executable)
                 and not statement._propagate_attrs and not self.dispatch.do_orm_execute)
         if core and self._defer_inserts and _deferrable(statement, params) and not self.in_nested_transaction():
@@ -271,18 +280,22 @@ class BatchSession(Session):
     # operations, and savepoints (a rollback to one must not undo them).
 
     def connection(self, *args: Any, **kwargs: Any) -> Connection:
+        self.touches += 1
         self.send_deferred()
         return super().connection(*args, **kwargs)
 
     def scalar(self, *args: Any, **kwargs: Any) -> Any:
+        self.touches += 1
         self.send_deferred()
         return super().scalar(*args, **kwargs)
 
     def scalars(self, *args: Any, **kwargs: Any) -> Any:
+        self.touches += 1
         self.send_deferred()
         return super().scalars(*args, **kwargs)
 
     def flush(self, objects: Any = None) -> None:
+        self.touches += 1
         self.send_deferred()
         in_flush, self._in_flush = self._in_flush, True
         try:
@@ -291,14 +304,17 @@ class BatchSession(Session):
             self._in_flush = in_flush
 
     def bulk_save_objects(self, *args: Any, **kwargs: Any) -> None:
+        self.touches += 1
         self.send_deferred()
         super().bulk_save_objects(*args, **kwargs)
 
     def bulk_insert_mappings(self, *args: Any, **kwargs: Any) -> None:
+        self.touches += 1
         self.send_deferred()
         super().bulk_insert_mappings(*args, **kwargs)
 
     def bulk_update_mappings(self, *args: Any, **kwargs: Any) -> None:
+        self.touches += 1
         self.send_deferred()
         super().bulk_update_mappings(*args, **kwargs)
 
@@ -306,6 +322,7 @@ class BatchSession(Session):
         # Before the SAVEPOINT: a rollback to it must not undo them, and their failure is
         # a DeferredInsertError, which the processor's ``except`` around the savepoint
         # does not take for the savepoint's own.
+        self.touches += 1
         self.send_deferred()
         return super().begin_nested()
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from .processor import Message, Processor, run_handler, to_ms
+from .processor import Message, Processor, check_processor, run_handler, to_ms
 
 
 def make_message(
@@ -42,6 +42,7 @@ def make_message(
 
 def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> None:
     """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL)."""
+    check_processor(processor)
     if isinstance(engine, str):
         engine = create_engine(engine)
     if getattr(processor, "engine", None) is not engine:

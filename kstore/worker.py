@@ -47,7 +47,7 @@ from .health import HealthServer, app
 from .metrics import Metrics, PartitionLag
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
-from .processor import Processor
+from .processor import Processor, check_processor
 from .settings import Settings
 from .store import Store, make_engine
 from .targets import Target
@@ -70,6 +70,7 @@ class Worker:
     source_factory: type[KafkaSource] = KafkaSource
 
     def __init__(self, processor: Processor, settings: Settings | None = None) -> None:
+        check_processor(processor)
         self.processor = processor
         self.settings = settings or Settings()
         group = self.settings.group or processor.group

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from kstore import Message, Processor
+from kstore import Message, Processor, Reject, RetryPolicy
 
 metadata = sa.MetaData()
 effects = sa.Table(
@@ -109,3 +109,31 @@ def oauth_token() -> str:
 
     now = int(time.time())
     return f"{part({'alg': 'none'})}.{part({'sub': 'kstore-test', 'iat': now, 'exp': now + 3600})}."
+
+
+class Validating(Processor):
+    """handle() per message: a value starting with "bad" is rejected before anything is written;
+    one starting with "late-bad" is rejected after its row was written (the write must roll back);
+    "flaky" raises ValueError, which ``KSTORE_TEST_GIVE_UP_ON_VALUE_ERROR=1`` makes final."""
+
+    group = "validating"
+    value_format = "str"
+    retry = RetryPolicy(give_up_on=(ValueError,) if os.environ.get("KSTORE_TEST_GIVE_UP_ON_VALUE_ERROR") == "1"
+                        else ())
+
+    def handle(self, msg: Message) -> None:
+        if msg.value.startswith("bad"):
+            raise Reject(f"invalid value {msg.value!r}")
+        if msg.value.startswith("flaky"):
+            raise ValueError(f"cannot parse {msg.value!r}")
+        self.session.execute(effects.insert(), {"topic": msg.topic, "partition_id": msg.partition,
+                                                "kafka_offset": msg.offset, "value": msg.value, "worker": "v"})
+        if msg.value.startswith("late-bad"):
+            raise Reject(f"found invalid after writing: {msg.value!r}")
+
+
+class AsyncHandler(Processor):
+    group = "async"
+
+    async def handle(self, msg: Message) -> None:  # type: ignore[override]
+        pass
