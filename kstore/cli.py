@@ -81,6 +81,7 @@ def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group()
+@click.version_option(package_name="kstore", prog_name="kstore", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, default=False, help="Show tracebacks and debug logs.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))

@@ -1140,6 +1140,8 @@ def _print_started(cluster: Cluster) -> None:
         print(json.dumps(asdict(cluster.endpoints), indent=2), flush=True)
     else:
         print(cluster.bootstrap_servers, flush=True)
+        print(f"export KSTORE_BOOTSTRAP_SERVERS={cluster.bootstrap_servers}   # for kstore in this shell",
+              file=sys.stderr, flush=True)
 
 
 def _cmd_start(args: argparse.Namespace) -> int:

@@ -123,6 +123,8 @@ class Settings:
         if self.sasl_mechanism is not None:
             object.__setattr__(self, "sasl_mechanism", self.sasl_mechanism.strip().upper())
         object.__setattr__(self, "kafka_options", dict(self.kafka_options))
+        if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
+            object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
         check_kafka_options(self.kafka_options)
         for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms"):

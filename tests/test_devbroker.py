@@ -149,6 +149,7 @@ def test_cli_start_and_stop(tmp_path: Path) -> None:
     state = json.loads(state_file.read_text())
     try:
         assert started.stdout.strip() == state["bootstrap_servers"]
+        assert f"export KSTORE_BOOTSTRAP_SERVERS={state['bootstrap_servers']}" in started.stderr
         _create_topic(state["bootstrap_servers"], "devbroker-cli", 1, 1)
     finally:
         subprocess.run([*cli, "stop", "--state-file", str(state_file)], env=env, timeout=60, check=True)
