@@ -14,7 +14,8 @@ without an answer is read back, see :mod:`kstore.batches`):
   ``execute``, ``executemany``, ``commit`` and ``rollback`` on a kstore
   connection is armed with ``db_timeout_s``; if no answer came by then, the
   watchdog shuts the socket down under libpq, whose blocked ``recv()`` returns
-  and psycopg2 raises "server closed the connection unexpectedly". That catches
+  and the driver raises "server closed the connection unexpectedly" (psycopg2: a
+  guarded connection class; psycopg 3: its ``Connection.wait``). That catches
   every silence, whatever the network does, at the cost of capping how long one
   statement may run (raise ``db_timeout_s`` for processors that run long ones).
 
@@ -137,6 +138,19 @@ def connection_factory(timeout_s: float) -> type[psycopg2.extensions.connection]
         def rollback(self) -> None:
             with deadline(self):
                 super().rollback()
+
+    return GuardedConnection
+
+
+def psycopg_connection_class(timeout_s: float) -> type[Any]:
+    """The same for psycopg 3: every blocking round trip of a psycopg 3 connection goes through
+    ``Connection.wait`` (execute, executemany, commit, rollback), so that is where the deadline is armed."""
+    import psycopg
+
+    class GuardedConnection(psycopg.Connection):
+        def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
+            with WATCHDOG.guard(self.fileno(), timeout_s):
+                return super().wait(gen, *args, **kwargs)
 
     return GuardedConnection
 

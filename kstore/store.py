@@ -150,6 +150,10 @@ def make_engine(settings: Settings) -> Engine:
         engine = create_engine(url, **kwargs)
     except (SQLAlchemyError, ImportError) as exc:
         raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
+    if engine.dialect.driver == "psycopg" and settings.db_timeout_s > 0:
+        guarded = deadline.psycopg_connection_class(settings.db_timeout_s)
+        event.listen(engine, "do_connect",
+                      lambda _dialect, _record, cargs, cparams: guarded.connect(*cargs, **cparams))
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)

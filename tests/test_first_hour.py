@@ -3,9 +3,11 @@ processor given as a file path."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kstore import Settings, load_processor
 
@@ -30,3 +32,34 @@ def test_a_processor_given_as_a_file_path(tmp_path: Path) -> None:
         "    def handle(self, msg):\n        pass\n")
     processor = load_processor(f"{app / 'ledger.py'}:Ledger")
     assert type(processor).__name__ == "Ledger" and processor.limit == 10  # type: ignore[attr-defined]
+
+
+def test_every_command_on_psycopg_3(pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
+    """`postgresql+psycopg://` (psycopg 3) beside psycopg2: migrate, a worker, offsets show/set/history,
+    dead letters (the in-doubt and silent-database paths: tests/test_worker_in_doubt.py)."""
+    from sqlalchemy.engine import make_url
+
+    from .harness import assert_exactly_once, effects, wait_until
+
+    dsn = make_url(pg_dsn).set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+    def kstore(*args: str) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([sys.executable, "-m", "kstore", *args, "--dsn", dsn], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    kstore("migrate")
+    topic = new_topic(2)
+    sent = set(produce(topic, [f"p{i}" for i in range(200)]))
+    w = workers(dsn, topic, "psycopg3")
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what="every message processed")
+    assert w.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+    shown = json.loads(kstore("offsets", "show", "--group", "psycopg3", "--bootstrap-servers", kafka, "--json").stdout)
+    assert sum(row["next_offset"] for row in shown) == len(sent)
+    kstore("offsets", "set", "--group", "psycopg3", "--topic", topic, "--shift-by", "-5", "--bootstrap-servers",
+           kafka, "--execute")
+    history = json.loads(kstore("offsets", "history", "--group", "psycopg3", "--json").stdout)
+    assert len([h for h in history if h["from_offset"] is not None and h["to_offset"] == h["from_offset"] - 5]) == 2
+    kstore("dead-letters", "list", "--group", "psycopg3")

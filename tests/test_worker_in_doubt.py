@@ -31,6 +31,14 @@ pytestmark = pytest.mark.integration
 SILENCE_NOTICED = r"database round trip got no answer within its deadline|failed: timeout expired"
 
 
+#: psycopg2 and psycopg 3: the commit-in-doubt and silent-database paths on both drivers.
+DRIVERS = ["psycopg2", "psycopg"]
+
+
+def with_driver(dsn: str, driver: str) -> str:
+    return make_url(dsn).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)
+
+
 @pytest.fixture
 def pg_proxy(pg_dsn: str) -> Iterator[FaultProxy]:
     url = make_url(pg_dsn)
@@ -47,12 +55,13 @@ def dead_letters(dsn: str) -> list[Any]:
         engine.dispose()
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
-                                                  produce: Any, workers: Any) -> None:
+                                                  produce: Any, workers: Any, driver: str) -> None:
     """The defect the fault check found: 6 cut COMMITs made 800 duplicate effects on the old code."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))
-    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "indoubt",
+    w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "indoubt",
                 env={"KSTORE_MAX_BATCH_SIZE": "100", "KSTORE_TEST_BATCH_SLEEP": "0.01"})
     w.wait_for_log(r"claimed ")
     for n in range(1, 7):
@@ -108,13 +117,14 @@ def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_
     assert log.index("claimed ") > failed_claim
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_a_silent_database_is_detected_within_the_deadline(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
-                                                           produce: Any, workers: Any) -> None:
+                                                           produce: Any, workers: Any, driver: str) -> None:
     """A blackhole (nothing forwarded, nothing closed) must not hang the worker: each round trip
     has KSTORE_DB_TIMEOUT_S, after which the connection is cut and the work resolved."""
     topic = new_topic(2)
     first = set(produce(topic, [f"a{i}" for i in range(100)]))
-    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "silent", env={"KSTORE_DB_TIMEOUT_S": "3"})
+    w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "silent", env={"KSTORE_DB_TIMEOUT_S": "3"})
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first messages")
     pg_proxy.blackhole_for(12)
     started = time.monotonic()
