@@ -298,25 +298,19 @@ def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit:
 
 @cli.group("dead-letters")
 def dead_letters() -> None:
-    """Messages that failed every attempt: list, show, replay."""
+    """Messages that failed every attempt: list, show, replay (edited if need be), discard, resolve."""
 
 
 @dead_letters.command("list")
 @dsn_option
 @click.option("--group", required=True)
-@click.option("--all", "show_all", is_flag=True, help="Include replayed ones.")
+@click.option("--all", "show_all", is_flag=True, help="Every status: replayed, discarded, resolved too.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, **db: Any) -> None:
-    """The group's dead letters (not yet replayed, unless --all)."""
-    def find(s: Settings) -> list[deadletters.DeadLetter]:
-        store = deadletters.DeadLetters(s)
-        try:
-            return store.find(group, status=None if show_all else deadletters.DEAD)
-        finally:
-            store.close()
-
-    letters = _run(ctx, lambda: Settings.from_env(**db), find)
+    """The group's dead letters waiting (status dead), or every one with --all."""
+    status = None if show_all else deadletters.DEAD
+    letters = _run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.list_dead_letters(s, group, status))
     if as_json:
         click.echo(json.dumps([d.summary() for d in letters], indent=2))
         return
@@ -330,18 +324,18 @@ def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json
 @click.argument("dead_letter_id", type=int)
 @click.pass_context
 def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> None:
-    """One dead letter in full: the message, the error and its traceback."""
-    def get(s: Settings) -> deadletters.DeadLetter:
-        store = deadletters.DeadLetters(s)
-        try:
-            return store.get(dead_letter_id)
-        finally:
-            store.close()
-
-    d = _run(ctx, lambda: Settings.from_env(**db), get)
+    """One dead letter in full: the message, the error, its history (who changed it, when, why) and traceback."""
+    d, changes = _run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.show_dead_letter(s, dead_letter_id))
     for name, value in d.summary().items():
         click.echo(f"{name}: {value}")
-    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}\ntraceback:\n{d.traceback}")
+    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}")
+    click.echo("history:" if changes else "history: none (waiting since it was dead-lettered)")
+    for c in changes:
+        click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
+                   f"request {c.request_id}  reason: {c.reason or '-'}")
+        if c.edited:
+            click.echo(f"    replayed edited: key {c.replayed_key!r} value {c.replayed_value!r}")
+    click.echo(f"traceback:\n{d.traceback}")
 
 
 @dead_letters.command("replay")
@@ -349,13 +343,23 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> 
 @dsn_option
 @click.option("--group", required=True)
 @click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
+@click.option("--value", default=None, help="Replay with this value instead (UTF-8); needs exactly one --id.")
+@click.option("--value-file", default=None, metavar="PATH",
+              help="Replay with this file's bytes as the value; needs exactly one --id.")
+@click.option("--key", default=None, help="Replay with this key instead (UTF-8); needs exactly one --id.")
+@click.option("--reason", default=None, help="Recorded in the dead letter's history.")
 @click.pass_context
-def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...],
-                        **db: Any) -> None:
-    """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects."""
+def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...], value: str | None,
+                        value_file: str | None, key: str | None, reason: str | None, **db: Any) -> None:
+    """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects.
+
+    With --value, --value-file or --key the processor gets the edited message; the dead letter
+    keeps the original, and its history the edited one.
+    """
     def replay(s: Settings) -> deadletters.ReplayResult:
+        edits = deadletters.edits_from_options(ids, key, value, value_file)
         sys.path.insert(0, os.getcwd())
-        return deadletters.replay_dead_letters(s, load_processor(processor), group, ids or None)
+        return deadletters.replay_dead_letters(s, load_processor(processor), group, ids or None, edits, reason)
 
     result = _run(ctx, lambda: Settings.from_env(**db), replay)
     click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "
@@ -364,6 +368,39 @@ def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: 
         click.echo(f"dead letter {letter_id} failed again: {error}", err=True)
     if result.failed:
         ctx.exit(1)
+
+
+def _close_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--reason", required=True, help="Why; recorded with who and when in the history.")(f)
+    f = click.option("--id", "ids", type=int, multiple=True, required=True, help="Repeatable.")(f)
+    f = click.option("--group", required=True)(f)
+    return dsn_option(f)
+
+
+def _echo_closed(done: deadletters.StatusChange) -> None:
+    if done.changed:
+        click.echo(f"{done.status} {len(done.changed)}: {', '.join(map(str, done.changed))} "
+                   f"(request {done.request_id})")
+    if done.already:
+        click.echo(f"already {done.status}, left as they were: {', '.join(map(str, done.already))}")
+
+
+@dead_letters.command("discard")
+@_close_options
+@click.pass_context
+def dead_letters_discard(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
+    """Drop waiting dead letters on purpose (status discarded), all or none, recording who, when and why."""
+    _echo_closed(_run(ctx, lambda: Settings.from_env(**db),
+                      lambda s: deadletters.discard_dead_letters(s, group, ids, reason)))
+
+
+@dead_letters.command("resolve")
+@_close_options
+@click.pass_context
+def dead_letters_resolve(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
+    """Mark waiting dead letters fixed by hand elsewhere (status resolved), all or none, with who, when and why."""
+    _echo_closed(_run(ctx, lambda: Settings.from_env(**db),
+                      lambda s: deadletters.resolve_dead_letters(s, group, ids, reason)))
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:

@@ -1,9 +1,20 @@
-"""Dead letters: writing them (inside the batch's transaction), listing, showing and replaying them.
+"""Dead letters: writing them (inside the batch's transaction), listing, showing, replaying and closing them.
 
-A replay runs the message through the processor in a transaction that also marks
-the dead letter ``replayed`` (``WHERE status = 'dead'``, checked to touch exactly
-one row), so a dead letter's effect lands exactly once even if two operators
-replay it at the same time.
+A dead letter starts ``dead`` (waiting) and leaves that status once, for good:
+``replayed`` (its message ran through the processor again, as written or with
+an edited key or value), ``discarded`` (dropped on purpose) or ``resolved``
+(fixed by hand elsewhere). Each change is one transaction that updates the
+letter ``WHERE status = 'dead'`` (checked to touch exactly the rows it meant to)
+and adds a row to ``kstore_dead_letter_history`` with who, when, why and a
+request id; a replay's processor effects commit in that same transaction, so a
+dead letter's effect lands exactly once even if two operators act on it at once.
+
+If a change's COMMIT loses its answer, the request id is looked up on a fresh
+connection (:mod:`kstore.indoubt`): found, it landed; not found, it did not;
+unreadable, :class:`~kstore.errors.CommitInDoubtError`. Doing the same thing
+twice is a no-op (an already discarded letter stays as it was discarded); a
+different change of a letter that already left ``dead`` is refused with
+:class:`DeadLetterStateError`.
 """
 
 from __future__ import annotations
@@ -11,13 +22,16 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     Connection,
     DateTime,
@@ -30,20 +44,30 @@ from sqlalchemy import (
     Text,
     select,
 )
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import indoubt
 from .consumer import Record, ms_to_datetime
-from .errors import CommitInDoubtError, KstoreError
+from .errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from .migration import check_migrated
 from .processor import Message, Processor, run_handler, to_ms
 from .retry import Failure
 from .settings import Settings
-from .store import WRITES, make_engine, now
+from .store import WRITES, actor, first_line, make_engine, now
 
 log = logging.getLogger(__name__)
 
 DEAD = "dead"
 REPLAYED = "replayed"
+DISCARDED = "discarded"
+RESOLVED = "resolved"
+STATUSES = (DEAD, REPLAYED, DISCARDED, RESOLVED)
+#: The action that leads to each final status, as the history and the messages name it.
+ACTIONS = {REPLAYED: "replay", DISCARDED: "discard", RESOLVED: "resolve"}
+
+
+class DeadLetterStateError(KstoreError):
+    """The dead letter already left ``dead`` another way (e.g. replaying a discarded one), or is not the group's."""
 
 
 def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
@@ -66,6 +90,28 @@ def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
         Column("last_failure_at", DateTime(timezone=True), nullable=False),
         Column("status", String(16), nullable=False),
         Column("replayed_at", DateTime(timezone=True), nullable=True),
+    )
+
+
+def build_history_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
+    """One row per status change of a dead letter (migration 0005)."""
+    return Table(
+        f"{prefix}dead_letter_history",
+        MetaData(schema=schema),
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("dead_letter_id", Integer, nullable=False),
+        Column("consumer_group", String(255), nullable=False),
+        Column("action", String(16), nullable=False),
+        Column("from_status", String(16), nullable=False),
+        Column("to_status", String(16), nullable=False),
+        Column("at", DateTime(timezone=True), nullable=False),
+        Column("by_user", String(255), nullable=False),
+        Column("by_host", String(255), nullable=False),
+        Column("reason", Text, nullable=True),
+        Column("request_id", String(32), nullable=False),
+        Column("edited", Boolean, nullable=False),
+        Column("replayed_key", LargeBinary, nullable=True),
+        Column("replayed_value", LargeBinary, nullable=True),
     )
 
 
@@ -98,6 +144,56 @@ class DeadLetter:
         }
 
 
+@dataclass(frozen=True)
+class Change:
+    """One status change of a dead letter, from ``kstore_dead_letter_history``."""
+
+    dead_letter_id: int
+    action: str
+    from_status: str
+    to_status: str
+    at: datetime
+    by_user: str
+    by_host: str
+    reason: str | None
+    request_id: str
+    #: A replay that ran with an edited key or value: what the processor got (the original stays on the letter).
+    edited: bool
+    replayed_key: bytes | None
+    replayed_value: bytes | None
+
+    @property
+    def by(self) -> str:
+        return f"{self.by_user}@{self.by_host}"
+
+
+@dataclass(frozen=True)
+class Edit:
+    """A replay's replacement key and/or value (raw bytes, before ``deserialize``); None keeps the original."""
+
+    key: bytes | None = None
+    value: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.key is None and self.value is None:
+            raise ConfigurationError("an edit needs a new key or a new value")
+
+    def apply(self, letter: DeadLetter) -> tuple[bytes | None, bytes | None]:
+        return (letter.key if self.key is None else self.key,
+                letter.value if self.value is None else self.value)
+
+
+@dataclass(frozen=True)
+class StatusChange:
+    """What a discard or resolve did: the letters it changed, those already in that status, and its request id."""
+
+    status: str
+    changed: list[int]
+    already: list[int]
+    #: None if nothing was written (every letter already had the status).
+    request_id: str | None
+
+
 def _encode_headers(headers: Sequence[tuple[str, bytes | None]]) -> str:
     return json.dumps([[k, None if v is None else base64.b64encode(v).decode()] for k, v in headers])
 
@@ -117,6 +213,10 @@ def write(conn: Connection, table: Table, group: str, record: Record, failure: F
     ))
 
 
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
 class DeadLetters:
     """Dead letters of one database."""
 
@@ -125,6 +225,7 @@ class DeadLetters:
         self._own_engine = engine is None
         self.engine = engine or make_engine(settings)
         self.table = build_table(settings.table_prefix, settings.schema)
+        self.history_table = build_history_table(settings.table_prefix, settings.schema)
         if self._own_engine:
             check_migrated(self.engine, settings)
 
@@ -147,43 +248,157 @@ class DeadLetters:
             raise KstoreError(f"no dead letter with id {dead_letter_id}")
         return _row(row)
 
-    def replay(self, processor: Processor, letter: DeadLetter) -> bool:
-        """Run one dead letter through ``processor``; True if its effects and its 'replayed' mark committed.
+    def history(self, dead_letter_id: int) -> list[Change]:
+        """Every status change of one dead letter, oldest first."""
+        h = self.history_table
+        stmt = select(h).where(h.c.dead_letter_id == dead_letter_id).order_by(h.c.id)
+        with self.engine.connect() as conn:
+            return [_change(r) for r in conn.execute(stmt)]
 
-        False if it was already replayed. Raises what the processor raises (nothing is committed then).
-        If the COMMIT's answer is lost, the mark is read back: replayed, it landed (True); still dead,
-        the COMMIT's error is raised (it may be replayed again); unreadable, :class:`CommitInDoubtError`.
+    def discard(self, ids: Sequence[int], reason: str, *, group: str | None = None) -> StatusChange:
+        """Mark dead letters ``discarded`` (dropped on purpose), all in one transaction; see :meth:`_close`."""
+        return self._close(ids, DISCARDED, reason, group)
+
+    def resolve(self, ids: Sequence[int], reason: str, *, group: str | None = None) -> StatusChange:
+        """Mark dead letters ``resolved`` (fixed by hand elsewhere), all in one transaction; see :meth:`_close`."""
+        return self._close(ids, RESOLVED, reason, group)
+
+    def _close(self, ids: Sequence[int], status: str, reason: str, group: str | None) -> StatusChange:
+        """Move ``ids`` from dead to ``status``, recording who, when and why, in one transaction.
+
+        All or nothing: an unknown id, one of another group (if ``group`` is given) or one that left
+        ``dead`` another way raises and changes nothing. Ids already in ``status`` are left as they are
+        (listed in ``already``), so running the same command twice is harmless. A lost COMMIT answer
+        is read back by request id: landed returns as usual; not landed raises :class:`DatabaseError`
+        (safe to run again); unreadable raises :class:`CommitInDoubtError`.
         """
+        action = ACTIONS[status]
+        wanted = sorted(set(ids))
+        if not wanted:
+            raise ConfigurationError(f"give the dead letters to {action} (--id N, repeatable)")
+        if not reason.strip():
+            raise ConfigurationError(f"give a reason for the {action} (--reason)")
+        request_id = uuid.uuid4().hex
+        try:
+            with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
+                conn.execution_options(**WRITES).begin()
+                rows = self._lock(conn, wanted)
+                self._refuse(conn, rows, wanted, action, status, group)
+                todo = [i for i in wanted if rows[i].status == DEAD]
+                already = [i for i in wanted if rows[i].status == status]
+                if not todo:
+                    return StatusChange(status, [], already, None)
+                self._mark(conn, todo, status)
+                for i in todo:
+                    self._record(conn, i, rows[i].consumer_group, action, status, reason, request_id)
+                indoubt.commit(conn, lambda: self._landed(wanted, request_id),
+                               what=f"{action} {request_id} of dead letter(s) {_ids(todo)}",
+                               check=f"`kstore dead-letters show {todo[0]}` (its history lists request {request_id} "
+                                     "if it landed)")
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"the {action} of dead letter(s) {_ids(wanted)} did not land ({first_line(exc)}): "
+                                "nothing changed; it is safe to run it again") from None
+        log.debug("%s dead letter(s) %s (request %s): %s", status, _ids(todo), request_id, reason)
+        return StatusChange(status, todo, already, request_id)
+
+    def _lock(self, conn: Connection, ids: Sequence[int]) -> dict[int, Any]:
+        """The letters' rows, locked until the transaction ends (PostgreSQL; SQLite's BEGIN IMMEDIATE locks all)."""
         t = self.table
-        key, value = processor.deserialize(letter.key, letter.value)
+        stmt = select(t.c.id, t.c.consumer_group, t.c.status).where(t.c.id.in_(ids)).with_for_update()
+        return {r.id: r for r in conn.execute(stmt)}
+
+    def _refuse(self, conn: Connection, rows: dict[int, Any], ids: Sequence[int], action: str, status: str,
+                group: str | None) -> None:
+        missing = [i for i in ids if i not in rows]
+        if missing:
+            raise KstoreError(f"no dead letter with id {_ids(missing)}: nothing changed")
+        strangers = [i for i in ids if group is not None and rows[i].consumer_group != group]
+        if strangers:
+            raise DeadLetterStateError(f"dead letter(s) {_ids(strangers)} are not of group {group!r}: nothing changed")
+        closed = [i for i in ids if rows[i].status not in (DEAD, status)]
+        if closed:
+            why = "; ".join(self.state_note(conn, i, rows[i].status) for i in closed)
+            raise DeadLetterStateError(f"cannot {action} {why}; only a waiting (dead) letter can be {status}, "
+                                       "nothing changed")
+
+    def state_note(self, conn: Connection, dead_letter_id: int, status: str) -> str:
+        """``dead letter 5: it was discarded by ann@box at 2026-12-02 10:00:00 (duplicate)``, for refusals."""
+        h = self.history_table
+        last = conn.execute(select(h).where(h.c.dead_letter_id == dead_letter_id, h.c.to_status == status)
+                            .order_by(h.c.id.desc()).limit(1)).first()
+        if last is None:  # replayed before migration 0005 kept a history
+            return f"dead letter {dead_letter_id}: it is {status}"
+        change = _change(last)
+        why = f" ({change.reason})" if change.reason else ""
+        return f"dead letter {dead_letter_id}: it was {status} by {change.by} at {change.at:%Y-%m-%d %H:%M:%S}{why}"
+
+    def _mark(self, conn: Connection, ids: Sequence[int], status: str) -> None:
+        t = self.table
+        values: dict[str, Any] = {"status": status}
+        if status == REPLAYED:
+            values["replayed_at"] = now()
+        marked = conn.execute(t.update().where(t.c.id.in_(ids), t.c.status == DEAD).values(**values)).rowcount
+        if marked != len(ids):  # the rows are locked: this would be a bug, not a race
+            raise DatabaseError(f"marking dead letter(s) {_ids(ids)} {status} changed {marked} row(s)")
+
+    def _record(self, conn: Connection, dead_letter_id: int, group: str, action: str, status: str,
+                reason: str | None, request_id: str, edited: tuple[bytes | None, bytes | None] | None = None) -> None:
+        user, host = actor()
+        conn.execute(self.history_table.insert().values(
+            dead_letter_id=dead_letter_id, consumer_group=group, action=action, from_status=DEAD, to_status=status,
+            at=now(), by_user=user, by_host=host, reason=reason, request_id=request_id, edited=edited is not None,
+            replayed_key=edited[0] if edited else None, replayed_value=edited[1] if edited else None,
+        ))
+
+    def _landed(self, ids: Sequence[int], request_id: str) -> bool:
+        """On a fresh connection: is change ``request_id`` in the history? (After its COMMIT's answer was lost.)"""
+        h = self.history_table
+        with self.engine.connect() as conn:
+            conn.execution_options(**WRITES).begin()
+            indoubt.wait_for_locks(conn)
+            self._lock(conn, ids)  # waits for the lost transaction, if it still holds the rows
+            return conn.execute(select(h.c.id).where(h.c.request_id == request_id).limit(1)).first() is not None
+
+    def replay(self, processor: Processor, letter: DeadLetter, edit: Edit | None = None,
+               reason: str | None = None) -> bool:
+        """Run one dead letter (``edit`` replacing its key or value) through ``processor``.
+
+        True if its effects and its 'replayed' mark committed; False if it was already replayed.
+        Raises what the processor raises (nothing is committed then), and :class:`DeadLetterStateError`
+        if it was discarded or resolved. An edit is recorded in the history with the replay; the
+        letter keeps the original message. If the COMMIT's answer is lost, the replay is looked up by
+        its request id: found, it landed (True); not found, the COMMIT's error is raised (it may be
+        replayed again); unreadable, :class:`CommitInDoubtError`.
+        """
+        raw = edit.apply(letter) if edit else (letter.key, letter.value)
+        key, value = processor.deserialize(*raw)
         msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
                       to_ms(letter.timestamp))
+        request_id = uuid.uuid4().hex
         with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
             # On SQLite, BEGIN IMMEDIATE: wait for a running worker's batch instead of failing.
             conn.execution_options(**WRITES).begin()
             run_handler(processor, conn, [msg])
-            marked = conn.execute(
-                t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(status=REPLAYED, replayed_at=now())
-            ).rowcount
-            if marked != 1:  # replayed meanwhile by someone else: do not apply it twice
+            # The processor ran unlocked: the letter may have changed meanwhile. Marked here, or nothing lands.
+            rows = self._lock(conn, [letter.id])
+            if letter.id not in rows:
+                raise KstoreError(f"dead letter {letter.id} is gone")
+            status = rows[letter.id].status
+            if status == REPLAYED:  # replayed meanwhile by someone else: do not apply it twice
                 return False
-            # The mark and the effects commit together, so the mark read back tells whether both landed.
+            if status != DEAD:
+                raise DeadLetterStateError(f"cannot replay {self.state_note(conn, letter.id, status)} "
+                                           "(meanwhile); this replay's effects were rolled back")
+            self._mark(conn, [letter.id], REPLAYED)
+            self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], REPLAYED, reason, request_id,
+                         edited=raw if edit else None)
+            # The mark, the history row and the effects commit together: the row read back tells whether all landed.
             indoubt.commit(
-                conn, lambda: self._replayed(letter.id), what=f"the replay of dead letter {letter.id}",
+                conn, lambda: self._landed([letter.id], request_id),
+                what=f"the replay of dead letter {letter.id} (request {request_id})",
                 check=f"`kstore dead-letters show {letter.id}` (status replayed: it landed; dead: it did not)",
             )
             return True
-
-    def _replayed(self, dead_letter_id: int) -> bool:
-        """On a fresh connection: is the dead letter marked replayed? (After a replay's COMMIT answer was lost.)"""
-        t = self.table
-        with self.engine.connect() as conn:
-            conn.execution_options(**WRITES).begin()
-            indoubt.wait_for_locks(conn)
-            status = conn.execute(select(t.c.status).where(t.c.id == dead_letter_id).with_for_update()).scalar()
-        if status is None:
-            raise KstoreError(f"dead letter {dead_letter_id} is gone")
-        return bool(status == REPLAYED)
 
     def note_failure(self, letter: DeadLetter, exc: BaseException) -> None:
         t = self.table
@@ -201,6 +416,14 @@ def _row(r: Any) -> DeadLetter:
     )
 
 
+def _change(r: Any) -> Change:
+    return Change(
+        dead_letter_id=r.dead_letter_id, action=r.action, from_status=r.from_status, to_status=r.to_status, at=r.at,
+        by_user=r.by_user, by_host=r.by_host, reason=r.reason, request_id=r.request_id, edited=bool(r.edited),
+        replayed_key=r.replayed_key, replayed_value=r.replayed_value,
+    )
+
+
 @dataclass(frozen=True)
 class ReplayResult:
     replayed: list[int]
@@ -208,29 +431,100 @@ class ReplayResult:
     failed: dict[int, str]
 
 
-def replay_dead_letters(settings: Settings, processor: Processor, group: str,
-                        ids: Sequence[int] | None = None) -> ReplayResult:
-    """Replay a group's dead letters (or the given ids) through ``processor``, each exactly once."""
+def replay_dead_letters(settings: Settings, processor: Processor, group: str, ids: Sequence[int] | None = None,
+                        edits: Mapping[int, Edit] | None = None, reason: str | None = None) -> ReplayResult:
+    """Replay a group's dead letters (or the given ids) through ``processor``, each exactly once.
+
+    ``edits`` maps ids (which must be among ``ids``) to a replacement key or value. Letters of
+    another group, or already replayed, are skipped; a discarded or resolved one among ``ids``
+    raises :class:`DeadLetterStateError` before anything runs. ``reason`` goes to the history.
+    """
+    edits = dict(edits or {})
+    stray = sorted(set(edits) - set(ids or ()))
+    if stray:
+        raise ConfigurationError(f"an edit for dead letter(s) {_ids(stray)} needs their --id")
     letters = DeadLetters(settings)
     try:
+        todo = [letters.get(i) for i in ids] if ids else letters.find(group)
+        closed = [d for d in todo if d.consumer_group == group and d.status not in (DEAD, REPLAYED)]
+        if closed:
+            with letters.engine.connect() as conn:
+                why = "; ".join(letters.state_note(conn, d.id, d.status) for d in closed)
+            raise DeadLetterStateError(f"cannot replay {why}; nothing was replayed")
         processor.engine = letters.engine
         processor.setup()
-        todo = [letters.get(i) for i in ids] if ids else letters.find(group)
-        replayed: list[int] = []
-        skipped: list[int] = []
-        failed: dict[int, str] = {}
+        result = ReplayResult([], [], {})
         for letter in todo:
             if letter.consumer_group != group or letter.status != DEAD:
-                skipped.append(letter.id)
+                result.skipped.append(letter.id)
                 continue
-            try:
-                (replayed if letters.replay(processor, letter) else skipped).append(letter.id)
-            except CommitInDoubtError:
-                raise  # not a failure to count: it may have landed; the operator must look first
-            except Exception as exc:
-                letters.note_failure(letter, exc)
-                failed[letter.id] = f"{type(exc).__name__}: {exc}"
+            _replay_one(letters, processor, letter, edits.get(letter.id), reason, result)
         processor.teardown()
-        return ReplayResult(replayed, skipped, failed)
+        return result
+    finally:
+        letters.close()
+
+
+def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None,
+                reason: str | None, result: ReplayResult) -> None:
+    try:
+        (result.replayed if letters.replay(processor, letter, edit, reason) else result.skipped).append(letter.id)
+    except (CommitInDoubtError, DeadLetterStateError):
+        raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
+    except Exception as exc:
+        letters.note_failure(letter, exc)
+        result.failed[letter.id] = f"{type(exc).__name__}: {exc}"
+
+
+def edits_from_options(ids: Sequence[int], key: str | None, value: str | None,
+                       value_file: str | None) -> dict[int, Edit]:
+    """``kstore dead-letters replay --key/--value/--value-file``: one edit, for exactly one ``--id``."""
+    if key is None and value is None and value_file is None:
+        return {}
+    if value is not None and value_file is not None:
+        raise ConfigurationError("give --value or --value-file, not both")
+    if len(ids) != 1:
+        raise ConfigurationError("an edited replay (--key, --value, --value-file) needs exactly one --id")
+    try:
+        new_value = Path(value_file).read_bytes() if value_file is not None else None
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read --value-file {value_file}: {exc.strerror}") from None
+    if value is not None:
+        new_value = value.encode()
+    return {ids[0]: Edit(key=None if key is None else key.encode(), value=new_value)}
+
+
+def discard_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
+    """Mark a group's dead letters discarded (dropped on purpose), with a reason, in one transaction."""
+    letters = DeadLetters(settings)
+    try:
+        return letters.discard(ids, reason, group=group)
+    finally:
+        letters.close()
+
+
+def resolve_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
+    """Mark a group's dead letters resolved (fixed by hand elsewhere), with a reason, in one transaction."""
+    letters = DeadLetters(settings)
+    try:
+        return letters.resolve(ids, reason, group=group)
+    finally:
+        letters.close()
+
+
+def show_dead_letter(settings: Settings, dead_letter_id: int) -> tuple[DeadLetter, list[Change]]:
+    """One dead letter and its history (oldest first)."""
+    letters = DeadLetters(settings)
+    try:
+        return letters.get(dead_letter_id), letters.history(dead_letter_id)
+    finally:
+        letters.close()
+
+
+def list_dead_letters(settings: Settings, group: str, status: str | None = DEAD) -> list[DeadLetter]:
+    """A group's dead letters with ``status`` (default: the ones waiting), or every one with None."""
+    letters = DeadLetters(settings)
+    try:
+        return letters.find(group, status=status)
     finally:
         letters.close()
