@@ -18,7 +18,7 @@ from .errors import (
 from .migration import migrate
 from .processor import Message, Processor
 from .retry import Reject, Retry, RetryPolicy
-from .session import DeferredInsertError
+from .session import BatchRollbackError, DeferredInsertError
 from .settings import Settings
 from .targets import EARLIEST, LATEST
 from .worker import Worker, load_processor
@@ -39,6 +39,7 @@ __all__ = [
     "EARLIEST",
     "LATEST",
     # errors
+    "BatchRollbackError",
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",

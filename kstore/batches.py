@@ -365,6 +365,11 @@ class Batches:
         try:
             trans = conn.begin()
             write(conn)
+            if not trans.is_active:
+                # session.rollback() in the processor ended the batch's whole transaction: a
+                # processor failure (isolated, then retried or dead-lettered), said plainly.
+                raise _HandlerFailed("the processor rolled back the batch's transaction (session.rollback()); "
+                                     "to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
             self._commit_started = time.monotonic()
             # Last statement before COMMIT: the row locks are held as briefly as possible.
             fenced = self.store.commit_offsets(conn, self.group, positions)

@@ -77,6 +77,13 @@ class DeferredInsertError(Exception):
     """
 
 
+class BatchRollbackError(Exception):
+    """``session.rollback()`` was called inside a batch. It would undo the writes of the batch's
+    other messages while kstore still commits their offsets, so it is refused: the batch fails
+    (even if this error is caught), and the failing message is found, retried and dead-lettered
+    or stops the worker as any failure. Undo part of a batch with a savepoint instead."""
+
+
 class _Deferred:
     """One deferred INSERT: its statement, its parameters and, once run alone, its result
     (or its error)."""
@@ -327,10 +334,22 @@ class BatchSession(Session):
         return super().begin_nested()
 
     def rollback(self) -> None:
-        self._deferred = []
-        super().rollback()
+        error = BatchRollbackError(
+            "session.rollback() inside a batch would undo the writes of the batch's other messages: refused, "
+            "and the batch fails; to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
+        if self._failure is None:  # failed for good, even if the processor catches this
+            self._failure, self._failure_message, self._defer_inserts = error, str(error), False
+        raise error
 
     def close(self) -> None:
+        """A processor's own ``close()`` (or ``with self.session as s:``) sends what is deferred
+        first: its writes belong to the batch. (The batch's end closes it through :meth:`_end`.)"""
+        self.send_deferred()
+        super().close()
+
+    def _end(self) -> None:
+        """Closed by kstore when the batch ends: anything still deferred was never meant to be sent
+        (the batch failed before its flush)."""
         self._deferred = []
         super().close()
 
@@ -359,4 +378,4 @@ def batch_session(conn: Connection, *, defer_inserts: bool = True) -> Iterator[B
             raise
         raise failure  # noqa: B904 - chained to what the block raised, for its traceback
     finally:
-        session.close()
+        session._end()

@@ -137,3 +137,22 @@ class AsyncHandler(Processor):
 
     async def handle(self, msg: Message) -> None:  # type: ignore[override]
         pass
+
+
+class SessionMisuse(Processor):
+    """handle() per message; "close" writes through `with self.session as s:` (which closes the
+    session), "rollback" calls self.session.rollback() after writing."""
+
+    group = "misuse"
+    value_format = "str"
+
+    def handle(self, msg: Message) -> None:
+        row = {"topic": msg.topic, "partition_id": msg.partition, "kafka_offset": msg.offset, "value": msg.value,
+               "worker": "m"}
+        if msg.value.startswith("close"):
+            with self.session as s:
+                s.execute(effects.insert(), row)
+            return
+        self.session.execute(effects.insert(), row)
+        if msg.value.startswith("rollback"):
+            self.session.rollback()
