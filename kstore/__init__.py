@@ -4,6 +4,7 @@ Offsets live in the database, in the same transaction as the processing's
 own writes; a claimed epoch per partition fences zombie workers.
 """
 
+from .deadletters import DeadLetterStateError
 from .errors import (
     BrokerError,
     CommitInDoubtError,
@@ -43,6 +44,7 @@ __all__ = [
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",
+    "DeadLetterStateError",
     "DeferredInsertError",
     "DatabaseError",
     "FencedError",
