@@ -1,6 +1,8 @@
-"""Creating and checking kstore's tables with the Alembic migrations shipped in the package."""
+"""Creating and checking kstore's tables with its Alembic migrations (``migrations/``, shipped in the wheel)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
@@ -15,10 +17,19 @@ from .settings import Settings
 from .store import first_line, make_engine
 
 
+def script_location() -> str:
+    """Where kstore's Alembic scripts are: inside the installed package (a wheel ships the
+    top-level ``migrations/`` as ``kstore/migrations``), or at the top of a checkout."""
+    installed = Path(__file__).resolve().parent / "migrations"
+    if (installed / "env.py").is_file():
+        return str(installed)
+    return str(Path(__file__).resolve().parent.parent / "migrations")
+
+
 def alembic_config(settings: Settings) -> Config:
-    """An Alembic config for kstore's own migrations (found inside the installed package)."""
+    """An Alembic config for kstore's own migrations (see :func:`script_location`)."""
     cfg = Config()
-    cfg.set_main_option("script_location", "kstore:migrations")
+    cfg.set_main_option("script_location", script_location())
     # '%' is ConfigParser's interpolation character; a password may hold one.
     cfg.set_main_option("sqlalchemy.url", settings.dsn.replace("%", "%%"))
     cfg.attributes["table_prefix"] = settings.table_prefix
