@@ -32,15 +32,22 @@ START_POLICIES = ("earliest", "latest")
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a worker needs to know; see the README for each field."""
+    """Everything a worker needs to know. Each field is also a ``KSTORE_<FIELD>`` variable; the
+    documentation's configuration page lists them all, with their flags."""
 
+    #: The database: a SQLAlchemy URL, ``postgresql+psycopg2://user:pass@host/db`` (or
+    #: ``postgresql+psycopg://`` for psycopg 3, ``postgres://`` is read as ``postgresql://``;
+    #: libpq parameters such as ``sslmode`` go in its query string) or ``sqlite:///file.db``.
     dsn: str = field(default="sqlite:///kstore.db", repr=False)
+    #: Kafka brokers, ``host:port[,host:port...]``; one that answers is enough to start.
     bootstrap_servers: str = "127.0.0.1:9092"
     #: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
     security_protocol: str = "PLAINTEXT"
     #: With SASL_*: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER (or AWS_MSK_IAM, GSSAPI).
     sasl_mechanism: str | None = None
+    #: PLAIN and SCRAM: the user name (Confluent Cloud: the API key).
     sasl_username: str | None = None
+    #: PLAIN and SCRAM: the password; better from a file (``KSTORE_SASL_PASSWORD_FILE``).
     sasl_password: str | None = field(default=None, repr=False)
     #: OAUTHBEARER: ``MODULE:CALLABLE``, a function returning the current token, or a
     #: kafka-python ``AbstractTokenProvider`` subclass (made without arguments) or instance.
@@ -50,6 +57,7 @@ class Settings:
     #: Mutual TLS: the client certificate (PEM; may hold the key too) and its key.
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    #: The client key's password, if it is encrypted (``KSTORE_SSL_KEY_PASSWORD_FILE``).
     ssl_key_password: str | None = field(default=None, repr=False)
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
@@ -79,11 +87,17 @@ class Settings:
     batch_linger_ms: int = 5
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
     max_poll_records: int = 1000
+    #: How long one poll() waits for records; also bounds how soon the fetch thread sees a stop.
     poll_timeout_ms: int = 200
     #: Fetching pauses while records waiting in kstore's queues take this much memory.
     max_buffered_bytes: int = 32 * 2**20
+    #: Kafka group session: a worker that stops heartbeating (killed, paused) loses its
+    #: partitions after this long, and its late commits are fenced.
     session_timeout_ms: int = 10_000
+    #: How often the worker heartbeats to the group (about a third of the session timeout).
     heartbeat_interval_ms: int = 3_000
+    #: Kafka's limit between two polls. kstore polls from its own thread whatever a batch
+    #: does, so a slow handler does not hit it.
     max_poll_interval_ms: int = 300_000
     #: PostgreSQL: how long a claim waits for a row lock held by a paused zombie.
     claim_lock_timeout_ms: int = 5_000
@@ -113,7 +127,10 @@ class Settings:
     liveness_timeout_s: float = 300.0
     #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
     client_id: str | None = None
+    #: PostgreSQL: the schema of kstore's tables (default: the search path's).
     schema: str | None = None
+    #: The prefix of kstore's tables (``kstore_offsets``, ...), e.g. to run two kstore
+    #: installations in one database.
     table_prefix: str = "kstore_"
 
     def __post_init__(self) -> None:
