@@ -46,6 +46,8 @@ from datetime import datetime, timezone
 from typing import Any, Literal, Protocol
 
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
+from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
+from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import IllegalStateError, KafkaError
 from kafka.structs import MemberState
 
@@ -147,9 +149,14 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 class KafkaSource:
     """The narrow seam between the worker and Kafka."""
 
-    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> None:
+    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str,
+                 database_id: str | None = None) -> None:
         self.settings = settings
         self.worker_id = worker_id
+        #: The identity of the database this worker writes to, told to the group (see _assignor).
+        self.database_id = database_id
+        #: Set (on the IO thread) when the group's leader refused this worker: why.
+        self.refused: list[str] = []
         self.group = group
         self.topics = list(topics)
         #: Held while queues change and while a partition is flushed and sought.
@@ -185,6 +192,8 @@ class KafkaSource:
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=s.max_poll_interval_ms,
+            **({} if self.database_id is None else {
+                "partition_assignment_strategy": (_assignor(self.database_id, self.refused),)}),
         )
 
     def check_topics(self) -> None:
@@ -481,6 +490,71 @@ class KafkaSource:
         self.consumer.close(autocommit=False)
 
 
+_DB_TAG = b"kstore-db:"
+_REFUSED_TAG = b"kstore-refused:"
+
+
+def member_database(user_data: bytes | str | None) -> tuple[str, int] | None:
+    """The database id and join time a kstore worker told its group (None: not a kstore >= 0006 worker).
+    (A group's description gives the user data as text, the group protocol as bytes.)"""
+    if isinstance(user_data, str):
+        user_data = user_data.encode("latin-1", errors="replace")
+    if not user_data or not user_data.startswith(_DB_TAG):
+        return None
+    try:
+        db, since = user_data[len(_DB_TAG):].decode().split(";since:")
+        return db, int(since)
+    except ValueError:
+        return None
+
+
+def _assignor(database_id: str, refused: list[str]) -> type[RangePartitionAssignor]:
+    """Kafka's range assignor, plus one rule: **one pipeline, one database**.
+
+    Each worker tells the group which database it writes to (and since when) in its
+    subscription's user data. The leader gives partitions only to the members writing
+    to the database of the group's oldest member; any other gets none, and a note in
+    its assignment that makes it stop with a clear error (two databases would each
+    hold part of the pipeline). Members that tell nothing (other software, older kstore)
+    are assigned as usual. The protocol name stays "range", so mixed versions agree.
+    """
+    tag = _DB_TAG + f"{database_id};since:{int(time.time() * 1000)}".encode()
+
+    class OneDatabaseRange(RangePartitionAssignor):  # type: ignore[misc]
+        name = "range"
+
+        @classmethod
+        def metadata(cls, topics: Any) -> Any:
+            return ConsumerProtocolSubscription(cls.version, list(topics), tag)
+
+        @classmethod
+        def assign(cls, cluster: Any, members: Any) -> Any:
+            told = {m.member_id: member_database(m.metadata.user_data) for m in members}
+            known = [t for t in told.values() if t is not None]
+            if not known:
+                return super().assign(cluster, members)
+            reference = min(known, key=lambda t: t[1])[0]
+            elsewhere = {member_id: t[0] for member_id, t in told.items() if t is not None and t[0] != reference}
+            foreign = [m for m in members if m.member_id in elsewhere]
+            assignment = super().assign(cluster, [m for m in members if m.member_id not in elsewhere])
+            for m in foreign:
+                log.error("member %s of the group writes to another database (%s) than the group (%s): "
+                          "it gets no partitions (one pipeline, one database)", m.member_id,
+                          elsewhere[m.member_id], reference)
+                why = f"the group's workers write to database {reference}, this one to {elsewhere[m.member_id]}"
+                assignment[m.member_id] = ConsumerProtocolAssignment(cls.version, [], _REFUSED_TAG + why.encode())
+            return assignment
+
+        @classmethod
+        def on_assignment(cls, assignment: Any, generation: Any) -> None:
+            data = assignment.user_data or b""
+            if data.startswith(_REFUSED_TAG):
+                refused.append(data[len(_REFUSED_TAG):].decode(errors="replace"))
+            super().on_assignment(assignment, generation)
+
+    return OneDatabaseRange
+
+
 #: The metadata of the offsets kstore mirrors to Kafka, so a reader can tell them apart.
 MIRROR_METADATA = "kstore-mirror"
 
@@ -531,11 +605,16 @@ class KafkaInspector:
     def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
         return offsets_for_times(self.consumer, targets)
 
-    def live_owners(self, group: str) -> dict[TP, str]:
-        """Which live member of the Kafka group is assigned each partition: ``client_id@host``."""
+    def live_owners(self, group: str, database_id: str | None = None) -> dict[TP, str]:
+        """Which live member of the Kafka group is assigned each partition: ``client_id@host``;
+        with ``database_id``, only members that write to that database (one pipeline, one database)."""
         described = self.admin.describe_groups([group]).get(group, {})
         owners: dict[TP, str] = {}
         for member in described.get("members", []):
+            metadata = member.get("member_metadata")
+            told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
+            if database_id is not None and told is not None and told[0] != database_id:
+                continue
             who = f"{member.get('client_id')}@{str(member.get('client_host', '')).lstrip('/')}"
             assignment = member.get("member_assignment") or {}
             for entry in assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []:

@@ -182,7 +182,7 @@ class LagReader:
     def _live_owners(self, group: str) -> dict[TP, str]:
         if self._inspector is None:
             self._inspector = KafkaInspector(self.settings)
-        return self._inspector.live_owners(group)
+        return self._inspector.live_owners(group, self.store.database_id())
 
     def _kafka_consumer(self) -> Any:
         if self._consumer is None:

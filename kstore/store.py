@@ -37,9 +37,11 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    column,
     create_engine,
     event,
     select,
+    table,
     text,
     tuple_,
 )
@@ -216,6 +218,20 @@ class Store:
         self.offsets, self.history = build_tables(settings.table_prefix, settings.schema)
         self._commit_statements: dict[int, TextClause] = {}
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    def database_id(self) -> str:
+        """This database's identity (migration 0006): one random id, the same for every route to it."""
+        prefix, schema = self.settings.table_prefix, self.settings.schema
+        identity = table(f"{prefix}identity", column("id"), schema=schema)
+        try:
+            with self.engine.connect() as conn:
+                found = conn.execute(select(identity.c.id).limit(1)).scalar()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(
+                f"cannot read kstore's identity in {self.settings.safe_dsn}: {first_line(exc)}") from None
+        if found is None:
+            raise DatabaseError(f"{prefix}identity in {self.settings.safe_dsn} is empty: run `kstore migrate` again")
+        return str(found)
 
     def check_reachable(self) -> None:
         """Raise :class:`DatabaseError` with a one-line reason if the database cannot be used."""

@@ -117,7 +117,8 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
-            source = self.source_factory(self.settings, self.group, self.topics, self.worker_id)
+            source = self.source_factory(self.settings, self.group, self.topics, self.worker_id,
+                                         database_id=store.database_id())
             source.check_topics()
         except KstoreError:
             if source is not None:
@@ -202,6 +203,11 @@ class Worker:
         self._last_turn = time.monotonic()
         if self._fetch_error is not None:
             raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
+        if self.source.refused:
+            raise ConfigurationError(
+                f"group {self.group!r} is already consumed by workers writing to another database "
+                f"({self.source.refused[-1]}): one pipeline, one database; give this worker the group's "
+                "database, or another group")
         self._notify_revoked()
         self._claim_pending()
         self._check_epochs()
