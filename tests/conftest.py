@@ -45,6 +45,10 @@ _postgresql_tls_server = factories.postgresql_proc(
                      f"-c ssl_key_file={_PG_TLS_DIR / 'server.key'}",
 )
 
+#: The driver of `pg_dsn` and `pg_tls_dsn`: psycopg2, or `KSTORE_TEST_PG_DRIVER=psycopg` (psycopg 3)
+#: to run every test that touches PostgreSQL through kstore on the other driver.
+PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
+
 #: Broker settings for tests: topics exist only when a test creates them.
 BROKER_CONFIG = {"auto.create.topics.enable": "false"}
 #: Worker settings for tests: short Kafka session so a killed worker's partitions move on quickly.
@@ -143,7 +147,7 @@ def _prepare(dsn: str) -> str:
 def pg_dsn(postgresql: Any) -> str:
     """A fresh PostgreSQL database with kstore's tables and the tests' effects table."""
     info = postgresql.info
-    return _prepare(f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}")
+    return _prepare(f"postgresql+{PG_DRIVER}://{info.user}@{info.host}:{info.port}/{info.dbname}")
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ postgresql_tls = factories.postgresql("postgresql_tls_proc")
 def pg_tls_dsn(postgresql_tls: Any, pg_tls_files: PgTlsFiles) -> str:
     """Like ``pg_dsn``, on the TLS server, with ``sslmode=verify-full`` against its CA."""
     info = postgresql_tls.info
-    return _prepare(f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
+    return _prepare(f"postgresql+{PG_DRIVER}://{info.user}@{info.host}:{info.port}/{info.dbname}"
                     f"?sslmode=verify-full&sslrootcert={pg_tls_files.ca_file}")
 
 

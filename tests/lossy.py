@@ -1,4 +1,5 @@
-"""Commits in doubt against the real PostgreSQL: a psycopg2 connection whose COMMIT's answer can be lost.
+"""Commits in doubt against the real PostgreSQL: a psycopg2 (or psycopg 3) connection whose COMMIT's answer
+can be lost.
 
 ``lossy_engine(settings, faults)`` is kstore's own engine (``make_engine``) whose
 connections are real psycopg2 connections of a subclass: the next COMMITs can be
@@ -41,6 +42,17 @@ class Faults:
 
 
 def lossy_engine(settings: Settings, faults: Faults) -> Engine:
+    if "+psycopg:" in settings.dsn:
+        # psycopg 3: kstore's own do_connect (its deadline) would make the connection first, so it
+        # is left out here (db_timeout_s=0); these tests are about the COMMIT, not a silence.
+        engine = make_engine(settings.replace(db_timeout_s=0))
+        lossy3 = _psycopg3_connection_class(faults)
+
+        @event.listens_for(engine, "do_connect")
+        def _lossy3(_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+            return lossy3.connect(*cargs, **cparams)
+
+        return engine
     engine = make_engine(settings)
     classes: dict[type[Any], type[Any]] = {}
 
@@ -53,6 +65,33 @@ def lossy_engine(settings: Settings, faults: Faults) -> Engine:
         cparams["connection_factory"] = classes[base]
 
     return engine
+
+
+def _psycopg3_connection_class(faults: Faults) -> type[Any]:
+    """The same faults on a psycopg 3 connection (``postgresql+psycopg://``)."""
+    import psycopg
+
+    class LossyConnection3(psycopg.Connection):  # type: ignore[type-arg]
+        @classmethod
+        def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            if faults.down:
+                faults.refused_connections += 1
+                raise psycopg.OperationalError('connection to server at "127.0.0.1" failed: Connection refused')
+            return super().connect(*args, **kwargs)
+
+        def commit(self) -> None:
+            fault = faults.commits.pop(0) if faults.commits else None
+            if fault is None:
+                super().commit()
+                return
+            assert fault in ("lost", "refused"), fault
+            if fault == "lost":
+                super().commit()
+            self.close()
+            faults.down = faults.down_after_fault
+            raise psycopg.OperationalError(CUT)
+
+    return LossyConnection3
 
 
 def _connection_class(faults: Faults, base: type[Any]) -> type[Any]:

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 
 #: What a worker logs when the database goes silent: a round trip cut at its deadline, or a
 #: new connection that got no answer within the connect timeout (the same deadline).
-SILENCE_NOTICED = r"database round trip got no answer within its deadline|failed: timeout expired"
+SILENCE_NOTICED = (r"database round trip got no answer within its deadline|failed: timeout expired"
+                   r"|connection timeout expired")  # the last: psycopg 3's words for a connect timeout
 
 
 #: psycopg2 and psycopg 3: the commit-in-doubt and silent-database paths on both drivers.
