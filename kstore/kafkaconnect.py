@@ -37,6 +37,7 @@ from kafka.errors import (
 from kafka.net.sasl import SASL_MECHANISMS
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
+from .brokerprobe import probe
 from .errors import BrokerError, ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -283,8 +284,9 @@ def load_token_provider(spec: str) -> AbstractTokenProvider:
 
 
 def client_config(settings: Any) -> dict[str, Any]:
-    """What every kafka-python client of kstore is given: brokers, security, extra options."""
-    options = check_kafka_options(settings.kafka_options)
+    """What every kafka-python client of kstore is given: brokers, security, extra options
+    (``settings.kafka_options``, already checked and converted by Settings)."""
+    options = settings.kafka_options
     config: dict[str, Any] = {
         k: v for k, v in options.items() if k not in _SSL_CONTEXT_OPTIONS and k != "ssl_context"
     }
@@ -311,9 +313,8 @@ def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     """A KafkaConsumer with kstore's own settings (``kstore_config``) over the user's options."""
     config = client_config(settings)
     config.update(kstore_config)
-    given = check_kafka_options(settings.kafka_options)
-    if given:
-        log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(given.items())))
+    if settings.kafka_options:
+        log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(settings.kafka_options.items())))
     return _open(settings, config, lambda: KafkaConsumer(**config))
 
 
@@ -324,8 +325,6 @@ def open_admin(settings: Any) -> Any:
 
 
 def _open(settings: Any, config: Mapping[str, Any], make: Callable[[], Any]) -> Any:
-    from .brokerprobe import probe
-
     probe(settings, config)
     where = settings.bootstrap_servers
     try:

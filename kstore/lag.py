@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import deadletters
 from .consumer import TP, KafkaInspector, log_bounds
 from .errors import BrokerError, DatabaseError
-from .kafkaconnect import check_kafka_options, client_config, open_consumer
+from .kafkaconnect import client_config, open_consumer
 from .metrics import PartitionLag
 from .migration import check_migrated
 from .settings import Settings
@@ -91,8 +91,7 @@ class LagReader:
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         client_config(settings)  # TLS files, a token provider: a mistake is named now, not at the first reading
-        self._request_timeout_ms = check_kafka_options(settings.kafka_options).get("request_timeout_ms",
-                                                                                   REQUEST_TIMEOUT_MS)
+        self._request_timeout_ms = settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS)
         self.owners, self.fetch_timeout_s, self.clock = owners, fetch_timeout_s, clock
         self.engine = make_engine(self.settings)
         self.store = Store(self.engine, self.settings)

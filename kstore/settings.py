@@ -62,7 +62,7 @@ class Settings:
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
     #: Any other kafka-python consumer option by name, e.g. ``{"fetch_max_bytes": 1048576}``;
-    #: text values are converted to the option's type. Checked when the Kafka client is made.
+    #: text values are converted to the option's type, and names checked, when Settings is made.
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: Overrides the processor's ``group`` when set.
     group: str | None = None
@@ -139,11 +139,11 @@ class Settings:
         object.__setattr__(self, "security_protocol", self.security_protocol.strip().upper())
         if self.sasl_mechanism is not None:
             object.__setattr__(self, "sasl_mechanism", self.sasl_mechanism.strip().upper())
-        object.__setattr__(self, "kafka_options", dict(self.kafka_options))
+        # Checked and converted once (names normalised, text to the option's type); the clients use it as it is.
+        object.__setattr__(self, "kafka_options", check_kafka_options(self.kafka_options))
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
-        check_kafka_options(self.kafka_options)
         for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
