@@ -80,16 +80,7 @@ def _psycopg3_connection_class(faults: Faults) -> type[Any]:
             return super().connect(*args, **kwargs)
 
         def commit(self) -> None:
-            fault = faults.commits.pop(0) if faults.commits else None
-            if fault is None:
-                super().commit()
-                return
-            assert fault in ("lost", "refused"), fault
-            if fault == "lost":
-                super().commit()
-            self.close()
-            faults.down = faults.down_after_fault
-            raise psycopg.OperationalError(CUT)
+            _commit(faults, self, super().commit, psycopg.OperationalError)
 
     return LossyConnection3
 
@@ -103,15 +94,21 @@ def _connection_class(faults: Faults, base: type[Any]) -> type[Any]:
             super().__init__(*args, **kwargs)
 
         def commit(self) -> None:
-            fault = faults.commits.pop(0) if faults.commits else None
-            if fault is None:
-                super().commit()
-                return
-            assert fault in ("lost", "refused"), fault
-            if fault == "lost":
-                super().commit()
-            self.close()  # the connection is gone, as after a cut: the server ends the session
-            faults.down = faults.down_after_fault
-            raise psycopg2.OperationalError(CUT)
+            _commit(faults, self, super().commit, psycopg2.OperationalError)
 
     return LossyConnection
+
+
+def _commit(faults: Faults, conn: Any, commit: Any, error: type[Exception]) -> None:
+    """COMMIT as the next fault says: as usual, "lost" (it lands, then the connection is cut) or
+    "refused" (cut before it is sent); either way the caller gets the driver's cut-connection error."""
+    fault = faults.commits.pop(0) if faults.commits else None
+    if fault is None:
+        commit()
+        return
+    assert fault in ("lost", "refused"), fault
+    if fault == "lost":
+        commit()
+    conn.close()  # the connection is gone, as after a cut: the server ends the session
+    faults.down = faults.down_after_fault
+    raise error(CUT)
