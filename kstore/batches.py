@@ -117,7 +117,8 @@ class Batches:
         self._batch_conn: Connection | None = None
         #: A commit whose outcome is unknown: nothing else is processed until it is settled.
         self.in_doubt: _InDoubt | None = None
-        #: The records of the batch in flight (read by the metrics' lag, from another thread).
+        #: The records of the last batch taken (read by the metrics' lag, from another thread, under the
+        #: source's lock); once committed they lie below the stored offsets and the lag ignores them.
         self.in_flight: Sequence[Record] = ()
         #: When the batch in flight sent its offsets UPDATE (the commit's duration starts there).
         self._commit_started = 0.0
@@ -170,6 +171,8 @@ class Batches:
             records, ends = source.take_batch(size, self.failures.focus(source.has_records))
             if not records:
                 return None
+            # Under the lock that took them from the queues: a scrape sees them in one place or the other.
+            self.in_flight = records
             generations = {tp: source.generation(tp) or 0 for tp in ends}
             positions = ledger.positions(ends)
         return _Batch(records, generations, positions)
@@ -333,7 +336,6 @@ class Batches:
                 msgs = [m for i, m in enumerate(msgs) if i not in rejected]
 
         self.busy = True
-        self.in_flight = taken.records
         try:
             try:
                 fenced = self._commit_with(taken.positions, handle)
@@ -352,7 +354,6 @@ class Batches:
                 raise
         finally:
             self.busy = False
-            self.in_flight = ()
 
     def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
         """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.

@@ -292,14 +292,18 @@ class Worker:
 
     def _lags(self) -> list[PartitionLag]:
         """Per owned partition: high watermark minus stored offset, and the age of the oldest
-        message not yet committed (the batch in flight's, else the queue's head). No broker call."""
+        message not yet committed (in the batch taken, else at the queue's head). No broker call."""
         source, ledger, batches = self._source, self._ledger, self._batches
         if source is None or ledger is None or batches is None:
             return []
-        offsets, heads = ledger.offsets(), source.heads()
+        offsets = ledger.offsets()
+        with source.lock:  # the queues' heads and the batch taken from them, at one moment
+            heads, taken = source.heads(), batches.in_flight
         in_flight: dict[TP, int] = {}
-        for record in batches.in_flight:
-            in_flight.setdefault((record.topic, record.partition), record.timestamp)
+        for record in taken:
+            tp = (record.topic, record.partition)
+            if record.offset >= offsets.get(tp, record.offset + 1):  # not committed yet
+                in_flight.setdefault(tp, record.timestamp)
         now_ms = time.time() * 1000
         lags = []
         for tp, committed in sorted(offsets.items()):
