@@ -27,6 +27,10 @@ class Contender:
     small: bool = False
     #: kstore Settings fields this contender changes from their defaults.
     settings: dict[str, Any] = field(default_factory=dict)
+    #: Keeps its own offsets in ``<table>_offsets`` (the hand-written exactly-once loop): checked too.
+    own_offsets: bool = False
+    #: The SQLAlchemy driver of a kstore contender's DSN (``psycopg`` is psycopg 3); None: the run's DSN as given.
+    driver: str | None = None
 
 
 CONTENDERS: tuple[Contender, ...] = (
@@ -51,6 +55,24 @@ CONTENDERS: tuple[Contender, ...] = (
               "benchmarks.kstore_loop:batch_scraped", writes_rows=True, kstore=True, settings={"metrics_port": 0}),
     Contender(10, "kstore-batch-unrecorded", "kstore, bulk INSERT, no metrics recorded",
               "benchmarks.kstore_loop:batch_unrecorded", writes_rows=True, kstore=True),
+    # Issue 13: the loops a competent user writes by hand, the headline's denominator (12), and the
+    # ways of writing a kstore processor measured against it, on psycopg2 and on psycopg 3.
+    Contender(11, "at-least-once-values", "at-least-once: execute_values, then Kafka commit",
+              "benchmarks.handwritten:at_least_once", writes_rows=True),
+    Contender(12, "exactly-once-by-hand", "exactly-once by hand: execute_values + offsets upsert",
+              "benchmarks.handwritten:exactly_once", writes_rows=True, own_offsets=True),
+    Contender(13, "kstore-text", "kstore, text() INSERT in handle()", "benchmarks.kstore_loop:handle_text",
+              writes_rows=True, kstore=True),
+    Contender(14, "kstore-copy", "kstore, session.copy_rows() (COPY)", "benchmarks.kstore_loop:copy",
+              writes_rows=True, kstore=True),
+    Contender(15, "kstore-batch-psycopg3", "kstore, bulk INSERT, psycopg 3", "benchmarks.kstore_loop:batch",
+              writes_rows=True, kstore=True, driver="psycopg"),
+    Contender(16, "kstore-handle-psycopg3", "kstore, INSERT in handle(), psycopg 3", "benchmarks.kstore_loop:handle",
+              writes_rows=True, kstore=True, driver="psycopg"),
+    Contender(17, "kstore-text-psycopg3", "kstore, text() INSERT in handle(), psycopg 3",
+              "benchmarks.kstore_loop:handle_text", writes_rows=True, kstore=True, driver="psycopg"),
+    Contender(18, "kstore-copy-psycopg3", "kstore, session.copy_rows(), psycopg 3", "benchmarks.kstore_loop:copy",
+              writes_rows=True, kstore=True, driver="psycopg"),
 )
 
 BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
@@ -69,8 +91,20 @@ class Ratio:
         return f"{self.numerator}/{self.denominator}"
 
 
+#: Issue 13's headline first: every way of writing a kstore processor against the hand-written
+#: exactly-once loop (12); then the no-op against raw kafka-python, and the earlier rounds' ratios.
 RATIOS: tuple[Ratio, ...] = (
-    Ratio(4, 1, 0.85),
+    Ratio(6, 12, 1.0),
+    Ratio(5, 12, 0.9),
+    Ratio(13, 12, 0.6),
+    Ratio(14, 12, 2.0),
+    Ratio(15, 12, 1.0),
+    Ratio(16, 12, 0.9),
+    Ratio(17, 12, 0.6),
+    Ratio(18, 12, 2.0),
+    Ratio(11, 12, None),
+    Ratio(3, 12, None),
+    Ratio(4, 1, 0.9),
     Ratio(5, 3, 0.8),
     Ratio(6, 3, 1.0),
     Ratio(2, 1, None),

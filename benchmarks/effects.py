@@ -86,6 +86,17 @@ def check_offsets(engine: sa.Engine, settings: Settings, group: str, topic: str,
     ]
 
 
+def check_own_offsets(engine: sa.Engine, table: str, group: str, topic: str, ends: dict[int, int]) -> list[str]:
+    """The hand-written exactly-once loop's own offsets table stands at the end of every partition."""
+    query = sa.text(f"SELECT partition_id, next_offset FROM {table} WHERE consumer_group = :g AND topic = :t")
+    with engine.connect() as conn:
+        stored = {int(p): nxt for p, nxt in conn.execute(query, {"g": group, "t": topic})}
+    return [
+        f"partition {p}: its stored next_offset {stored.get(p)}, expected {end}"
+        for p, end in sorted(ends.items()) if end and stored.get(p) != end
+    ]
+
+
 def forget_groups(engine: sa.Engine, settings: Settings, like: str) -> None:
     """Delete the offsets rows of the groups matching ``like`` (a finished run's)."""
     o = offsets_table(settings)

@@ -95,6 +95,29 @@ class ImmediateHandleProcessor(HandleProcessor):
     defer_inserts = False
 
 
+class TextHandleProcessor(HandleProcessor):
+    """One ``session.execute(text("INSERT ..."), row)`` per message, as most users write it."""
+
+    def __init__(self, config: dict[str, Any], meter: Meter) -> None:
+        super().__init__(config, meter)
+        self.sql = sa.text(f"INSERT INTO {config['table']} (partition_id, kafka_offset, payload) "
+                           "VALUES (:partition_id, :kafka_offset, :payload)")
+
+    def handle(self, msg: Message) -> None:
+        self.session.execute(self.sql, self.row(msg))
+
+
+class CopyProcessor(_BenchProcessor):
+    """The whole batch with ``session.copy_rows(table, rows)``: PostgreSQL's COPY, in the batch's transaction."""
+
+    def __init__(self, config: dict[str, Any], meter: Meter) -> None:
+        super().__init__(config, meter)
+        self.table = effects_table(config["table"])
+
+    def work(self, msgs: Sequence[Message]) -> None:
+        self.session.copy_rows(self.table, [(m.partition, m.offset, m.value) for m in msgs])
+
+
 class BatchProcessor(_BenchProcessor):
     """The same INSERT for the whole batch: one ``session.execute(insert, rows)``."""
 
@@ -161,6 +184,14 @@ def batch(config: dict[str, Any], meter: Meter) -> None:
 
 def handle_immediate(config: dict[str, Any], meter: Meter) -> None:
     _run(ImmediateHandleProcessor(config, meter), config)
+
+
+def handle_text(config: dict[str, Any], meter: Meter) -> None:
+    _run(TextHandleProcessor(config, meter), config)
+
+
+def copy(config: dict[str, Any], meter: Meter) -> None:
+    _run(CopyProcessor(config, meter), config)
 
 
 def batch_scraped(config: dict[str, Any], meter: Meter) -> None:

@@ -181,7 +181,7 @@ class Runner:
             "bootstrap": self.bootstrap, "topic": topic, "partitions": self.opts.partitions,
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
             "table": f"bench_{self.run_id}_{tag.replace('-', '_')}" if c.writes_rows else None,
-            "dsn": self.dsn, "conninfo": libpq_params(self.dsn), "kstore_settings": c.settings,
+            "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn), "kstore_settings": c.settings,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
 
@@ -280,6 +280,10 @@ class Runner:
         if c.kstore:
             problems += effects.check_offsets(self.engine, self.settings, config["group"], config["topic"], ends)
             details.append("stored offsets at the end of every partition")
+        if c.own_offsets:
+            problems += effects.check_own_offsets(self.engine, f"{config['table']}_offsets", config["group"],
+                                                  config["topic"], ends)
+            details.append("its own stored offsets at the end of every partition")
         if not details:
             details.append(f"all {sum(ends.values()):,} messages received (reads only: no effects to check)")
         if problems:
@@ -289,6 +293,8 @@ class Runner:
             )
         if c.writes_rows:
             effects.drop_table(self.engine, config["table"])
+        if c.own_offsets:
+            effects.drop_table(self.engine, f"{config['table']}_offsets")
         return {"passed": True, "detail": "; ".join(details)}
 
     # -- the end --------------------------------------------------------------------
@@ -309,6 +315,14 @@ class Runner:
 
     def server_version(self) -> str:
         return effects.server_version(self.engine)
+
+
+def with_driver(dsn: str, driver: str | None) -> str:
+    """``dsn`` with its SQLAlchemy driver replaced (``postgresql+psycopg``), or as it is."""
+    if driver is None:
+        return dsn
+    url = make_url(dsn)
+    return url.set(drivername=f"{url.get_backend_name()}+{driver}").render_as_string(hide_password=False)
 
 
 def say(message: str) -> None:
