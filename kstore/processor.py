@@ -10,7 +10,6 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, cast
 
 from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -106,7 +105,7 @@ class Processor:
     #: The SQLAlchemy session of the batch in flight; set by the worker for the length of
     #: ``handle``/``handle_batch`` only. Outside a batch it raises a clear error: a session
     #: used there would open a transaction that no batch ends.
-    session: Session = cast(Session, _OutsideBatch())
+    session: BatchSession = cast(BatchSession, _OutsideBatch())
     #: The worker's engine, set before :meth:`setup` (e.g. to create the processor's tables).
     #: Writes through it are NOT part of a batch's transaction: use :attr:`session` for effects.
     engine: Engine

@@ -1,0 +1,167 @@
+"""``session.copy_rows``: rows written with PostgreSQL's ``COPY ... FROM STDIN``, in the batch's transaction.
+
+COPY is PostgreSQL's bulk path: one statement streams every row, and the server
+parses them without planning an INSERT per page of rows. Inside the batch's
+transaction it is as exactly-once as any other write: the rows and the offsets
+commit together, or neither does.
+
+- psycopg 3: the driver's own ``cursor.copy()`` and ``write_row`` adapt each value.
+- psycopg2: the rows are written here in COPY's text format (tab-separated,
+  ``\\N`` for NULL, backslash escapes), from the value types listed in
+  :func:`_text_field`, and sent with ``copy_expert``.
+- SQLite (no COPY): the same rows as one multi-row INSERT, so a processor runs
+  unchanged on the embedded default.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
+from operator import itemgetter
+from typing import Any
+
+from sqlalchemy import Connection, Table, column, insert
+from sqlalchemy import table as table_clause
+from sqlalchemy.types import TypeDecorator
+
+# COPY's text format: backslash, tab, newline and carriage return are escaped.
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _bytes(value: bytes | bytearray | memoryview) -> str:
+    # bytea's hex input, \x..., with its backslash escaped for COPY.
+    return "\\\\x" + bytes(value).hex()
+
+
+def _str(value: str) -> str:
+    return value.translate(_ESCAPES)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":")).translate(_ESCAPES)
+
+
+_JSON = (dict, list)
+
+_FORMATS: dict[type, Callable[[Any], str]] = {
+    bytes: _bytes, bytearray: _bytes, memoryview: _bytes,
+    str: _str,
+    int: int.__repr__, float: float.__repr__, Decimal: str,
+    bool: lambda v: "t" if v else "f",
+    datetime: datetime.isoformat, date: date.isoformat, time: time.isoformat,
+    timedelta: lambda v: f"{v.days} days {v.seconds} seconds {v.microseconds} microseconds",
+    uuid.UUID: str,
+    dict: _json, list: _json,
+}
+
+
+def _text_field(value: Any) -> str:
+    """One value in COPY's text format; ``\\N`` for None."""
+    if value is None:
+        return "\\N"
+    fmt = _FORMATS.get(type(value))
+    if fmt is None:
+        for kind, candidate in _FORMATS.items():  # subclasses (IntEnum, a str subclass...)
+            if isinstance(value, kind):
+                fmt = candidate
+                break
+        else:
+            raise TypeError(
+                f"copy_rows cannot write a {type(value).__name__} value with psycopg2: use None, bool, int, "
+                "float, Decimal, str, bytes, date, time, datetime, timedelta, UUID, or dict/list (as JSON); "
+                "or session.execute(insert(table), rows)"
+            )
+    return fmt(value)
+
+
+def _text_copy(rows: Iterable[Sequence[Any]]) -> io.StringIO:
+    field = _text_field
+    lines = ["\t".join(map(field, row)) for row in rows]
+    lines.append("")
+    return io.StringIO("\n".join(lines))
+
+
+def copy_rows(
+    conn: Connection, target: Table | str, rows: Sequence[Mapping[str, Any] | Sequence[Any]],
+    columns: Sequence[str] | None, *, schema: str | None = None,
+) -> int:
+    """Write ``rows`` into ``target`` on ``conn`` (inside its transaction); returns how many."""
+    if not rows:
+        return 0
+    names, values = _columns_and_values(target, rows, columns)
+    if isinstance(target, Table):
+        values = _bind_decorated(target, names, values, conn)
+    dialect = conn.dialect
+    if dialect.name != "postgresql":
+        t = target if isinstance(target, Table) else table_clause(target, *map(column, names), schema=schema)
+        conn.execute(insert(t), [dict(zip(names, row, strict=True)) for row in values])
+        return len(values)
+    q = dialect.identifier_preparer
+    name = q.format_table(target) if isinstance(target, Table) else (
+        f"{q.quote_schema(schema)}.{q.quote(target)}" if schema else q.quote(target))
+    sql = f"COPY {name} ({', '.join(map(q.quote, names))}) FROM STDIN"
+    dbapi: Any = conn.connection.dbapi_connection
+    if dialect.driver == "psycopg":
+        if any(type(v) in _JSON for row in values for v in row):
+            values = [[json.dumps(v) if type(v) in _JSON else v for v in row] for row in values]
+        with dbapi.cursor() as cur, cur.copy(sql) as copy:
+            write = copy.write_row
+            for row in values:
+                write(row)
+    else:
+        with dbapi.cursor() as cur:
+            cur.copy_expert(sql, _text_copy(values))
+    return len(values)
+
+
+def _columns_and_values(
+    target: Table | str, rows: Sequence[Mapping[str, Any] | Sequence[Any]], columns: Sequence[str] | None,
+) -> tuple[list[str], Sequence[Sequence[Any]]]:
+    """The column names and each row's values in their order."""
+    first = rows[0]
+    if isinstance(first, Mapping):
+        names = list(columns) if columns is not None else list(first.keys())
+        get = itemgetter(*names)
+        checked = _checked(rows, len(names), names)  # type: ignore[arg-type]
+        if len(names) == 1:
+            return names, [(get(r),) for r in checked]
+        return names, list(map(get, checked))
+    if columns is not None:
+        names = list(columns)
+    elif isinstance(target, Table):
+        names = [c.name for c in target.columns]
+    else:
+        raise TypeError("copy_rows(name, rows): give columns=[...] for rows that are tuples")
+    values: Sequence[Sequence[Any]] = rows  # type: ignore[assignment]
+    for row in values:
+        if len(row) != len(names):
+            raise ValueError(f"copy_rows: a row has {len(row)} values for {len(names)} columns {names}")
+    return names, values
+
+
+def _checked(rows: Sequence[Mapping[str, Any]], n: int, names: list[str]) -> Sequence[Mapping[str, Any]]:
+    for row in rows:
+        if len(row) != n:
+            raise ValueError(f"copy_rows: a row has keys {sorted(row)}, the first row {sorted(names)}")
+    return rows
+
+
+def _bind_decorated(target: Table, names: list[str], values: Sequence[Sequence[Any]],
+                    conn: Connection) -> Sequence[Sequence[Any]]:
+    """Apply the columns' TypeDecorators (a user's own types) to their values, as an INSERT would."""
+    decorators = {}
+    for i, name in enumerate(names):
+        kind = target.c[name].type
+        if isinstance(kind, TypeDecorator):
+            decorators[i] = kind
+    if not decorators:
+        return values
+    dialect = conn.dialect
+    return [
+        [decorators[i].process_bind_param(v, dialect) if i in decorators else v for i, v in enumerate(row)]
+        for row in values
+    ]
