@@ -26,6 +26,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, column, insert
 from sqlalchemy import table as table_clause
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
 # COPY's text format: backslash, tab, newline and carriage return are escaped.
@@ -105,16 +106,25 @@ def copy_rows(
         f"{q.quote_schema(schema)}.{q.quote(target)}" if schema else q.quote(target))
     sql = f"COPY {name} ({', '.join(map(q.quote, names))}) FROM STDIN"
     dbapi: Any = conn.connection.dbapi_connection
-    if dialect.driver == "psycopg":
-        if any(type(v) in _JSON for row in values for v in row):
-            values = [[json.dumps(v) if type(v) in _JSON else v for v in row] for row in values]
-        with dbapi.cursor() as cur, cur.copy(sql) as copy:
-            write = copy.write_row
-            for row in values:
-                write(row)
-    else:
-        with dbapi.cursor() as cur:
-            cur.copy_expert(sql, _text_copy(values))
+    try:
+        if dialect.driver == "psycopg":
+            if any(type(v) in _JSON for row in values for v in row):
+                values = [[json.dumps(v) if type(v) in _JSON else v for v in row] for row in values]
+            with dbapi.cursor() as cur, cur.copy(sql) as copy:
+                write = copy.write_row
+                for row in values:
+                    write(row)
+        else:
+            with dbapi.cursor() as cur:
+                cur.copy_expert(sql, _text_copy(values))
+    except dialect.loaded_dbapi.Error as exc:
+        # As SQLAlchemy itself would raise it (IntegrityError, OperationalError...), and a
+        # lost connection invalidated, so kstore tells an outage from a bad row as for any write.
+        lost = dialect.is_disconnect(exc, dbapi, None)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(sql, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost,
+                                  dialect=dialect) from exc
     return len(values)
 
 
@@ -156,7 +166,7 @@ def _bind_decorated(target: Table, names: list[str], values: Sequence[Sequence[A
     decorators = {}
     for i, name in enumerate(names):
         kind = target.c[name].type
-        if isinstance(kind, TypeDecorator):
+        if isinstance(kind, TypeDecorator) and type(kind).process_bind_param is not TypeDecorator.process_bind_param:
             decorators[i] = kind
     if not decorators:
         return values
