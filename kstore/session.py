@@ -36,6 +36,7 @@ them together, as multi-row INSERTs, when anything else needs the database:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -44,6 +45,7 @@ from sqlalchemy import Connection, CursorResult, Insert, Table
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.elements import TextClause
 
 from .copy import copy_rows
 
@@ -92,7 +94,7 @@ class _Deferred:
 
     __slots__ = ("params", "result", "sent", "statement")
 
-    def __init__(self, statement: Insert, params: dict[str, Any]) -> None:
+    def __init__(self, statement: Insert | TextClause, params: dict[str, Any]) -> None:
         self.statement = statement
         self.params = params
         self.result: CursorResult[Any] | BaseException | None = None
@@ -123,14 +125,32 @@ class DeferredResult:
 
 
 def _deferrable(statement: Executable, params: Any) -> bool:
-    return (
-        type(params) is dict and bool(params) and isinstance(statement, Insert)
-        and not statement._returning and not statement._return_defaults
-        and not statement._multi_values and statement.select is None  # not from_select()
-    )
+    if type(params) is not dict or not params:
+        return False
+    if isinstance(statement, Insert):
+        return (not statement._returning and not statement._return_defaults
+                and not statement._multi_values and statement.select is None)  # not from_select()
+    return isinstance(statement, TextClause) and _plain_insert_text(statement.text)
 
 
-def _same_statement(a: Insert, b: Insert) -> bool:
+_INSERT_TEXT = re.compile(r"\s*INSERT\s", re.IGNORECASE)
+_NOT_PLAIN = re.compile(r"\bRETURNING\b|;\s*\S", re.IGNORECASE)
+_PLAIN: dict[str, bool] = {}
+
+
+def _plain_insert_text(sql: str) -> bool:
+    """A ``text()`` that is one INSERT returning nothing: no RETURNING anywhere and no second
+    statement (judged on the words alone, so a string literal holding them is not deferred).
+    Remembered per SQL string: it is the same few strings for every message."""
+    plain = _PLAIN.get(sql)
+    if plain is None:
+        if len(_PLAIN) >= 1024:
+            _PLAIN.clear()
+        plain = _PLAIN[sql] = bool(_INSERT_TEXT.match(sql)) and not _NOT_PLAIN.search(sql)
+    return plain
+
+
+def _same_statement(a: Insert | TextClause, b: Insert | TextClause) -> bool:
     """True if ``a`` and ``b`` render the same SQL with the same embedded values.
 
     The cache key is SQLAlchemy's own test for "same SQL"; it leaves out the values
@@ -229,12 +249,15 @@ class BatchSession(Session):
                 entry.sent = True
             i = j
 
-    def _fail(self, exc: BaseException, statement: Insert, rows: int) -> NoReturn:
+    def _fail(self, exc: BaseException, statement: Insert | TextClause, rows: int) -> NoReturn:
         """Fail the session for good with ``exc``, the error of sending deferred INSERTs."""
         self._failure = exc
         # Nothing is deferred any more: execute() then takes a path that raises the failure.
         self._defer_inserts = False
-        table = getattr(statement.table, "name", statement.table)
+        if isinstance(statement, TextClause):
+            table = " ".join(statement.text.split()[2:3]) or "?"
+        else:
+            table = str(getattr(statement.table, "name", statement.table))
         together = f" (one of {rows} rows sent together)" if rows > 1 else ""
         self._failure_message = (
             f"a deferred INSERT into {table}{together} failed when the session sent it: "

@@ -25,6 +25,9 @@ effects = sa.Table(
     sa.Column("worker", sa.String(64)),
 )
 
+INSERT_TEXT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
+                      "VALUES (:topic, :partition_id, :kafka_offset, :value, :worker)")
+
 
 class Recorder(Processor):
     """Inserts one row per message; no unique key, so a duplicate effect shows up as two rows.
@@ -37,6 +40,10 @@ class Recorder(Processor):
     KSTORE_TEST_FAIL_AT: raise on the message with that offset.
     KSTORE_TEST_PER_MESSAGE: write one INSERT per message (deferred by kstore's session, sent
     by the flush before the hang) instead of one executemany for the batch.
+    KSTORE_TEST_WRITE: how the rows go in: "insert" (the default: a Core INSERT), "text" (a
+    ``text("INSERT ...")`` per message, deferred by kstore's session) or "copy" (``session.copy_rows``).
+    KSTORE_TEST_DB_POISON: a value whose row breaks a NOT NULL constraint in the database itself
+    (its topic is NULL), so the failure comes from the write, not from the processor's code.
     KSTORE_TEST_PAUSE_FILE: while that file exists, a batch waits before writing (and its
     first offset is written to the file + ".batch"), so a test can act while a batch is in flight.
     """
@@ -54,6 +61,8 @@ class Recorder(Processor):
         self.fail_value = os.environ.get("KSTORE_TEST_FAIL_VALUE")
         self.pause_file = os.environ.get("KSTORE_TEST_PAUSE_FILE")
         self.per_message = os.environ.get("KSTORE_TEST_PER_MESSAGE") == "1"
+        self.write = os.environ.get("KSTORE_TEST_WRITE", "insert")
+        self.db_poison = os.environ.get("KSTORE_TEST_DB_POISON")
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         if self.pause_file and Path(self.pause_file).exists():
@@ -68,7 +77,8 @@ class Recorder(Processor):
             if self.fail_value is not None and m.value == self.fail_value:
                 raise ValueError(f"poison message at {m.topic}[{m.partition}] offset {m.offset}")
         rows = [
-            {"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": str(m.value),
+            {"topic": None if m.value == self.db_poison else m.topic, "partition_id": m.partition,
+             "kafka_offset": m.offset, "value": str(m.value),
              "worker": self.name}
             for m in msgs
         ]
@@ -87,7 +97,12 @@ class Recorder(Processor):
 
 
     def _write(self, rows: list[dict[str, object]]) -> None:
-        if self.per_message:
+        if self.write == "copy":
+            self.session.copy_rows(effects, rows)
+        elif self.write == "text":
+            for row in rows:
+                self.session.execute(INSERT_TEXT, row)
+        elif self.per_message:
             for row in rows:
                 self.session.execute(effects.insert(), row)
         else:

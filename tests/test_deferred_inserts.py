@@ -14,13 +14,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import psycopg2.extensions
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kstore import Message, Processor, RetryPolicy, Settings, Worker
-from kstore.session import BatchSession, DeferredInsertError, DeferredResult, batch_session
+from kstore.session import BatchSession, DeferredInsertError, DeferredResult, _deferrable, batch_session
 from kstore.store import make_engine
 from kstore.testing import make_message, run_batch
 
@@ -106,6 +107,82 @@ def test_one_row_inserts_are_sent_together_at_the_end(engine: sa.Engine, stateme
     in_session(engine, work)
     assert names(engine) == [f"n{i}" for i in range(50)]
     assert inserts(statements) == [(inserts(statements)[0][0], True)], "one executemany for the 50 rows"
+
+
+INSERT_TEXT = "INSERT INTO items (name, kind) VALUES (:name, :kind)"
+
+
+def test_text_inserts_are_deferred_and_sent_together(engine: sa.Engine, statements: Any) -> None:
+    """``text("INSERT ...")`` per message, as most users write it: deferred like a Core INSERT, in
+    order with the statements around it, equal SQL sent as one executemany."""
+    def work(session: BatchSession) -> None:
+        for i in range(20):
+            result = session.execute(sa.text(INSERT_TEXT), {"name": f"t{i}", "kind": "text"})
+            assert isinstance(result, DeferredResult)
+        assert not inserts(statements), "nothing sent before the session needs the database"
+        count = session.execute(sa.text("SELECT count(*) FROM items WHERE kind = 'text'")).scalar_one()
+        assert count == 20, "a read sends them first"
+        session.execute(sa.text(INSERT_TEXT), {"name": "last", "kind": "text"})
+        assert session.execute(sa.text(INSERT_TEXT), {"name": "alone", "kind": "x"}).rowcount == 1
+
+    in_session(engine, work)
+    assert names(engine) == [*(f"t{i}" for i in range(20)), "last", "alone"]
+    assert [many for _, many in inserts(statements)] == [True, False, False]
+
+
+@pytest.mark.parametrize("sql", [
+    pytest.param("INSERT INTO items (name, kind) VALUES (:name, 'k') RETURNING id", id="returning"),
+    pytest.param("insert into items (name, kind) values (:name, 'k') returning id", id="returning, lower case"),
+    pytest.param("INSERT INTO items (name, kind) VALUES (:name, 'k'); DELETE FROM items WHERE name = 'never'",
+                 id="two statements"),
+    pytest.param("WITH n AS (SELECT :name AS name) INSERT INTO items (name, kind) SELECT name, 'k' FROM n",
+                 id="WITH first"),
+    pytest.param("UPDATE items SET kind = :name WHERE false", id="not an INSERT"),
+])
+def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
+        engine: sa.Engine, statements: Any, sql: str) -> None:
+    def work(session: BatchSession) -> None:
+        result = session.execute(sa.text(sql), {"name": "x"})
+        assert not isinstance(result, DeferredResult)
+        assert statements, "sent at once"
+
+    if "; DELETE" in sql:  # SQLite's driver runs one statement at a time: judged, not run
+        assert not _deferrable(sa.text(sql), {"name": "x"})
+        return
+    in_session(engine, work)
+
+
+def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> None:
+    """Deferred text() INSERTs go as one executemany; on psycopg2, kstore's engine runs that as
+    execute_batch (pages of statements, one round trip each) instead of a round trip per row."""
+    engine = make_engine(Settings(dsn=pg_dsn))
+    sent: list[int] = []
+
+    @sa.event.listens_for(engine, "connect")
+    def count_round_trips(dbapi_conn: Any, _record: Any) -> None:
+        if hasattr(dbapi_conn, "cursor_factory"):  # psycopg2: count every query sent
+            class Counting(psycopg2.extensions.cursor):  # type: ignore[misc]
+                def execute(self, query: Any, vars: Any = None) -> Any:
+                    sent.append(1)
+                    return super().execute(query, vars)
+
+                def executemany(self, query: Any, vars_list: Any) -> Any:
+                    sent.extend(1 for _ in vars_list)
+                    return super().executemany(query, vars_list)
+
+            dbapi_conn.cursor_factory = Counting
+
+    if engine.dialect.driver != "psycopg2":
+        pytest.skip("psycopg2's executemany only (psycopg 3 pipelines an executemany by itself)")
+    Base.metadata.create_all(engine)
+    del sent[:]
+    with engine.connect() as conn, conn.begin(), batch_session(conn) as session:
+        for i in range(1200):
+            session.execute(sa.text(INSERT_TEXT), {"name": f"p{i}", "kind": "page"})
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(DISTINCT name) FROM items WHERE kind = 'page'")).scalar() == 1200
+    assert len(sent) <= 5, f"{len(sent)} round trips for 1,200 rows"
+    engine.dispose()
 
 
 def test_without_deferral_each_insert_is_its_own_statement(engine: sa.Engine, statements: Any) -> None:
