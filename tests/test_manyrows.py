@@ -1,0 +1,136 @@
+"""Many rows of one Core INSERT on psycopg2 as one statement (kstore/manyrows.py).
+
+Against a real PostgreSQL through psycopg2: the rows read back as SQLAlchemy's own
+executemany writes them (bind processors, NULLs, quotes, percent signs, bytes), all in
+one statement; statements that do not qualify take SQLAlchemy's path, unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import make_url
+
+from kstore import Settings
+from kstore.manyrows import execute_many
+from kstore.session import batch_session
+from kstore.store import make_engine
+
+
+class Color(enum.Enum):
+    red = "r"
+    blue = "b"
+
+
+class Upper(sa.TypeDecorator[str]):
+    impl = sa.Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else value.upper()
+
+
+metadata = sa.MetaData()
+things = sa.Table(
+    "things", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("n", sa.Integer), sa.Column("s", sa.Text), sa.Column("b", sa.LargeBinary), sa.Column("doc", sa.JSON),
+    sa.Column("color", sa.Enum(Color)), sa.Column("up", Upper), sa.Column("d", sa.Numeric(10, 2)),
+    sa.Column("kind", sa.Text, server_default="plain"),
+)
+with_default = sa.Table("with_default", metadata, sa.Column("n", sa.Integer, primary_key=True),
+                        sa.Column("tag", sa.Text, default="python-side"))
+
+ROWS = [
+    {"n": 1, "s": "it's 100% \\ \"quoted\"; %(n)s %s", "b": b"\x00\\\xff'", "doc": {"a": [1, None, "x'y"]},
+     "color": Color.red, "up": "shout", "d": 1.25},
+    {"n": None, "s": None, "b": None, "doc": None, "color": None, "up": None, "d": None},
+    {"n": -7, "s": "ünï 😀\n\t", "b": bytearray(b"ab"), "doc": [1, 2], "color": Color.blue, "up": "x", "d": 0},
+]
+
+
+@pytest.fixture
+def engine(pg_dsn: str) -> Iterator[sa.Engine]:
+    eng = make_engine(Settings(dsn=make_url(pg_dsn).set(drivername="postgresql+psycopg2")
+                               .render_as_string(hide_password=False)))
+    metadata.create_all(eng)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def sent(engine: sa.Engine) -> list[tuple[str, bool]]:
+    out: list[tuple[str, bool]] = []
+    sa.event.listen(engine, "before_cursor_execute",
+                    lambda conn, cursor, sql, params, context, many: out.append((sql, many)))
+    return out
+
+
+def read(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    cols = [things.c.n, things.c.s, things.c.b, things.c.doc, things.c.color, things.c.up, things.c.d, things.c.kind]
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.select(*cols).order_by(things.c.id))]
+
+
+def write(engine: sa.Engine, statement: Any, rows: list[dict[str, Any]], per_row: bool = False) -> Any:
+    with engine.connect() as conn, conn.begin(), batch_session(conn) as session:
+        if per_row:
+            for row in rows:
+                session.execute(statement, row)
+            return None
+        return session.execute(statement, rows)
+
+
+def test_rows_read_back_as_sqlalchemys_own_executemany_writes_them(engine: sa.Engine, sent: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(things.insert(), ROWS)  # SQLAlchemy's own path: what the rows must read back as
+    expected = read(engine)
+    with engine.begin() as conn:
+        conn.execute(things.delete())
+    del sent[:]
+    result = write(engine, things.insert(), ROWS)
+    assert [many for _, many in sent] == [False], "one statement, not an executemany"
+    assert read(engine) == expected
+    assert expected[0][4] == Color.red and expected[0][5] == "SHOUT" and json.loads(json.dumps(expected[0][3]))
+    assert result.rowcount == 3
+
+
+def test_deferred_one_row_inserts_go_as_one_statement(engine: sa.Engine, sent: Any) -> None:
+    write(engine, things.insert(), [{"n": i, "s": f"r{i}"} for i in range(1500)], per_row=True)
+    inserts = [sql for sql, _ in sent if sql.startswith("INSERT")]
+    assert len(inserts) == 1 and inserts[0].count("),(") == 1499
+    assert [r[0] for r in read(engine)] == list(range(1500))
+
+
+@pytest.mark.parametrize(("statement", "table"), [
+    pytest.param(lambda: with_default.insert(), with_default, id="Python-side column default"),
+    pytest.param(lambda: things.insert().values(kind="embedded"), things, id="embedded value"),
+    pytest.param(lambda: pg_insert(things).on_conflict_do_nothing(index_elements=["id"]), things, id="upsert"),
+    pytest.param(lambda: pg_insert(things).on_conflict_do_update(index_elements=["id"], set_={"s": "again"}),
+                 things, id="upsert with its own parameter"),
+])
+def test_statements_that_do_not_qualify_take_sqlalchemys_path(
+        engine: sa.Engine, statement: Any, table: sa.Table) -> None:
+    with engine.connect() as conn, conn.begin():
+        assert execute_many(conn, statement(), [{"n": 1}, {"n": 2}]) is None
+    write(engine, statement(), [{"n": 1}, {"n": 2}])
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 2
+
+
+def test_rows_with_different_keys_take_sqlalchemys_path(engine: sa.Engine) -> None:
+    with engine.connect() as conn, conn.begin():
+        assert execute_many(conn, things.insert(), [{"n": 1}, {"n": 2, "s": "x"}]) is None
+        assert execute_many(conn, things.insert().returning(things.c.id), [{"n": 1}]) is None
+
+
+def test_a_refused_row_is_sqlalchemys_integrity_error(engine: sa.Engine) -> None:
+    with pytest.raises(sa.exc.IntegrityError):
+        write(engine, things.insert(), [{"id": 5, "n": 1}, {"id": 5, "n": 2}])
+    assert read(engine) == []
