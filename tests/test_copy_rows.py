@@ -87,6 +87,13 @@ def test_every_value_type_reads_back_as_written(engine: sa.Engine) -> None:
     assert got == ROWS
 
 
+def test_columns_of_one_type_read_back_as_written(engine: sa.Engine) -> None:
+    """Columns whose values are all int, str or bytes are formatted whole (the fast path)."""
+    rows = [(i, f"{TRICKY} {i}", bytes([i % 256]) * (i % 7) + b"\\\t\n") for i in range(300)]
+    copy_in_batch(engine, rows, columns=["i", "s", "b"])
+    assert [(r["i"], r["s"], r["b"]) for r in read(engine)] == rows
+
+
 def test_tuples_in_the_tables_or_the_given_column_order(engine: sa.Engine) -> None:
     copy_in_batch(engine, [(1, 2.0, Decimal(3), "x")], columns=["i", "f", "d", "s"])
     copy_in_batch(engine, [(2, "y")], columns=["i", "s"])
