@@ -113,6 +113,8 @@ class Batches:
         self._dead_letters = deadletters.build_table(settings.table_prefix, settings.schema)
         #: True while a batch's transaction is open (for the CLI's shutdown timeout).
         self.busy = False
+        #: The last batch taken was at least half of the batch size: a backlog, where batches linger.
+        self._draining = False
         #: The connection batches run on, held from one batch to the next (see _batch_connection).
         self._batch_conn: Connection | None = None
         #: A commit whose outcome is unknown: nothing else is processed until it is settled.
@@ -137,11 +139,14 @@ class Batches:
         if not self.ready():
             return False  # a failed message or the database waits for its next attempt; fetching goes on
         size = self.failures.batch_size(self.settings.max_batch_size)
-        if self.settings.batch_linger_ms and 0 < self.source.queued() < size:
+        # Linger only while draining a backlog (the last batch was at least half full): there it
+        # keeps transactions large; a steady stream's small batches go at once, never delayed.
+        if self._draining and self.settings.batch_linger_ms and 0 < self.source.queued() < size:
             self.source.wait_for(size, self.settings.batch_linger_ms / 1000)
         taken = self._take(size)
         if taken is None:
             return False
+        self._draining = 2 * len(taken.records) >= size
         started = time.monotonic()
         try:
             fenced, msgs = self._transact(taken)

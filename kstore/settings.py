@@ -82,8 +82,9 @@ class Settings:
     #: small batches (see batch_linger_ms), and a failing batch is retried in halves.
     max_batch_size: int = 5000
     #: How long a batch may wait for more messages when fewer than max_batch_size are
-    #: queued: a steady stream then commits a few larger batches instead of many tiny
-    #: ones (each commit costs round trips and an fsync), for at most this much latency.
+    #: queued, while the worker drains a backlog (its last batch was at least half of
+    #: max_batch_size): transactions stay large instead of taking whatever the fetcher has
+    #: decoded so far. A steady stream below that pace is never delayed by it.
     batch_linger_ms: int = 5
     #: Most records one poll() returns; what is not yet in a batch waits in kstore's queues.
     max_poll_records: int = 1000

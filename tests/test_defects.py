@@ -13,7 +13,7 @@ import psutil
 import pytest
 import sqlalchemy as sa
 
-from kstore import Message, Settings, Worker
+from kstore import Message, Processor, Settings, Worker
 from kstore import cli as kstore_cli
 from kstore.consumer import KafkaSource
 
@@ -171,3 +171,48 @@ def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: s
         assert source.queued() == 0
     finally:
         source.close()
+
+
+class BatchSizes(Processor):
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        self.sizes.append(len(msgs))
+
+
+def test_batches_linger_only_while_draining_a_backlog(sqlite_dsn: str, kafka: str, new_topic: Any,
+                                                      produce: Any) -> None:
+    """The batch linger keeps a backlog's transactions large, but must not delay a steady
+    stream: after a small batch, what is queued goes at once (it used to wait the whole
+    linger, 5 ms by default, for every message of a steady stream: p50 latency 12.6 ms
+    against 9.9 ms without it in the benchmark)."""
+    topic = new_topic(1)
+    processor = BatchSizes()
+    w = Worker(processor, Settings(dsn=sqlite_dsn, bootstrap_servers=kafka, group="linger", topics=(topic,),
+                                   max_batch_size=10, batch_linger_ms=1500))
+    w.start()
+    try:
+        def queue(n: int) -> None:
+            produce(topic, [f"v{i}" for i in range(n)])
+            want = w.source.queued() + n
+            deadline = time.monotonic() + 60
+            while w.source.queued() < want:
+                w.fetch_once()
+                w.step() if w.ledger.pending else None
+                assert time.monotonic() < deadline, "records never queued"
+
+        def timed_step() -> float:
+            started = time.monotonic()
+            assert w.step()
+            return time.monotonic() - started
+
+        queue(24)
+        timed_step(), timed_step()  # two full batches: a backlog
+        assert timed_step() >= 1.4, "a partial batch after full ones lingers for more"
+        assert processor.sizes == [10, 10, 4]
+        queue(3)
+        assert timed_step() < 1.0, "after a small batch, a steady stream's messages go at once"
+        assert processor.sizes == [10, 10, 4, 3]
+    finally:
+        w.close()
