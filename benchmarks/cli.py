@@ -120,6 +120,7 @@ def _finish(results: dict[str, Any], opts: Options) -> None:
     done = results["contenders"]
     results["ratios"] = report.ratios(done)
     results["rss_target"] = report.rss_target(done, opts.messages)
+    results["latency_target"] = report.latency_target(done)
     json_path = opts.out / "benchmark.json"
     report.write_json(results, json_path)
     if not done:

@@ -57,9 +57,9 @@ CONTENDERS: tuple[Contender, ...] = (
               "benchmarks.kstore_loop:batch_unrecorded", writes_rows=True, kstore=True),
     # Issue 13: the loops a competent user writes by hand, the headline's denominator (12), and the
     # ways of writing a kstore processor measured against it, on psycopg2 and on psycopg 3.
-    Contender(11, "at-least-once-values", "at-least-once: execute_values, then Kafka commit",
+    Contender(11, "at-least-once-values", "at-least-once by hand, execute_values",
               "benchmarks.handwritten:at_least_once", writes_rows=True),
-    Contender(12, "exactly-once-by-hand", "exactly-once by hand: execute_values + offsets upsert",
+    Contender(12, "exactly-once-by-hand", "exactly-once by hand, execute_values",
               "benchmarks.handwritten:exactly_once", writes_rows=True, own_offsets=True),
     Contender(13, "kstore-text", "kstore, text() INSERT in handle()", "benchmarks.kstore_loop:handle_text",
               writes_rows=True, kstore=True),
@@ -69,7 +69,7 @@ CONTENDERS: tuple[Contender, ...] = (
               writes_rows=True, kstore=True, driver="psycopg"),
     Contender(16, "kstore-handle-psycopg3", "kstore, INSERT in handle(), psycopg 3", "benchmarks.kstore_loop:handle",
               writes_rows=True, kstore=True, driver="psycopg"),
-    Contender(17, "kstore-text-psycopg3", "kstore, text() INSERT in handle(), psycopg 3",
+    Contender(17, "kstore-text-psycopg3", "kstore, text() in handle(), psycopg 3",
               "benchmarks.kstore_loop:handle_text", writes_rows=True, kstore=True, driver="psycopg"),
     Contender(18, "kstore-copy-psycopg3", "kstore, session.copy_rows(), psycopg 3", "benchmarks.kstore_loop:copy",
               writes_rows=True, kstore=True, driver="psycopg"),
@@ -111,6 +111,10 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(8, 3, None),
     Ratio(9, 10, 0.95),
 )
+
+#: Issue 13: these kstore contenders' p99 latency may be no higher than the hand-written exactly-once loop's.
+LATENCY_BASELINE = 12
+LATENCY_JUDGED = (5, 6, 13, 14)
 
 #: The issue's memory target for the kstore contenders on the full 1,000,000-message run.
 RSS_TARGET_MB = 300

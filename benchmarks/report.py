@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .contenders import RATIOS, RSS_TARGET_MB
+from .contenders import LATENCY_BASELINE, LATENCY_JUDGED, RATIOS, RSS_TARGET_MB
 
 PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary")
 
@@ -83,6 +83,21 @@ def rss_target(contenders: list[dict[str, Any]], messages: int) -> dict[str, Any
             "met": worst["peak_rss_mb"] < RSS_TARGET_MB, "messages": messages}
 
 
+def latency_target(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 13: every kstore contender that writes, on psycopg2, with a p99 no higher than the
+    hand-written exactly-once loop's (contender 12) at the same rate."""
+    by_number = {c["number"]: c for c in contenders}
+    hand = by_number.get(LATENCY_BASELINE)
+    if hand is None:
+        return []
+    limit = hand["latency"]["p99_ms"]
+    return [
+        {"contender": c["name"], "p99_ms": c["latency"]["p99_ms"], "baseline_p99_ms": limit,
+         "met": c["latency"]["p99_ms"] <= limit and c["latency"].get("kept_up", True)}
+        for c in contenders if c["number"] in LATENCY_JUDGED
+    ]
+
+
 def _ms(lat: dict[str, Any], key: str) -> str:
     """A latency figure, starred when the contender fell behind the offered rate."""
     return f"{lat[key]:.1f}" + ("" if lat.get("kept_up", True) else "*")
@@ -119,6 +134,9 @@ def table(results: dict[str, Any]) -> str:
                     f"{target:>8}  {_met(r['met'])}")
     if any(not c["latency"].get("kept_up", True) for c in results["contenders"]):
         rows.append("  * fell behind the offered rate: its latency measures a growing backlog (see docs)")
+    for t in results.get("latency_target", []):
+        rows.append(f"  p99 of {t['contender']:<23} {t['p99_ms']:>7.1f} ms  <= exactly-once-by-hand's "
+                    f"{t['baseline_p99_ms']:.1f} ms: {_met(t['met'])}")
     rss = results.get("rss_target")
     if rss:
         rows.append(f"  peak RSS of kstore ({rss['contender']}, {rss['messages']:,} messages): "
@@ -138,7 +156,10 @@ COLOURS = {"raw": "#9A9A9A", "baseline": "#DD8452", "kstore": "#4C72B0"}
 def _colour(c: dict[str, Any]) -> str:
     if c["name"].startswith("kstore"):
         return COLOURS["kstore"]
-    return COLOURS["baseline"] if c["name"] == "at-least-once" else COLOURS["raw"]
+    return COLOURS["baseline"] if c["name"] in HAND_WRITTEN else COLOURS["raw"]
+
+
+HAND_WRITTEN = ("at-least-once", "at-least-once-values", "exactly-once-by-hand")
 
 
 def chart(results: dict[str, Any], path: Path) -> bool:
