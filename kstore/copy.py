@@ -30,6 +30,9 @@ from sqlalchemy import table as table_clause
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
+#: Bytes psycopg2 reads from the COPY data per call (its default is 8 KiB).
+COPY_CHUNK = 1 << 20
+
 # COPY's text format: backslash, tab, newline and carriage return are escaped.
 _ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
@@ -98,12 +101,12 @@ def _text_column(col: list[Any]) -> Iterable[str]:
     return map(_text_field, col)
 
 
-def _text_copy(rows: Sequence[Sequence[Any]]) -> io.StringIO:
-    """The rows in COPY's text format, built column by column."""
+def _text_copy(rows: Sequence[Sequence[Any]], encoding: str) -> io.BytesIO:
+    """The rows in COPY's text format, built column by column, encoded once for the connection."""
     columns = [_text_column(list(col)) for col in zip(*rows, strict=True)]
     lines = list(map("\t".join, zip(*columns, strict=True)))
     lines.append("")
-    return io.StringIO("\n".join(lines))
+    return io.BytesIO("\n".join(lines).encode(encoding))
 
 
 def copy_rows(
@@ -135,8 +138,12 @@ def copy_rows(
                 for row in values:
                     write(row)
         else:
+            import psycopg2.extensions
+
+            data = _text_copy(values, psycopg2.extensions.encodings.get(dbapi.encoding, "utf-8"))
             with dbapi.cursor() as cur:
-                cur.copy_expert(sql, _text_copy(values))
+                # Bytes, in large pieces: psycopg2 reads a file 8 KiB at a time by default.
+                cur.copy_expert(sql, data, size=COPY_CHUNK)
     except dialect.loaded_dbapi.Error as exc:
         # As SQLAlchemy itself would raise it (IntegrityError, OperationalError...), and a
         # lost connection invalidated, so kstore tells an outage from a bad row as for any write.
