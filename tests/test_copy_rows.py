@@ -9,6 +9,7 @@ message is found and dead-lettered, and every other message lands exactly once.
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
 from collections.abc import Iterator
 from datetime import date, datetime, time, timedelta, timezone
@@ -134,6 +135,18 @@ def test_postgresql_only_types(pg_dsn: str, driver: str) -> None:
     copy_in_batch(eng, rows, table=pg_only)
     with eng.connect() as conn:
         assert [dict(r._mapping) for r in conn.execute(sa.select(pg_only))] == rows
+    eng.dispose()
+
+
+def test_psycopg3_adapts_what_kstores_encoding_does_not_know(pg_dsn: str) -> None:
+    """A value outside kstore's own COPY encoding (an IP address) goes through psycopg 3's own
+    adaptation, row by row; psycopg2 has none, and refuses it clearly (below)."""
+    eng = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg")))
+    with eng.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE hosts (ip inet, doc jsonb)"))
+    copy_in_batch(eng, [(ipaddress.ip_address("10.0.0.1"), {"k": 1})], columns=["ip", "doc"], table="hosts")
+    with eng.connect() as conn:
+        assert conn.execute(sa.text("SELECT host(ip), doc FROM hosts")).one() == ("10.0.0.1", {"k": 1})
     eng.dispose()
 
 
