@@ -21,16 +21,20 @@ latter, from SQLAlchemy's own compilation of the statement:
 - the statement goes through ``Connection.exec_driver_sql``, so it is in the
   connection's transaction, events see it, and errors are SQLAlchemy's.
 
+A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
+its one ``VALUES (...)`` row (so no ``ON CONFLICT``: those go as execute_batch pages).
+
 All rows go in one statement, so the result's ``rowcount`` is that of all of them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
-from sqlalchemy import Connection, CursorResult, Insert, LargeBinary
+from sqlalchemy import Connection, CursorResult, Insert, LargeBinary, TextClause
 
 #: (statement cache key, parameter names) -> (SQL before the rows, one row's template, SQL after), or None.
 _Plan = tuple[str, str, str, dict[str, Callable[[Any], Any]]]
@@ -64,6 +68,50 @@ def execute_many(conn: Connection, statement: Insert, rows: Sequence[dict[str, A
         _PLANS[plan_key] = plan
     if plan is None:
         return None
+    return _run(conn, plan, rows)
+
+
+def execute_many_text(conn: Connection, statement: TextClause,
+                      rows: Sequence[dict[str, Any]]) -> CursorResult[Any] | None:
+    """The same for a ``text("INSERT INTO t (...) VALUES (:a, :b, ...)")`` that ends with its one
+    VALUES row (no nested parentheses or quotes in it, every parameter in it), or None."""
+    if conn.dialect.driver != "psycopg2" or not rows:
+        return None
+    names = rows[0].keys()
+    for row in rows:
+        if type(row) is not dict or row.keys() != names:
+            return None
+    keys = tuple(names)
+    plan_key = (statement.text, keys, tuple((k, type(b.type)) for k, b in statement._bindparams.items()))
+    try:
+        plan = _PLANS[plan_key]
+    except KeyError:
+        plan = _text_plan(statement, keys, conn)
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[plan_key] = plan
+    return None if plan is None else _run(conn, plan, rows)
+
+
+#: ``VALUES (...)`` at the very end: parameters (``%(name)s``) and anything but parentheses, quotes
+#: and percent signs between them.
+_LAST_VALUES_ROW = re.compile(r"\bVALUES\s*(\((?:[^()'\"%]|%\(\w+\)s)*\))\s*$", re.IGNORECASE)
+
+
+def _text_plan(statement: TextClause, keys: tuple[str, ...], conn: Connection) -> _Plan | None:
+    if any(b.value is not None or b.callable is not None for b in statement._bindparams.values()):
+        return None  # values bound in the statement itself
+    compiled: Any = statement.compile(dialect=conn.dialect)
+    if compiled.escaped_bind_names or set(compiled.binds) != set(keys) or compiled.positional:
+        return None
+    sql: str = compiled.string
+    found = _LAST_VALUES_ROW.search(sql)
+    if found is None or "%" in sql[:found.start(1)]:
+        return None
+    return sql[:found.start(1)], found.group(1), "", _processors(compiled)
+
+
+def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> CursorResult[Any]:
     head, template, tail, processors = plan
     if processors:
         rows = [_processed(row, processors) for row in rows]
@@ -103,8 +151,11 @@ def _plan(statement: Insert, keys: tuple[str, ...], conn: Connection) -> _Plan |
     head, tail = sql[:at], sql[at + len(row):]
     if "%" in head or "%" in tail:  # literal percent signs are doubled for psycopg2: not worth undoing
         return None
-    processors = {
+    return head, row, tail, _processors(compiled)
+
+
+def _processors(compiled: Any) -> dict[str, Callable[[Any], Any]]:
+    return {
         name: process for name, process in compiled._bind_processors.items()
         if not isinstance(compiled.binds[name].type, LargeBinary)
     }
-    return head, row, tail, processors

@@ -48,7 +48,7 @@ from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import TextClause
 
 from .copy import copy_rows
-from .manyrows import execute_many
+from .manyrows import execute_many, execute_many_text
 
 # SQLAlchemy's private names used here, for want of a public API (everything else is
 # public). Each is pinned by a test in tests/test_deferred_inserts.py, so an upgrade that
@@ -252,7 +252,8 @@ class BatchSession(Session):
                 elif isinstance(statement, Insert):
                     _execute_rows(self._connection, statement, [e.params for e in pending[i:j]])
                 else:
-                    execute(statement, [e.params for e in pending[i:j]])
+                    rows = [e.params for e in pending[i:j]]
+                    execute_many_text(self._connection, statement, rows) or execute(statement, rows)
             except BaseException as exc:
                 self._deferred = pending[i:]  # kept, never sent: the session is failed
                 self._fail(exc, statement, j - i)

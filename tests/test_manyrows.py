@@ -134,3 +134,26 @@ def test_a_refused_row_is_sqlalchemys_integrity_error(engine: sa.Engine) -> None
     with pytest.raises(sa.exc.IntegrityError):
         write(engine, things.insert(), [{"id": 5, "n": 1}, {"id": 5, "n": 2}])
     assert read(engine) == []
+
+
+TEXT_INSERT = "INSERT INTO things (n, s, b) VALUES (:n, :s, :b)"
+
+
+@pytest.mark.parametrize(("sql", "one_statement"), [
+    pytest.param(TEXT_INSERT, True, id="ends with its VALUES row"),
+    pytest.param("insert into things (n, s, b)\n values(:n,:s,:b) ", True, id="lower case, other spacing"),
+    pytest.param(TEXT_INSERT + " ON CONFLICT DO NOTHING", False, id="ON CONFLICT"),
+    pytest.param("INSERT INTO things (n, s, b, kind) VALUES (:n, :s, :b, 'lit(eral)')", False, id="a literal"),
+    pytest.param("INSERT INTO things (n, s, b) VALUES (:n, lower(:s), :b)", False, id="a function call"),
+])
+def test_deferred_text_inserts(engine: sa.Engine, sent: Any, sql: str, one_statement: bool) -> None:
+    """Deferred ``text()`` INSERTs that end with their VALUES row go as one statement; any
+    other shape as psycopg2's execute_batch pages. Either way every row reads back as given."""
+    rows = [{"n": i, "s": ROWS[0]["s"] + str(i), "b": bytes([i % 256]) + b"\\'"} for i in range(700)]
+    write(engine, sa.text(sql), rows, per_row=True)
+    inserts = [many for text, many in sent if text.lower().startswith("insert")]
+    assert inserts == ([False] if one_statement else [True])
+    got = [(n, s, b) for n, s, b, *_ in read(engine)]
+    if "lower(" in sql:
+        rows = [{**r, "s": r["s"].lower()} for r in rows]
+    assert got == [(r["n"], r["s"], r["b"]) for r in rows]
