@@ -15,6 +15,7 @@ its own default page of 100 rows per statement):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import psycopg2
@@ -30,26 +31,46 @@ def _insert_sql(config: dict[str, Any]) -> str:
     return f"INSERT INTO {config['table']} (partition_id, kafka_offset, payload) VALUES %s"
 
 
+Rows = list[tuple[int, int, bytes]]
+
+
+def drain(consumer: Any, meter: Meter, write: Callable[[Any, Rows], None],
+          after: Callable[[], None] | None = None) -> None:
+    """The hand-written loops' shape: poll, ``write`` the poll's rows and commit them, stamp
+    them done (the effects are visible from then on), ``after()``, until every message is in."""
+    while True:
+        batches = consumer.poll(timeout_ms=1000)
+        if not batches:
+            continue
+        meter.started()
+        rows = [(r.partition, r.offset, r.value) for records in batches.values() for r in records]
+        write(batches, rows)
+        if meter.latency:
+            meter.stamp(row[2] for row in rows)
+        if after is not None:
+            after()
+        if meter.counted(len(rows)):
+            meter.finished()
+            return
+
+
 def at_least_once(config: dict[str, Any], meter: Meter) -> None:
+    at_least_once_with(config, meter, _insert_sql(config), execute_values)
+
+
+def at_least_once_with(config: dict[str, Any], meter: Meter, sql: str,
+                       insert: Callable[[Any, str, Rows], Any]) -> None:
+    """Per poll ``insert(cursor, sql, rows)``, the database COMMIT, then the Kafka commit."""
     conn = psycopg2.connect(**config["conninfo"])
-    sql = _insert_sql(config)
     consumer = kafka_python_consumer(config)
+
+    def write(_batches: Any, rows: Rows) -> None:
+        insert(cur, sql, rows)
+        conn.commit()
+
     try:
         with conn.cursor() as cur:
-            while True:
-                batches = consumer.poll(timeout_ms=1000)
-                if not batches:
-                    continue
-                meter.started()
-                rows = [(r.partition, r.offset, r.value) for records in batches.values() for r in records]
-                execute_values(cur, sql, rows)
-                conn.commit()
-                if meter.latency:  # the effects are visible from here on
-                    meter.stamp(row[2] for row in rows)
-                consumer.commit()
-                if meter.counted(len(rows)):
-                    meter.finished()
-                    return
+            drain(consumer, meter, write, after=consumer.commit)
     finally:
         consumer.close(autocommit=False)
         conn.close()
@@ -97,23 +118,15 @@ def exactly_once(config: dict[str, Any], meter: Meter) -> None:
     )
     listener = _SeekToStored(consumer, config)
     consumer.subscribe([config["topic"]], listener=listener)
+    def write(batches: Any, rows: Rows) -> None:
+        execute_values(cur, sql, rows)
+        execute_values(cur, upsert, [(group, tp.topic, tp.partition, records[-1].offset + 1)
+                                     for tp, records in batches.items()])
+        conn.commit()
+
     try:
         with conn.cursor() as cur:
-            while True:
-                batches = consumer.poll(timeout_ms=1000)
-                if not batches:
-                    continue
-                meter.started()
-                rows = [(r.partition, r.offset, r.value) for records in batches.values() for r in records]
-                execute_values(cur, sql, rows)
-                execute_values(cur, upsert, [(group, tp.topic, tp.partition, records[-1].offset + 1)
-                                             for tp, records in batches.items()])
-                conn.commit()
-                if meter.latency:
-                    meter.stamp(row[2] for row in rows)
-                if meter.counted(len(rows)):
-                    meter.finished()
-                    return
+            drain(consumer, meter, write)
     finally:
         consumer.close(autocommit=False)
         listener.conn.close()

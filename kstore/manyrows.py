@@ -48,27 +48,33 @@ def execute_many(conn: Connection, statement: Insert, rows: Sequence[dict[str, A
     dialect = conn.dialect
     if dialect.driver != "psycopg2" or statement._returning or statement._return_defaults or not rows:
         return None
+    keys = _same_keys(rows)
+    cache_key = statement._generate_cache_key()
+    if keys is None or cache_key is None:
+        return None
+    # The key alone, as SQLAlchemy's own compiled cache does: statements that differ only by
+    # embedded values share it, and never qualify (their values are parameters not in ``keys``).
+    plan = _cached((cache_key.key, keys), lambda: _plan(statement, keys, conn))
+    return None if plan is None else _run(conn, plan, rows)
+
+
+def _same_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...] | None:
+    """The rows' parameter names, if every row is a dict with the same ones."""
     names = rows[0].keys()
     for row in rows:
         if type(row) is not dict or row.keys() != names:
             return None
-    keys = tuple(names)
-    cache_key = statement._generate_cache_key()
-    if cache_key is None:
-        return None
-    # The key alone, as SQLAlchemy's own compiled cache does: statements that differ only by
-    # embedded values share it, and never qualify (their values are parameters not in ``keys``).
-    plan_key = (cache_key.key, keys)
+    return tuple(names)
+
+
+def _cached(key: Any, make: Callable[[], _Plan | None]) -> _Plan | None:
     try:
-        plan = _PLANS[plan_key]
+        return _PLANS[key]
     except KeyError:
-        plan = _plan(statement, keys, conn)
         if len(_PLANS) >= 256:
             _PLANS.clear()
-        _PLANS[plan_key] = plan
-    if plan is None:
-        return None
-    return _run(conn, plan, rows)
+        plan = _PLANS[key] = make()
+        return plan
 
 
 def execute_many_text(conn: Connection, statement: TextClause,
@@ -77,19 +83,11 @@ def execute_many_text(conn: Connection, statement: TextClause,
     VALUES row (no nested parentheses or quotes in it, every parameter in it), or None."""
     if conn.dialect.driver != "psycopg2" or not rows:
         return None
-    names = rows[0].keys()
-    for row in rows:
-        if type(row) is not dict or row.keys() != names:
-            return None
-    keys = tuple(names)
-    plan_key = (statement.text, keys, tuple((k, type(b.type)) for k, b in statement._bindparams.items()))
-    try:
-        plan = _PLANS[plan_key]
-    except KeyError:
-        plan = _text_plan(statement, keys, conn)
-        if len(_PLANS) >= 256:
-            _PLANS.clear()
-        _PLANS[plan_key] = plan
+    keys = _same_keys(rows)
+    if keys is None:
+        return None
+    types = tuple((k, type(b.type)) for k, b in statement._bindparams.items())
+    plan = _cached((statement.text, keys, types), lambda: _text_plan(statement, keys, conn))
     return None if plan is None else _run(conn, plan, rows)
 
 
