@@ -1,4 +1,4 @@
-"""Many rows of one Core INSERT on psycopg2, as one multi-row statement built by psycopg2.
+"""Many rows of one Core INSERT on psycopg2 or psycopg 3, as one multi-row statement quoted by the driver.
 
 ``session.execute(insert(table), rows)`` (and the one-row INSERTs the batch
 session deferred) would take SQLAlchemy's "insertmanyvalues": it renders the
@@ -24,6 +24,11 @@ latter, from SQLAlchemy's own compilation of the statement:
 A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
 its one ``VALUES (...)`` row (so no ``ON CONFLICT``: those go as execute_batch pages).
 
+On psycopg 3, which binds parameters on the server, the rows are quoted by its
+``ClientCursor`` (psycopg's own client-side binding) the same way: SQLAlchemy leaves an
+INSERT without RETURNING to psycopg 3's ``executemany``, one pipelined INSERT per row,
+about twice the CPU.
+
 All rows go in one statement, so the result's ``rowcount`` is that of all of them.
 """
 
@@ -40,13 +45,14 @@ from sqlalchemy import Connection, CursorResult, Insert, LargeBinary, TextClause
 _Plan = tuple[str, str, str, dict[str, Callable[[Any], Any]]]
 _PLANS: dict[Any, _Plan | None] = {}
 _NO_PARAMETERS = {"no_parameters": True}
+_DRIVERS = ("psycopg2", "psycopg")
 
 
 def execute_many(conn: Connection, statement: Insert, rows: Sequence[dict[str, Any]]) -> CursorResult[Any] | None:
     """Run ``statement`` for ``rows`` as one multi-row INSERT, or return None (nothing sent) if
     it does not qualify (see the module's docstring) or the rows' keys differ."""
     dialect = conn.dialect
-    if dialect.driver != "psycopg2" or statement._returning or statement._return_defaults or not rows:
+    if dialect.driver not in _DRIVERS or statement._returning or statement._return_defaults or not rows:
         return None
     keys = _same_keys(rows)
     cache_key = statement._generate_cache_key()
@@ -81,7 +87,7 @@ def execute_many_text(conn: Connection, statement: TextClause,
                       rows: Sequence[dict[str, Any]]) -> CursorResult[Any] | None:
     """The same for a ``text("INSERT INTO t (...) VALUES (:a, :b, ...)")`` that ends with its one
     VALUES row (no nested parentheses or quotes in it, every parameter in it), or None."""
-    if conn.dialect.driver != "psycopg2" or not rows:
+    if conn.dialect.driver not in _DRIVERS or not rows:
         return None
     keys = _same_keys(rows)
     if keys is None:
@@ -114,9 +120,15 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
     if processors:
         rows = [_processed(row, processors) for row in rows]
     dbapi: Any = conn.connection.dbapi_connection
-    with dbapi.cursor() as cur:
-        values = b",".join(map(cur.mogrify, repeat(template), rows))
-    sql = head + values.decode(_codec(dbapi)) + tail
+    if conn.dialect.driver == "psycopg":
+        # psycopg 3 binds on the server; its ClientCursor quotes on the client, as psycopg2 does.
+        import psycopg
+
+        sql = head + ",".join(map(psycopg.ClientCursor(dbapi).mogrify, repeat(template), rows)) + tail
+    else:
+        with dbapi.cursor() as cur:
+            values = b",".join(map(cur.mogrify, repeat(template), rows))
+        sql = head + values.decode(_codec(dbapi)) + tail
     return conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
 
 
@@ -137,16 +149,27 @@ def _plan(statement: Insert, keys: tuple[str, ...], conn: Connection) -> _Plan |
     if statement._multi_values or statement.select is not None or "%" in "".join(keys):
         return None
     compiled: Any = statement.compile(dialect=conn.dialect, column_keys=list(keys), for_executemany=True)
-    many = compiled._insertmanyvalues
-    if (many is None or many.is_default_expr or many.has_upsert_bound_parameters or compiled.escaped_bind_names
-            or set(compiled.binds) != set(keys) or compiled.positional):
+    if compiled.escaped_bind_names or set(compiled.binds) != set(keys) or compiled.positional:
         return None
-    row = f"({many.single_values_expr})"
     sql: str = compiled.string
-    at = sql.find(row)
-    if at < 0 or sql.find(row, at + 1) >= 0:
-        return None
-    head, tail = sql[:at], sql[at + len(row):]
+    many = compiled._insertmanyvalues
+    if many is not None:
+        if many.is_default_expr or many.has_upsert_bound_parameters:
+            return None
+        row = f"({many.single_values_expr})"
+        at = sql.find(row)
+        if at < 0 or sql.find(row, at + 1) >= 0:
+            return None
+        head, tail = sql[:at], sql[at + len(row):]
+    else:
+        # psycopg 3's dialect compiles no insertmanyvalues for an INSERT without RETURNING (it
+        # leaves executemany to the driver): a plain INSERT ends with its one-row VALUES.
+        if getattr(statement, "_post_values_clause", None) is not None:
+            return None  # ON CONFLICT ...
+        found = _LAST_VALUES_ROW.search(sql)
+        if found is None:
+            return None
+        head, row, tail = sql[:found.start(1)], found.group(1), ""
     if "%" in head or "%" in tail:  # literal percent signs are doubled for psycopg2: not worth undoing
         return None
     return head, row, tail, _processors(compiled)

@@ -156,7 +156,8 @@ def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> N
     """Deferred text() INSERTs go together: on psycopg2 as one multi-row statement when the text
     ends with its VALUES row (kstore.manyrows), else as one executemany, which kstore's engine
     runs as execute_batch (pages of statements, one round trip each): never a round trip per row."""
-    engine = make_engine(Settings(dsn=pg_dsn))
+    engine = make_engine(Settings(dsn=sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg2")
+                                  .render_as_string(hide_password=False)))
     sent: list[int] = []
 
     @sa.event.listens_for(engine, "connect")
@@ -173,8 +174,6 @@ def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> N
 
             dbapi_conn.cursor_factory = Counting
 
-    if engine.dialect.driver != "psycopg2":
-        pytest.skip("psycopg2's executemany only (psycopg 3 pipelines an executemany by itself)")
     Base.metadata.create_all(engine)
     del sent[:]
     with engine.connect() as conn, conn.begin(), batch_session(conn) as session:

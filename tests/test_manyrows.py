@@ -1,6 +1,6 @@
-"""Many rows of one Core INSERT on psycopg2 as one statement (kstore/manyrows.py).
+"""Many rows of one Core INSERT as one statement (kstore/manyrows.py).
 
-Against a real PostgreSQL through psycopg2: the rows read back as SQLAlchemy's own
+Against a real PostgreSQL through psycopg2 and psycopg 3: the rows read back as SQLAlchemy's own
 executemany writes them (bind processors, NULLs, quotes, percent signs, bytes), all in
 one statement; statements that do not qualify take SQLAlchemy's path, unchanged.
 """
@@ -55,9 +55,9 @@ ROWS = [
 ]
 
 
-@pytest.fixture
-def engine(pg_dsn: str) -> Iterator[sa.Engine]:
-    eng = make_engine(Settings(dsn=make_url(pg_dsn).set(drivername="postgresql+psycopg2")
+@pytest.fixture(params=["psycopg2", "psycopg"])
+def engine(request: pytest.FixtureRequest, pg_dsn: str) -> Iterator[sa.Engine]:
+    eng = make_engine(Settings(dsn=make_url(pg_dsn).set(drivername=f"postgresql+{request.param}")
                                .render_as_string(hide_password=False)))
     metadata.create_all(eng)
     yield eng
