@@ -8,13 +8,16 @@ of work does for ``session.add()``, the session defers such INSERTs and sends
 them together, as multi-row INSERTs, when anything else needs the database:
 
 - Only a plain INSERT with one dict of parameters is deferred: no RETURNING or
-  ``return_defaults()``, no multi-row ``values([...])``, not inside a savepoint.
+  ``return_defaults()``, no multi-row ``values([...])``, not inside a savepoint. A
+  ``text()`` is deferred when its words make it one INSERT with no RETURNING (and no
+  second statement after a ``;``).
   Everything else runs at once, after the INSERTs deferred before it.
 - Order is kept: any other statement, ``flush()``, ``connection()``,
   ``begin_nested()`` and the end of the batch first send what was deferred,
   in the order it was executed; consecutive INSERTs of the same statement and
-  the same parameter names become one ``executemany`` (SQLAlchemy turns that into
-  multi-row ``INSERT ... VALUES``). Reading your own writes works.
+  the same parameter names are sent together: as one multi-row ``INSERT ... VALUES``
+  on PostgreSQL (:mod:`kstore.manyrows`), else as SQLAlchemy's ``executemany``.
+  Reading your own writes works.
 - The result: reading anything from it (``rowcount``, ``inserted_primary_key``)
   runs that INSERT at once, alone, and answers from its real result. Read it
   before the session's next statement: once sent with others, its own result
