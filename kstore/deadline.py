@@ -15,7 +15,8 @@ without an answer is read back, see :mod:`kstore.batches`):
   connection is armed with ``db_timeout_s``; if no answer came by then, the
   watchdog shuts the socket down under libpq, whose blocked ``recv()`` returns
   and the driver raises "server closed the connection unexpectedly" (psycopg2: a
-  guarded connection class; psycopg 3: its ``Connection.wait``). That catches
+  guarded connection class, whose cursors also guard ``copy_expert``; psycopg 3: its
+  ``Connection.wait``, which every round trip, COPY included, goes through). That catches
   every silence, whatever the network does, at the cost of capping how long one
   statement may run (raise ``db_timeout_s`` for processors that run long ones).
 
@@ -125,6 +126,11 @@ def connection_factory(timeout_s: float) -> type[psycopg2.extensions.connection]
         def executemany(self, query: Any, vars_list: Any) -> Any:
             with deadline(self.connection):
                 return super().executemany(query, vars_list)
+
+        def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
+            # session.copy_rows: a COPY is a round trip too (kstore/copy.py).
+            with deadline(self.connection):
+                return super().copy_expert(sql, file, size)
 
     class GuardedConnection(psycopg2.extensions.connection):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:

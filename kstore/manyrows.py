@@ -125,6 +125,13 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
         import psycopg
 
         sql = head + ",".join(map(psycopg.ClientCursor(dbapi).mogrify, repeat(template), rows)) + tail
+        # A one-off text, so never to be prepared; and not to be counted either: psycopg keeps the
+        # texts of its last 100 statements to decide what to prepare (100 MB of these).
+        threshold, dbapi.prepare_threshold = dbapi.prepare_threshold, None
+        try:
+            return conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
+        finally:
+            dbapi.prepare_threshold = threshold
     else:
         with dbapi.cursor() as cur:
             values = b",".join(map(cur.mogrify, repeat(template), rows))

@@ -120,14 +120,17 @@ def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_
     assert log.index("claimed ") > failed_claim
 
 
-@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize(("driver", "write"), [(d, w) for w in ("insert", "copy") for d in DRIVERS])
 def test_a_silent_database_is_detected_within_the_deadline(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
-                                                           produce: Any, workers: Any, driver: str) -> None:
+                                                           produce: Any, workers: Any, driver: str,
+                                                           write: str) -> None:
     """A blackhole (nothing forwarded, nothing closed) must not hang the worker: each round trip
-    has KSTORE_DB_TIMEOUT_S, after which the connection is cut and the work resolved."""
+    has KSTORE_DB_TIMEOUT_S, after which the connection is cut and the work resolved. A COPY
+    (session.copy_rows) is such a round trip too."""
     topic = new_topic(2)
     first = set(produce(topic, [f"a{i}" for i in range(100)]))
-    w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "silent", env={"KSTORE_DB_TIMEOUT_S": "3"})
+    w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "silent",
+                env={"KSTORE_DB_TIMEOUT_S": "3", "KSTORE_TEST_WRITE": write})
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first messages")
     pg_proxy.blackhole_for(12)
     started = time.monotonic()
