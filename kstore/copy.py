@@ -30,6 +30,8 @@ from sqlalchemy import table as table_clause
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
+from .manyrows import connection_encoding
+
 #: Bytes psycopg2 reads from the COPY data per call (its default is 8 KiB).
 COPY_CHUNK = 1 << 20
 
@@ -131,11 +133,9 @@ def copy_rows(
     dbapi: Any = conn.connection.dbapi_connection
     try:
         if dialect.driver == "psycopg":
-            _psycopg_copy(dbapi, sql, values)
+            _psycopg_copy(dbapi, sql, values, connection_encoding(conn))
         else:
-            import psycopg2.extensions
-
-            data = _text_copy(values, psycopg2.extensions.encodings.get(dbapi.encoding, "utf-8"))
+            data = _text_copy(values, connection_encoding(conn))
             with dbapi.cursor() as cur:
                 # Bytes, in large pieces: psycopg2 reads a file 8 KiB at a time by default.
                 cur.copy_expert(sql, data, size=COPY_CHUNK)
@@ -150,11 +150,11 @@ def copy_rows(
     return len(values)
 
 
-def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]]) -> None:
+def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encoding: str) -> None:
     """psycopg 3: kstore's text encoding when it knows every value's type (whole columns by C
     loops, faster than a ``write_row`` per row); otherwise psycopg's own adaptation, row by row."""
     try:
-        data: bytes | None = _text_copy(values, dbapi.info.encoding).getvalue()
+        data: bytes | None = _text_copy(values, encoding).getvalue()
     except TypeError:
         data = None
         if any(type(v) in _JSON for row in values for v in row):

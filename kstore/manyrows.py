@@ -35,7 +35,8 @@ All rows go in one statement, so the result's ``rowcount`` is that of all of the
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import repeat
 from typing import Any
 
@@ -106,13 +107,32 @@ def _text_plan(statement: TextClause, keys: tuple[str, ...], conn: Connection) -
     if any(b.value is not None or b.callable is not None for b in statement._bindparams.values()):
         return None  # values bound in the statement itself
     compiled: Any = statement.compile(dialect=conn.dialect)
-    if compiled.escaped_bind_names or set(compiled.binds) != set(keys) or compiled.positional:
+    if not _binds_are(compiled, keys):
         return None
-    sql: str = compiled.string
+    return _finish(compiled, _ending_row(compiled.string))
+
+
+def _binds_are(compiled: Any, keys: tuple[str, ...]) -> bool:
+    """Every bound parameter of ``compiled`` is one of the rows' keys, named as they are."""
+    return not compiled.escaped_bind_names and set(compiled.binds) == set(keys) and not compiled.positional
+
+
+def _ending_row(sql: str) -> tuple[str, str, str] | None:
+    """``sql`` split around the one VALUES row it ends with, or None."""
     found = _LAST_VALUES_ROW.search(sql)
-    if found is None or "%" in sql[:found.start(1)]:
+    return None if found is None else (sql[:found.start(1)], found.group(1), "")
+
+
+def _finish(compiled: Any, split: tuple[str, str, str] | None) -> _Plan | None:
+    """The plan, unless there is no row to repeat or the SQL around it has a (doubled) literal
+    percent sign, which would have to be undone for a statement sent without parameters."""
+    if split is None or "%" in split[0] or "%" in split[2]:
         return None
-    return sql[:found.start(1)], found.group(1), "", _processors(compiled)
+    head, row, tail = split
+    return head, row, tail, {
+        name: process for name, process in compiled._bind_processors.items()
+        if not isinstance(compiled.binds[name].type, LargeBinary)
+    }
 
 
 def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> CursorResult[Any]:
@@ -124,19 +144,35 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
         # psycopg 3 binds on the server; its ClientCursor quotes on the client, as psycopg2 does.
         import psycopg
 
-        sql = head + ",".join(map(psycopg.ClientCursor(dbapi).mogrify, repeat(template), rows)) + tail
-        # A one-off text, so never to be prepared; and not to be counted either: psycopg keeps the
-        # texts of its last 100 statements to decide what to prepare (100 MB of these).
-        threshold, dbapi.prepare_threshold = dbapi.prepare_threshold, None
-        try:
+        with psycopg.ClientCursor(dbapi) as cur:
+            sql = head + ",".join(map(cur.mogrify, repeat(template), rows)) + tail
+        with _never_prepared(dbapi):
             return conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
-        finally:
-            dbapi.prepare_threshold = threshold
-    else:
-        with dbapi.cursor() as cur:
-            values = b",".join(map(cur.mogrify, repeat(template), rows))
-        sql = head + values.decode(_codec(dbapi)) + tail
+    with dbapi.cursor() as cur:
+        values = b",".join(map(cur.mogrify, repeat(template), rows))
+    sql = head + values.decode(connection_encoding(conn)) + tail
     return conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
+
+
+@contextmanager
+def _never_prepared(dbapi: Any) -> Iterator[None]:
+    """A one-off text, so never to be prepared; and not to be counted either: psycopg 3 keeps the
+    texts of its last 100 statements to decide what to prepare (100 MB of these)."""
+    threshold, dbapi.prepare_threshold = dbapi.prepare_threshold, None
+    try:
+        yield
+    finally:
+        dbapi.prepare_threshold = threshold
+
+
+def connection_encoding(conn: Connection) -> str:
+    """The Python codec of ``conn``'s client encoding, on psycopg2 or psycopg 3."""
+    dbapi: Any = conn.connection.dbapi_connection
+    if conn.dialect.driver == "psycopg":
+        return str(dbapi.info.encoding)
+    import psycopg2.extensions
+
+    return str(psycopg2.extensions.encodings.get(dbapi.encoding, "utf-8"))
 
 
 def _processed(row: dict[str, Any], processors: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
@@ -146,44 +182,24 @@ def _processed(row: dict[str, Any], processors: dict[str, Callable[[Any], Any]])
     return out
 
 
-def _codec(dbapi: Any) -> str:
-    import psycopg2.extensions
-
-    return str(psycopg2.extensions.encodings.get(dbapi.encoding, "utf-8"))
-
-
 def _plan(statement: Insert, keys: tuple[str, ...], conn: Connection) -> _Plan | None:
     if statement._multi_values or statement.select is not None or "%" in "".join(keys):
         return None
     compiled: Any = statement.compile(dialect=conn.dialect, column_keys=list(keys), for_executemany=True)
-    if compiled.escaped_bind_names or set(compiled.binds) != set(keys) or compiled.positional:
+    if not _binds_are(compiled, keys):
         return None
     sql: str = compiled.string
     many = compiled._insertmanyvalues
-    if many is not None:
-        if many.is_default_expr or many.has_upsert_bound_parameters:
-            return None
-        row = f"({many.single_values_expr})"
-        at = sql.find(row)
-        if at < 0 or sql.find(row, at + 1) >= 0:
-            return None
-        head, tail = sql[:at], sql[at + len(row):]
-    else:
+    if many is None:
         # psycopg 3's dialect compiles no insertmanyvalues for an INSERT without RETURNING (it
         # leaves executemany to the driver): a plain INSERT ends with its one-row VALUES.
         if getattr(statement, "_post_values_clause", None) is not None:
             return None  # ON CONFLICT ...
-        found = _LAST_VALUES_ROW.search(sql)
-        if found is None:
-            return None
-        head, row, tail = sql[:found.start(1)], found.group(1), ""
-    if "%" in head or "%" in tail:  # literal percent signs are doubled for psycopg2: not worth undoing
+        return _finish(compiled, _ending_row(sql))
+    if many.is_default_expr or many.has_upsert_bound_parameters:
         return None
-    return head, row, tail, _processors(compiled)
-
-
-def _processors(compiled: Any) -> dict[str, Callable[[Any], Any]]:
-    return {
-        name: process for name, process in compiled._bind_processors.items()
-        if not isinstance(compiled.binds[name].type, LargeBinary)
-    }
+    row = f"({many.single_values_expr})"
+    at = sql.find(row)
+    if at < 0 or sql.find(row, at + 1) >= 0:
+        return None
+    return _finish(compiled, (sql[:at], row, sql[at + len(row):]))

@@ -154,10 +154,12 @@ def _plain_insert_text(sql: str) -> bool:
     return plain
 
 
-def _execute_rows(conn: Connection, statement: Insert, rows: list[Any]) -> CursorResult[Any]:
-    """Many rows of a Core INSERT: one multi-row statement on psycopg2 where it qualifies
+def _execute_rows(conn: Connection, statement: Insert | TextClause, rows: list[Any]) -> CursorResult[Any]:
+    """Many rows of an INSERT: one multi-row statement on PostgreSQL where it qualifies
     (kstore.manyrows, about half SQLAlchemy's CPU per row), else SQLAlchemy's executemany."""
-    return execute_many(conn, statement, rows) or conn.execute(statement, rows)
+    sent = (execute_many(conn, statement, rows) if isinstance(statement, Insert)
+            else execute_many_text(conn, statement, rows))
+    return sent or conn.execute(statement, rows)
 
 
 def _same_statement(a: Insert | TextClause, b: Insert | TextClause) -> bool:
@@ -252,11 +254,8 @@ class BatchSession(Session):
             try:
                 if j - i == 1:
                     first.result = execute(statement, first.params)
-                elif isinstance(statement, Insert):
-                    _execute_rows(self._connection, statement, [e.params for e in pending[i:j]])
                 else:
-                    rows = [e.params for e in pending[i:j]]
-                    execute_many_text(self._connection, statement, rows) or execute(statement, rows)
+                    _execute_rows(self._connection, statement, [e.params for e in pending[i:j]])
             except BaseException as exc:
                 self._deferred = pending[i:]  # kept, never sent: the session is failed
                 self._fail(exc, statement, j - i)

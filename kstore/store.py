@@ -149,11 +149,11 @@ def make_engine(settings: Settings) -> Engine:
                                     parsed.get_driver_name() == "psycopg2"),
         }
         if parsed.get_driver_name() == "psycopg2":
-            # Several rows of a statement that is not a Core INSERT (a text() INSERT, say,
-            # deferred by the batch session) go as pages of statements in one round trip
-            # (psycopg2's execute_batch) instead of psycopg2's round trip per row. Core
-            # INSERTs still take SQLAlchemy's multi-row VALUES. The one cost, documented by
-            # SQLAlchemy: no rowcount for an UPDATE or DELETE run with many parameter sets.
+            # Several rows of a statement kstore.manyrows does not send as one multi-row INSERT
+            # (a text() INSERT ending in ON CONFLICT, say, deferred by the batch session) go as
+            # pages of statements in one round trip (psycopg2's execute_batch) instead of
+            # psycopg2's round trip per row. The one cost, documented by SQLAlchemy: no
+            # rowcount for an UPDATE or DELETE run with many parameter sets.
             kwargs["executemany_mode"] = "values_plus_batch"
             kwargs["executemany_batch_page_size"] = 500
     try:
