@@ -229,6 +229,12 @@ class DeadLetters:
         if self._own_engine:
             check_migrated(self.engine, settings)
 
+    def __enter__(self) -> DeadLetters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._own_engine:
             self.engine.dispose()
@@ -443,8 +449,7 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
     stray = sorted(set(edits) - set(ids or ()))
     if stray:
         raise ConfigurationError(f"an edit for dead letter(s) {_ids(stray)} needs their --id")
-    letters = DeadLetters(settings)
-    try:
+    with DeadLetters(settings) as letters:
         todo = [letters.get(i) for i in ids] if ids else letters.find(group)
         closed = [d for d in todo if d.consumer_group == group and d.status not in (DEAD, REPLAYED)]
         if closed:
@@ -461,8 +466,6 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
             _replay_one(letters, processor, letter, edits.get(letter.id), reason, result)
         processor.teardown()
         return result
-    finally:
-        letters.close()
 
 
 def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None,
@@ -496,35 +499,23 @@ def edits_from_options(ids: Sequence[int], key: str | None, value: str | None,
 
 def discard_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
     """Mark a group's dead letters discarded (dropped on purpose), with a reason, in one transaction."""
-    letters = DeadLetters(settings)
-    try:
+    with DeadLetters(settings) as letters:
         return letters.discard(ids, reason, group=group)
-    finally:
-        letters.close()
 
 
 def resolve_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
     """Mark a group's dead letters resolved (fixed by hand elsewhere), with a reason, in one transaction."""
-    letters = DeadLetters(settings)
-    try:
+    with DeadLetters(settings) as letters:
         return letters.resolve(ids, reason, group=group)
-    finally:
-        letters.close()
 
 
 def show_dead_letter(settings: Settings, dead_letter_id: int) -> tuple[DeadLetter, list[Change]]:
     """One dead letter and its history (oldest first)."""
-    letters = DeadLetters(settings)
-    try:
+    with DeadLetters(settings) as letters:
         return letters.get(dead_letter_id), letters.history(dead_letter_id)
-    finally:
-        letters.close()
 
 
 def list_dead_letters(settings: Settings, group: str, status: str | None = DEAD) -> list[DeadLetter]:
     """A group's dead letters with ``status`` (default: the ones waiting), or every one with None."""
-    letters = DeadLetters(settings)
-    try:
+    with DeadLetters(settings) as letters:
         return letters.find(group, status=status)
-    finally:
-        letters.close()
