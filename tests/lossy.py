@@ -17,7 +17,11 @@ unreachable), so reading the outcome back fails too. Imported without a package
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg2
@@ -112,3 +116,18 @@ def _commit(faults: Faults, conn: Any, commit: Any, error: type[Exception]) -> N
     conn.close()  # the connection is gone, as after a cut: the server ends the session
     faults.down = faults.down_after_fault
     raise error(CUT)
+
+
+def run_cli_in_doubt(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real kstore CLI (``kstore args...``) in a subprocess whose ``module``'s engines are lossy:
+    the next COMMIT lands, its answer is lost, and the database then refuses connections, so the
+    outcome cannot be read back."""
+    script = (f"import sys, lossy, {module}\n"
+              "from kstore.cli import main\n"
+              "faults = lossy.Faults(commits=['lost'], down_after_fault=True)\n"
+              f"{module}.make_engine = lambda s: lossy.lossy_engine(s, faults)\n"
+              "main(sys.argv[1:])\n")
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests), str(tests.parent)])
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tests, env={**os.environ, "PYTHONPATH": path})

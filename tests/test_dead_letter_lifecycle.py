@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -33,8 +30,7 @@ from kstore.deadletters import (
 )
 
 from .faultproxy import FaultProxy
-from .harness import REPO_DIR, TESTS_DIR
-from .lossy import CUT, Faults, lossy_engine
+from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
 from .processors import Recorder
 from .test_cli import assert_one_clear_line, kstore
 
@@ -254,30 +250,12 @@ def test_an_edited_replay_whose_commit_answer_is_lost_lands_once(pg_dsn: str, lo
     assert effect_values(pg_dsn) == [(7, "fixed")]
 
 
-# The real CLI in a subprocess whose dead-letter engines are lossy: the next COMMIT lands, its answer is
-# lost, and the database then refuses connections, so the outcome cannot be read back.
-IN_DOUBT_CLI = """
-import sys
-import kstore.deadletters, lossy
-from kstore.cli import main
-faults = lossy.Faults(commits=["lost"], down_after_fault=True)
-kstore.deadletters.make_engine = lambda s: lossy.lossy_engine(s, faults)
-main(sys.argv[1:])
-"""
-
-
-def run_in_doubt(*args: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join([str(TESTS_DIR), str(REPO_DIR)])
-    return subprocess.run([sys.executable, "-c", IN_DOUBT_CLI, *args], capture_output=True, text=True, timeout=120,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": path})
-
-
 @pytest.mark.parametrize("command", ["resolve", "replay"])
 def test_a_cli_change_that_cannot_be_read_back_is_one_line_and_exit_3(pg_dsn: str, command: str) -> None:
     a = add_letter(pg_dsn, "a")
     args: Sequence[str] = (["resolve", "--reason", "done by hand"] if command == "resolve"
                            else ["replay", "processors:Recorder", "--value", "edited"])
-    r = run_in_doubt("dead-letters", *args, "--group", "g", "--id", str(a), "--dsn", pg_dsn)
+    r = run_cli_in_doubt("kstore.deadletters", "dead-letters", *args, "--group", "g", "--id", str(a), "--dsn", pg_dsn)
     assert r.returncode == 3, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("kstore: error: ") and "may or may not have landed" in line, line

@@ -29,7 +29,7 @@ from kstore.store import Store, make_engine
 
 from .faultproxy import FaultProxy
 from .harness import REPO_DIR, TESTS_DIR, effects, stored_offsets
-from .lossy import CUT, Faults, lossy_engine
+from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
 from .processors import Recorder
 
 REQUEST_ID = re.compile(r"request id ([0-9a-f]{32})")
@@ -119,18 +119,6 @@ def test_shift_by_whose_commit_is_lost_never_shifts_twice(pg_dsn: str, kafka: st
     assert [(h.from_offset, h.to_offset) for h in history(pg_dsn)] == [(50, 40), (60, 50), (None, 60)]
 
 
-# Runs the real CLI in a subprocess whose engines are lossy: the next COMMIT lands, its answer is
-# lost, and the database then refuses connections, so the outcome cannot be read back.
-IN_DOUBT_CLI = """
-import sys
-import kstore.admin, lossy
-from kstore.cli import main
-faults = lossy.Faults(commits=["lost"], down_after_fault=True)
-kstore.admin.make_engine = lambda s: lossy.lossy_engine(s, faults)
-main(sys.argv[1:])
-"""
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``args`` run with this checkout's kstore (whatever is installed) and tests/ importable."""
     path = os.pathsep.join([str(TESTS_DIR), str(REPO_DIR)])
@@ -143,7 +131,7 @@ def test_cli_reset_in_doubt_is_one_line_and_history_shows_its_request_id(
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(100)))
     set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "g", topic, to_offset=60, execute=True)
-    r = run_cli("-c", IN_DOUBT_CLI, "offsets", "set", "--group", "g", "--topic", topic, "--shift-by", "-10",
+    r = run_cli_in_doubt("kstore.admin", "offsets", "set", "--group", "g", "--topic", topic, "--shift-by", "-10",
                 "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--execute")
     print(r.stdout + r.stderr)
     assert r.returncode == 3, r.stdout + r.stderr
