@@ -59,6 +59,22 @@ def replay(dsn: str, kafka: str, group: str, topic: str, shift: int) -> str:
     return r.stdout
 
 
+def kill_mid_run_and_restart(workers: Any, dsn: str, topic: str, group: str, processor: str, *, batch: int,
+                             table: str, kill_at: int, total: int, sent: Sequence[Sent]) -> tuple[Any, Any, int]:
+    """SIGKILL a worker once ``kill_at`` rows are in ``table`` (before all ``total``), start another
+    and wait until it has caught up; returns both workers and the rows there at the kill."""
+    count = f"SELECT count(*) FROM {table}"
+    w1 = workers(dsn, topic, group, processor=processor, args=["--max-batch-size", str(batch)])
+    wait_until(lambda: rows(dsn, f"SELECT to_regclass('{table}') IS NOT NULL")[0][0]
+               and rows(dsn, count)[0][0] >= kill_at, 60, interval=0.02, what=f"{kill_at:,} rows in {table}")
+    w1.kill()
+    at_kill: int = rows(dsn, count)[0][0]
+    assert at_kill < total, "the worker finished before the kill"
+    w2 = workers(dsn, topic, group, processor=processor, args=["--max-batch-size", str(batch)])
+    wait_until(lambda: caught_up(dsn, group, sent), 60, interval=0.05, what="the restarted worker to catch up")
+    return w1, w2, at_kill
+
+
 def dead_letters(dsn: str, group: str) -> list[tuple[str, int, int, str]]:
     return [(t, p, o, e) for t, p, o, e in rows(
         dsn, 'SELECT topic, partition_id, "offset", error FROM kstore_dead_letters WHERE consumer_group = :g',
@@ -110,16 +126,8 @@ def test_ledger_sums_to_zero_and_applies_each_transfer_once_across_sigkill_and_r
     processor = f"{EXAMPLES / 'ledger.py'}:Ledger"
 
     # Batches of 1,000 so the kill lands mid-run, with commits before it and a batch in flight.
-    w1 = workers(pg_dsn, topic, group, processor=processor, args=["--max-batch-size", "1000"])
-    wait_until(lambda: rows(pg_dsn, "SELECT to_regclass('transfers') IS NOT NULL")[0][0]
-               and rows(pg_dsn, "SELECT count(*) FROM transfers")[0][0] >= 4000, 60, interval=0.02,
-               what="4,000 transfers applied")
-    w1.kill()
-    at_kill = rows(pg_dsn, "SELECT count(*) FROM transfers")[0][0]
-    assert at_kill < len(good), "the worker finished before the kill"
-
-    w2 = workers(pg_dsn, topic, group, processor=processor, args=["--max-batch-size", "1000"])
-    wait_until(lambda: caught_up(pg_dsn, group, sent), 60, interval=0.05, what="the restarted worker to catch up")
+    w1, w2, at_kill = kill_mid_run_and_restart(workers, pg_dsn, topic, group, processor, batch=1000,
+                                               table="transfers", kill_at=4000, total=len(good), sent=sent)
     drained = time.monotonic() - started
 
     plan = replay(pg_dsn, kafka, group, topic, -100)
@@ -180,15 +188,8 @@ def test_orm_projection_matches_the_events_across_sigkill_and_replay(
     sent = send(producer, topic, records)
     processor = f"{EXAMPLES / 'orm_models.py'}:OrderProjection"
 
-    w1 = workers(pg_dsn, topic, group, processor=processor, args=["--max-batch-size", "200"])
-    wait_until(lambda: rows(pg_dsn, "SELECT to_regclass('order_events') IS NOT NULL")[0][0]
-               and rows(pg_dsn, "SELECT count(*) FROM order_events")[0][0] >= 600, 60, interval=0.02,
-               what="600 events applied")
-    w1.kill()
-    at_kill = rows(pg_dsn, "SELECT count(*) FROM order_events")[0][0]
-    assert at_kill < len(events), "the worker finished before the kill"
-    w2 = workers(pg_dsn, topic, group, processor=processor, args=["--max-batch-size", "200"])
-    wait_until(lambda: caught_up(pg_dsn, group, sent), 60, interval=0.05, what="the restarted worker to catch up")
+    _, w2, at_kill = kill_mid_run_and_restart(workers, pg_dsn, topic, group, processor, batch=200,
+                                              table="order_events", kill_at=600, total=len(events), sent=sent)
     replay(pg_dsn, kafka, group, topic, -100)
     w2.wait_for_log(r"reset to \d+ by an operator", count=4, timeout=30)
     wait_until(lambda: caught_up(pg_dsn, group, sent), 60, interval=0.05, what="the replay to catch up")
