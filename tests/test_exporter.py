@@ -126,14 +126,21 @@ def test_lag_of_a_group_with_no_worker_in_messages_and_seconds_then_zero_after_c
     assert exp.proc.terminate() == 0, exp.proc.log
 
 
+def committed_then_behind(pg_dsn: str, topic: str, group: str, produce: Any, workers: Any, *,
+                          committed: int, behind: int) -> None:
+    """Partition 0 of ``topic``: ``committed`` messages processed by a worker that then stops,
+    and ``behind`` more produced after it, so the group lags by them."""
+    produce(topic, ["x"] * committed, partition=0)
+    w = workers(pg_dsn, topic, group)
+    wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): committed}, 60)
+    assert w.terminate() == 0
+    produce(topic, ["y"] * behind, partition=0)
+
+
 def test_an_unchanged_offset_is_not_fetched_again(pg_dsn: str, kafka: str, new_topic: Any, produce: Any,
                                                   workers: Any) -> None:
     topic, group = new_topic(partitions=1), "cached"
-    produce(topic, ["x"] * 3, partition=0)
-    w = workers(pg_dsn, topic, group)
-    wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): 3}, 60)
-    assert w.terminate() == 0
-    produce(topic, ["y"] * 4, partition=0)
+    committed_then_behind(pg_dsn, topic, group, produce, workers, committed=3, behind=4)
 
     fetched: list[dict[tuple[str, int], int]] = []
 
@@ -159,11 +166,7 @@ def test_database_or_broker_outage_is_an_error_not_stale_numbers(pg_dsn: str, ka
                                                                  produce: Any, workers: Any,
                                                                  exporter: Any) -> None:
     topic, group = new_topic(partitions=1), "outage"
-    produce(topic, ["x"] * 5, partition=0)
-    w = workers(pg_dsn, topic, group)
-    wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): 5}, 60)
-    assert w.terminate() == 0
-    produce(topic, ["y"] * 2, partition=0)
+    committed_then_behind(pg_dsn, topic, group, produce, workers, committed=5, behind=2)
     address = re.search(r"@([^:/]+):(\d+)/", pg_dsn)
     assert address, pg_dsn
     host, port = address.groups()
