@@ -133,3 +133,8 @@ def assert_exactly_once(counts: Counter[tuple[str, int, int]], expected: set[tup
     assert not doubled, f"{len(doubled)} messages landed more than once, e.g. {sorted(doubled.items())[:5]}"
     assert not missing, f"{len(missing)} messages never landed, e.g. {sorted(missing)[:5]}"
     assert not extra, f"{len(extra)} unexpected effects, e.g. {sorted(extra)[:5]}"
+
+
+def with_driver(dsn: str, driver: str) -> str:
+    """``dsn`` on another PostgreSQL driver: ``psycopg2`` or ``psycopg`` (psycopg 3)."""
+    return sa.engine.make_url(dsn).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)

@@ -20,13 +20,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.engine import make_url
 
 from kstore import Settings
 from kstore.session import batch_session
 from kstore.store import make_engine, transient
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .test_failures import dead_letter_rows
 
 metadata = sa.MetaData()
@@ -50,10 +49,6 @@ ROWS = [
      "clock": None, "u": None, "doc": [1, 2]},
     dict.fromkeys(("i", "f", "d", "s", "b", "ok", "at", "day", "clock", "u", "doc")),
 ]
-
-
-def with_driver(dsn: str, driver: str) -> str:
-    return make_url(dsn).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)
 
 
 @pytest.fixture(params=["psycopg2", "psycopg", "sqlite"])

@@ -25,7 +25,7 @@ from kstore.session import BatchSession, DeferredInsertError, DeferredResult, _d
 from kstore.store import make_engine
 from kstore.testing import make_message, run_batch
 
-from .harness import assert_exactly_once, effects
+from .harness import assert_exactly_once, effects, with_driver
 from .processors import effects as effects_table
 from .test_failures import dead_letter_rows
 
@@ -156,8 +156,7 @@ def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> N
     """Deferred text() INSERTs go together: on psycopg2 as one multi-row statement when the text
     ends with its VALUES row (kstore.manyrows), else as one executemany, which kstore's engine
     runs as execute_batch (pages of statements, one round trip each): never a round trip per row."""
-    engine = make_engine(Settings(dsn=sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg2")
-                                  .render_as_string(hide_password=False)))
+    engine = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
     sent: list[int] = []
 
     @sa.event.listens_for(engine, "connect")

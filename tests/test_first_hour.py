@@ -37,11 +37,9 @@ def test_a_processor_given_as_a_file_path(tmp_path: Path) -> None:
 def test_every_command_on_psycopg_3(pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
     """`postgresql+psycopg://` (psycopg 3) beside psycopg2: migrate, a worker, offsets show/set/history,
     dead letters (the in-doubt and silent-database paths: tests/test_worker_in_doubt.py)."""
-    from sqlalchemy.engine import make_url
+    from .harness import assert_exactly_once, effects, wait_until, with_driver
 
-    from .harness import assert_exactly_once, effects, wait_until
-
-    dsn = make_url(pg_dsn).set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    dsn = with_driver(pg_dsn, "psycopg")
 
     def kstore(*args: str) -> subprocess.CompletedProcess[str]:
         r = subprocess.run([sys.executable, "-m", "kstore", *args, "--dsn", dsn], capture_output=True, text=True,

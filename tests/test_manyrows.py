@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.engine import make_url
 
 from kstore import Settings
 from kstore.manyrows import execute_many
 from kstore.session import batch_session
 from kstore.store import make_engine
+
+from .harness import with_driver
 
 
 class Color(enum.Enum):
@@ -57,8 +58,7 @@ ROWS = [
 
 @pytest.fixture(params=["psycopg2", "psycopg"])
 def engine(request: pytest.FixtureRequest, pg_dsn: str) -> Iterator[sa.Engine]:
-    eng = make_engine(Settings(dsn=make_url(pg_dsn).set(drivername=f"postgresql+{request.param}")
-                               .render_as_string(hide_password=False)))
+    eng = make_engine(Settings(dsn=with_driver(pg_dsn, request.param)))
     metadata.create_all(eng)
     yield eng
     eng.dispose()

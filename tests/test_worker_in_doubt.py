@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +34,6 @@ SILENCE_NOTICED = (r"database round trip got no answer within its deadline|faile
 
 #: psycopg2 and psycopg 3: the commit-in-doubt and silent-database paths on both drivers.
 DRIVERS = ["psycopg2", "psycopg"]
-
-
-def with_driver(dsn: str, driver: str) -> str:
-    return make_url(dsn).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)
 
 
 @pytest.fixture
