@@ -77,6 +77,7 @@ def at_least_once_with(config: dict[str, Any], meter: Meter, sql: str,
 
 
 def offsets_table(config: dict[str, Any]) -> str:
+    """The hand-written exactly-once loop's own offsets table, beside its effects table."""
     return f"{config['table']}_offsets"
 
 

@@ -28,6 +28,7 @@ from kstore import Settings, migrate
 
 from . import effects, workload
 from .contenders import Contender
+from .handwritten import offsets_table
 from .noise import WARN_CORES, Noise
 from .profiling import summarize
 from .spawn import BenchmarkError, Child, Outcome
@@ -281,7 +282,7 @@ class Runner:
             problems += effects.check_offsets(self.engine, self.settings, config["group"], config["topic"], ends)
             details.append("stored offsets at the end of every partition")
         if c.own_offsets:
-            problems += effects.check_own_offsets(self.engine, f"{config['table']}_offsets", config["group"],
+            problems += effects.check_own_offsets(self.engine, offsets_table(config), config["group"],
                                                   config["topic"], ends)
             details.append("its own stored offsets at the end of every partition")
         if not details:
@@ -294,7 +295,7 @@ class Runner:
         if c.writes_rows:
             effects.drop_table(self.engine, config["table"])
         if c.own_offsets:
-            effects.drop_table(self.engine, f"{config['table']}_offsets")
+            effects.drop_table(self.engine, offsets_table(config))
         return {"passed": True, "detail": "; ".join(details)}
 
     # -- the end --------------------------------------------------------------------
