@@ -85,10 +85,17 @@ def test_metrics_and_readiness_of_a_worker_draining_a_backlog(
     table_lock.rollback()  # the claim can land now
     wait_until(lambda: get(port, "/readyz")[0] == 200, 30, what="ready once claimed")
 
-    # While the backlog drains, the lag is seen above 0, in messages and in seconds.
-    seen_lag = wait_until(lambda: (lambda s: s if total(s, "kstore_lag_messages") > 0 else None)(scrape(port)),
-                          30, interval=0.05, what="a lag above 0")
-    assert max(by_partition(seen_lag, "kstore_lag_seconds").values()) > 0
+    # While the backlog drains, the lag is seen above 0, in messages and in seconds. A partition's
+    # seconds are absent until its messages are fetched (the log end can be known first), so one
+    # scrape is waited for where both are seen on the same partition.
+    def lagging() -> dict[int, tuple[float, float]] | None:
+        s = scrape(port)
+        seconds = by_partition(s, "kstore_lag_seconds")
+        both = {p: (m, seconds[p]) for p, m in by_partition(s, "kstore_lag_messages").items() if m > 0 and p in seconds}
+        return both or None
+
+    for messages, seconds in wait_until(lagging, 30, interval=0.05, what="a lag above 0").values():
+        assert messages > 0 and seconds > 0, (messages, seconds)
 
     # A batch in flight when an operator moves partition 0 back by 10: its commit is fenced.
     pause.touch()
