@@ -27,7 +27,7 @@ from .ownership import Backoff, Ledger, fmt
 from .processor import Message, Processor, run_handler
 from .retry import Failure, Failures
 from .settings import Settings
-from .store import WRITES, Position, Row, Store, first_line, transient
+from .store import WRITES, FencedCommit, Position, Row, Store, first_line, transient
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -367,9 +367,13 @@ class Batches:
         (committed). Raises what ``write`` or the database raised before COMMIT (nothing
         landed), or :class:`_CommitInDoubt` if the COMMIT itself raised (it may have).
         """
+        one_trip = self.store.one_round_trip_commit
         conn = self._batch_connection()
         try:
             trans = conn.begin()
+            if one_trip:
+                # psycopg2 is in autocommit mode on this connection: the transaction is kstore's own.
+                conn.exec_driver_sql("BEGIN")
             write(conn)
             if not trans.is_active:
                 # session.rollback() in the processor ended the batch's whole transaction: a
@@ -377,18 +381,26 @@ class Batches:
                 raise _HandlerFailed("the processor rolled back the batch's transaction (session.rollback()); "
                                      "to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
             self._commit_started = time.monotonic()
-            # Last statement before COMMIT: the row locks are held as briefly as possible.
-            fenced = self.store.commit_offsets(conn, self.group, positions)
-            if fenced:
-                trans.rollback()
-                return fenced
+            if not one_trip:
+                # Last statement before COMMIT: the row locks are held as briefly as possible.
+                fenced = self.store.commit_offsets(conn, self.group, positions)
+                if fenced:
+                    trans.rollback()
+                    return fenced
         except BaseException:
             # Whatever failed (the processor, the database, a signal), start the next
             # batch on a fresh connection: this one may be broken or mid-transaction.
             self._drop_batch_connection()
             raise
         try:
-            trans.commit()
+            if one_trip:
+                # The compare-and-set and COMMIT in one round trip (kstore.store): a fenced one
+                # raises in the server before its COMMIT; any other error may have come after it.
+                self.store.commit_in_one_round_trip(conn, self.group, positions)
+            trans.commit()  # psycopg2 in autocommit mode: nothing more is sent
+        except FencedCommit:
+            self._drop_batch_connection()
+            return self._fenced_now(positions)
         except Exception as exc:
             # The COMMIT was sent, or may have been: the server may have committed and
             # its answer been lost. Never assume either way (see _resolve).
@@ -398,6 +410,15 @@ class Batches:
             self._drop_batch_connection()
             raise
         return set()
+
+    def _fenced_now(self, positions: Mapping[TP, Position]) -> set[TP]:
+        """The partitions of a fenced one-round-trip commit (nothing of it landed): those whose
+        rows no longer hold this batch's start under its epoch, read back now. A read that fails
+        raises the database's error: the batch is then retried like any other not committed."""
+        landed, moved = _outcome(positions, self.store.rows(self.group, partitions=list(positions)))
+        if landed:  # the server raised before COMMIT: this cannot be; never take it for committed
+            log.error("a fenced commit's rows hold its end: %s", _describe(positions))
+        return moved or set(positions)
 
     def _batch_connection(self) -> Connection:
         """The connection batches run on, checked out once and kept.
@@ -414,14 +435,19 @@ class Batches:
             self._drop_batch_connection()
             conn = None
         if conn is None:
-            conn = self._batch_conn = self.store.engine.connect().execution_options(**WRITES)
+            options: dict[str, object] = dict(WRITES)
+            if self.store.one_round_trip_commit:
+                options["isolation_level"] = "AUTOCOMMIT"  # kstore sends BEGIN and COMMIT itself
+            conn = self._batch_conn = self.store.engine.connect().execution_options(**options)
         return conn
 
     def _drop_batch_connection(self) -> None:
         conn, self._batch_conn = self._batch_conn, None
         if conn is not None:
             try:
-                conn.close()  # rolls back anything open and returns it to the pool
+                # Rolls back anything open (kstore's own BEGIN included: see
+                # kstore.store._no_transaction_back_into_the_pool) and returns it to the pool.
+                conn.close()
             except SQLAlchemyError as exc:
                 log.debug("closing the batch connection failed: %s", exc)
 

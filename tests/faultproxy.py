@@ -80,9 +80,11 @@ class PgWatcher:
     stream makes no sense the watcher goes ``opaque``: bytes still flow, faults just cannot fire there.
     """
 
-    def __init__(self, take: Callable[[str], bool], log: Callable[[str], None]) -> None:
+    def __init__(self, take: Callable[[str], bool], log: Callable[[str], None],
+                 seen: Callable[[str], None] = lambda sql: None) -> None:
         self._take = take  # take("commit") / take("transaction"): consume one armed fault, if any
         self._log = log
+        self._seen = seen  # every simple-query message's text, in the order sent
         self._client = bytearray()
         self._server = bytearray()
         self._client_typed = False  # every frontend message after the StartupMessage has a type byte
@@ -114,7 +116,9 @@ class PgWatcher:
                     else:
                         self._client_typed = True
                 elif kind == b"Q":
-                    self._pending.append(self._fault_for(body.rstrip(b"\0").decode(errors="replace")))
+                    sql = body.rstrip(b"\0").decode(errors="replace")
+                    self._seen(sql)
+                    self._pending.append(self._fault_for(sql))
                 elif kind in (b"S", b"F"):
                     self._pending.append(None)
         except ValueError as e:
@@ -123,9 +127,14 @@ class PgWatcher:
     def _fault_for(self, sql: str) -> str | None:
         words = sql.strip().rstrip(";").upper().split()
         first = words[0] if words else ""
+        # kstore's one-round-trip commit (kstore.store) is one message: "<compare-and-set>; COMMIT".
+        last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
         if first in _COMMITS and words[1:2] != ["PREPARED"] and self._take("commit"):
             return "COMMIT"
-        if self._status == b"T" and first not in _TRANSACTION_ENDS and self._take("transaction"):
+        if first not in _COMMITS and last in _COMMITS and self._take("commit"):
+            return "COMMIT (after the statements before it in one message)"
+        ends = first in _TRANSACTION_ENDS or last in _TRANSACTION_ENDS
+        if self._status == b"T" and not ends and self._take("transaction"):
             return f"statement in a transaction ({sql[:40]!r})"
         return None
 
@@ -209,6 +218,8 @@ class FaultProxy:
         self.cuts = 0  # connections closed by a fault, commit and mid-transaction cuts included
         self.connections_seen = 0
         self.events: list[str] = []
+        #: (connection number, text) of every simple-query message clients sent through the proxy.
+        self.queries: list[tuple[int, str]] = []
         self._armed = {"commit": 0, "transaction": 0}
         self._latency = 0.0
         self._blackholed = False
@@ -447,7 +458,8 @@ class FaultProxy:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         watcher = None
         if self.protocol == "postgres":
-            watcher = PgWatcher(self._take, lambda text: self._log(f"conn#{cid} {text}"))
+            watcher = PgWatcher(self._take, lambda text: self._log(f"conn#{cid} {text}"),
+                                lambda sql: self.queries.append((cid, sql)))
         self._conns[cid] = _Conn(cid, client, server, watcher)
         self._log(f"conn#{cid} opened")
 
