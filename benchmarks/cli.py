@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.engine import make_url
+
 from kstore.devbroker import DEFAULT_VERSION
 
 from . import report, services
@@ -41,6 +43,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
              "(default 5; 0 skips it)")
     add("--per-message-txn-messages", dest="txn_messages", type=int, default=20_000,
         help="backlog of contender 7, one transaction per message (default 20,000)")
+    add("--db-latency-ms", type=float, default=0.0,
+        help="put a proxy between every contender and PostgreSQL that delays each direction by this "
+             "much: a database on another machine (default 0: none)")
     add("--bootstrap-servers", default=None, help="use this Kafka instead of starting a local one")
     add("--dsn", default=None, help="use this PostgreSQL (postgresql+psycopg2://...) instead of a throwaway one")
     add("--out", type=Path, default=DEFAULT_OUT, help="where the JSON, the chart and the logs go")
@@ -85,7 +90,21 @@ def _services(args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]]]:
             say("starting a throwaway PostgreSQL (initdb + pg_ctl in a temp dir, default settings)")
             pg = stack.enter_context(services.local_postgres())
             dsn, pids = pg.dsn, [pg.pid]
+        if args.db_latency_ms > 0:
+            say(f"PostgreSQL behind a proxy adding {args.db_latency_ms:g} ms each way")
+            dsn = stack.enter_context(database_latency(dsn, args.db_latency_ms / 1000))
         yield bootstrap, dsn, pids
+
+
+@contextlib.contextmanager
+def database_latency(dsn: str, one_way_s: float) -> Iterator[str]:
+    """``dsn`` through a TCP proxy (the tests' fault proxy) that delays each direction by ``one_way_s``."""
+    from tests.faultproxy import FaultProxy
+
+    url = make_url(dsn)
+    with FaultProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        proxy.latency(one_way_s)
+        yield proxy.dsn_through(dsn)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -102,6 +121,7 @@ def _parameters(opts: Options, args: argparse.Namespace) -> dict[str, Any]:
         "kafka": "external (--bootstrap-servers)" if args.bootstrap_servers else
                  f"local Apache Kafka {DEFAULT_VERSION} (kstore.devbroker)",
         "database": "external (--dsn)" if args.dsn else "throwaway local PostgreSQL, default settings",
+        "database_latency_ms_each_way": args.db_latency_ms,
     }
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
+from benchmarks.cli import database_latency
 from benchmarks.contenders import RATIOS
 
 from .harness import REPO_DIR
@@ -74,3 +77,20 @@ def test_wide_join_benchmark_runs(kafka: str, postgresql: Any) -> None:
     )
     assert "20 stored partitions: claimed and sought" in done.stdout, done.stdout + done.stderr
     assert "20 messages delivered" in done.stdout
+
+
+def test_db_latency_delays_every_round_trip(pg_dsn: str) -> None:
+    """``--db-latency-ms``: the contenders' database is behind a proxy delaying each direction,
+    so every round trip takes at least twice that (a database on another machine)."""
+    with database_latency(pg_dsn, 0.02) as dsn:
+        assert dsn != pg_dsn
+        engine = sa.create_engine(dsn)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+                started = time.monotonic()
+                for _ in range(5):
+                    assert conn.execute(sa.text("SELECT 1")).scalar() == 1
+                assert (time.monotonic() - started) / 5 >= 0.04
+        finally:
+            engine.dispose()
