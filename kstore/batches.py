@@ -397,7 +397,7 @@ class Batches:
                 # The compare-and-set and COMMIT in one round trip (kstore.store): a fenced one
                 # raises in the server before its COMMIT; any other error may have come after it.
                 self.store.commit_in_one_round_trip(conn, self.group, positions)
-            trans.commit()  # psycopg2 in autocommit mode: nothing more is sent
+            trans.commit()  # sends COMMIT, except after the one-trip commit (psycopg2 in autocommit mode)
         except FencedCommit:
             self._drop_batch_connection()
             return self._fenced_now(positions)
