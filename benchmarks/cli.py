@@ -63,6 +63,8 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     args = parser.parse_args(argv)
     if args.size < 20:
         parser.error("--size must be at least 20 bytes (the value carries its produce time)")
+    if args.db_latency_ms < 0:
+        parser.error("--db-latency-ms cannot be negative")
     if args.latency_warmup is not None and args.latency_warmup >= args.latency_seconds:
         parser.error("--latency-warmup must be shorter than --latency-seconds")
     opts = Options(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from benchmarks.cli import database_latency
+from benchmarks.cli import database_latency, parse
 from benchmarks.contenders import RATIOS
 
 from .harness import REPO_DIR
@@ -94,3 +94,10 @@ def test_db_latency_delays_every_round_trip(pg_dsn: str) -> None:
                 assert (time.monotonic() - started) / 5 >= 0.04
         finally:
             engine.dispose()
+
+
+def test_a_negative_db_latency_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--db-latency-ms", "-1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--db-latency-ms cannot be negative")
