@@ -50,7 +50,7 @@ from . import indoubt
 from .consumer import Record, ms_to_datetime
 from .errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from .migration import check_migrated
-from .processor import Message, Processor, run_handler, to_ms
+from .processor import Message, Processor, call_hook, run_handler, to_ms
 from .retry import Failure
 from .settings import Settings
 from .store import WRITES, actor, first_line, make_engine, now
@@ -457,14 +457,14 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
                 why = "; ".join(letters.state_note(conn, d.id, d.status) for d in closed)
             raise DeadLetterStateError(f"cannot replay {why}; nothing was replayed")
         processor.engine = letters.engine
-        processor.setup()
+        call_hook(processor, "setup")
         result = ReplayResult([], [], {})
         for letter in todo:
             if letter.consumer_group != group or letter.status != DEAD:
                 result.skipped.append(letter.id)
                 continue
             _replay_one(letters, processor, letter, edits.get(letter.id), reason, result)
-        processor.teardown()
+        call_hook(processor, "teardown")
         return result
 
 

@@ -41,6 +41,15 @@ class ProcessorError(KstoreError):
     exit_code = 1
 
 
+class ProcessorContractError(ProcessorError):
+    """The processor did what kstore can never commit correctly, whatever the message: a hook
+    returned a coroutine (it never ran), or the batch's own transaction was ended inside it.
+
+    The worker stops, whatever ``on_error`` says: every message would fail the same way, and
+    dead-lettering them would fill the dead letters with good messages.
+    """
+
+
 class FencedError(KstoreError):
     """This worker no longer owns a partition: another worker (or an admin) claimed it."""
 

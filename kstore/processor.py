@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from .tracing import Tracing
 
-from .errors import ConfigurationError, KstoreError
+from .errors import ConfigurationError, KstoreError, ProcessorContractError
 from .retry import RetryPolicy
 from .session import BatchSession, batch_session
 
@@ -140,12 +140,39 @@ class Processor:
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         """Process a batch; the default calls :meth:`handle` for each message in order."""
+        handle = self.handle
         for msg in msgs:
-            self.handle(msg)
+            result = handle(msg)
+            if result is not None:
+                check_returned(self, "handle", result)
 
 
 #: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs).
 HOOKS = ("setup", "teardown", "on_assigned", "on_revoked", "on_committed", "deserialize", "handle", "handle_batch")
+
+
+def check_returned(processor: Processor, hook: str, result: Any) -> None:
+    """Refuse what a hook returned if it is an awaitable (a coroutine, a future, a task): kstore
+    calls hooks synchronously, so it never ran, and a batch would commit its offsets with no
+    effect. This catches an ``async def`` behind a plain decorator, which :func:`check_processor`
+    cannot see. The coroutine is closed (no "never awaited" warning) and the worker stops."""
+    if not inspect.isawaitable(result):
+        return
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()
+    raise ProcessorContractError(
+        f"{type(processor).__name__}.{hook} returned {type(result).__name__} {getattr(result, '__qualname__', '')}"
+        .rstrip() + ": kstore calls hooks synchronously, so it never ran and nothing of the batch was committed; "
+        "make it a plain `def` (an `async def` behind a decorator is still a coroutine function)")
+
+
+def call_hook(processor: Processor, hook: str, *args: Any) -> Any:
+    """Call ``processor.<hook>(*args)`` and check what it returned (see :func:`check_returned`)."""
+    result = getattr(processor, hook)(*args)
+    if result is not None:
+        check_returned(processor, hook, result)
+    return result
 
 
 def check_processor(processor: Processor) -> None:
@@ -183,7 +210,10 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
             processor.session = session
             with span.batch(msgs) if span is not None else contextlib.nullcontext():
                 if not default or (span is None and rejects is None):
-                    processor.handle_batch(msgs)
+                    # A coroutine, if it is an `async def` behind a plain decorator.
+                    result: Any = cast(Any, processor).handle_batch(msgs)
+                    if result is not None:
+                        check_returned(processor, "handle_batch", result)
                 else:
                     _handle_each(processor, session, msgs, span, rejects)
     finally:
@@ -201,10 +231,14 @@ def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Mes
         mark = session.touches
         try:
             if span is None:
-                handle(msg)
+                result = handle(msg)
             else:
                 with span.message(msg):
-                    handle(msg)
+                    result = handle(msg)
+            if result is not None:
+                check_returned(processor, "handle", result)
+        except ProcessorContractError:
+            raise
         except Exception as exc:
             if rejects is None or not processor.retry.gives_up_on(exc) or not session.untouched(mark):
                 raise

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from .processor import Message, Processor, check_processor, run_handler, to_ms
+from .processor import Message, Processor, call_hook, check_processor, run_handler, to_ms
 
 
 def make_message(
@@ -47,6 +47,6 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
         engine = create_engine(engine)
     if getattr(processor, "engine", None) is not engine:
         processor.engine = engine
-        processor.setup()
+        call_hook(processor, "setup")
     with engine.connect() as conn, conn.begin():
         run_handler(processor, conn, list(messages))

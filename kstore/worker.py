@@ -49,7 +49,7 @@ from .health import HealthServer, app
 from .metrics import Metrics, PartitionLag
 from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
-from .processor import Processor, check_processor
+from .processor import Processor, call_hook, check_processor
 from .settings import Settings
 from .store import Store, make_engine
 from .targets import Target
@@ -162,7 +162,7 @@ class Worker:
         log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
         self.processor.engine = self.store.engine
-        self.processor.setup()
+        call_hook(self.processor, "setup")
         self.source.subscribe()
         self._started_at = time.monotonic()
         port = self.settings.metrics_port
@@ -248,7 +248,7 @@ class Worker:
             return
         http, self._http = self._http, None
         try:
-            self.processor.teardown()
+            call_hook(self.processor, "teardown")
         finally:
             if http is not None:
                 http.stop()
@@ -385,12 +385,12 @@ class Worker:
         with self.source.lock:
             notices, self._revoked_notices = self._revoked_notices, []
         for tps in notices:
-            self.processor.on_revoked(tps)
+            call_hook(self.processor, "on_revoked", tps)
 
     def _revoked(self, tps: list[TP], why: str) -> None:
         if tps:
             log.info("%s %s", why, fmt(tps))
-            self.processor.on_revoked(tps)
+            call_hook(self.processor, "on_revoked", tps)
 
     def _claim_pending(self) -> None:
         """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
@@ -411,7 +411,7 @@ class Worker:
             offsets = ledger.offsets()
             log.info("claimed %s", ", ".join(
                 f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
-            self.processor.on_assigned([tp for tp in claimed if tp in offsets])
+            call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
 
     def _check_epochs(self) -> None:
         """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""
