@@ -4,6 +4,7 @@ Offsets live in the database, in the same transaction as the processing's
 own writes; a claimed epoch per partition fences zombie workers.
 """
 
+from .dbapi import BatchTransactionError
 from .deadletters import DeadLetterStateError
 from .errors import (
     BrokerError,
@@ -14,6 +15,7 @@ from .errors import (
     InvalidOffsetError,
     KstoreError,
     NotMigratedError,
+    ProcessorContractError,
     ProcessorError,
 )
 from .migration import migrate
@@ -41,6 +43,7 @@ __all__ = [
     "LATEST",
     # errors
     "BatchRollbackError",
+    "BatchTransactionError",
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",
@@ -51,5 +54,6 @@ __all__ = [
     "InvalidOffsetError",
     "KstoreError",
     "NotMigratedError",
+    "ProcessorContractError",
     "ProcessorError",
 ]

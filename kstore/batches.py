@@ -15,19 +15,20 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import deadletters
+from . import dbapi, deadletters
 from .consumer import TP, KafkaSource, Record
-from .errors import BrokerError, CommitInDoubtError, ProcessorError
+from .errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
 from .metrics import Metrics
 from .ownership import Backoff, Ledger, fmt
-from .processor import Message, Processor, run_handler
-from .retry import Failure, Failures
+from .processor import Message, Processor, call_hook, run_handler
+from .retry import Failure, Failures, MessageKey
 from .settings import Settings
-from .store import WRITES, FencedCommit, Position, Row, Store, first_line, transient
+from .store import WRITES, FencedCommit, Position, Row, Store, TransactionEnded, database_state, first_line, transient
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class Batches:
         self.in_flight: Sequence[Record] = ()
         #: When the batch in flight sent its offsets UPDATE (the commit's duration starts there).
         self._commit_started = 0.0
+        #: The first message of the batch that last failed with a database error, and whether the
+        #: database has answered since (a probe before the batch's next attempt): see :meth:`_failed`.
+        self._db_failed: tuple[MessageKey, bool] | None = None
 
     def ready(self) -> bool:
         """False while a failed message or the database waits for its next attempt."""
@@ -145,6 +149,9 @@ class Batches:
             self.source.wait_for(size, self.settings.batch_linger_ms / 1000)
         taken = self._take(size)
         if taken is None:
+            return False
+        if not self._probe(taken):
+            self._requeue(taken)
             return False
         self._draining = 2 * len(taken.records) >= size
         started = time.monotonic()
@@ -187,6 +194,7 @@ class Batches:
         self.source.requeue(taken.records, taken.generations)
 
     def _committed(self, taken: _Batch) -> None:
+        self._db_failed = None
         self.ledger.committed(taken.positions)
         if self.settings.mirror_offsets:
             self.source.mirror({tp: new for tp, (_, new, _) in taken.positions.items()})
@@ -200,7 +208,9 @@ class Batches:
         if not msgs:
             return
         try:
-            self.processor.on_committed(msgs)
+            call_hook(self.processor, "on_committed", msgs)
+        except ProcessorContractError:
+            raise
         except Exception as exc:  # the batch is committed: nothing to retry or roll back
             log.error("%s.on_committed failed (the batch stays committed): %s: %s",
                       type(self.processor).__name__, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
@@ -222,7 +232,9 @@ class Batches:
             return False
         positions = doubt.taken.positions
         try:
-            rows = self.store.rows(self.group, partitions=list(positions))
+            # Waiting for the rows' locks: the COMMIT may still be running on the server (cut by the
+            # deadline, say), and a plain read would not see it yet and call it "did not land".
+            rows = self.store.rows(self.group, partitions=list(positions), wait_for_locks=True)
         except SQLAlchemyError as exc:
             self.db_backoff.failed(f"learn whether the commit of {doubt.what} landed (its answer was lost)", exc)
             return False
@@ -254,13 +266,52 @@ class Batches:
     def _failed(self, taken: _Batch, cause: BaseException, what: str) -> bool:
         """A batch did not commit. The database being away is retried as it is, after a
         backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
-        True if the batch is settled (dead-lettered, or in doubt): do not requeue it."""
+        True if the batch is settled (dead-lettered, or in doubt): do not requeue it.
+
+        No batch is retried at the same size forever: one that fails with a database error
+        again after the database answered in between (the probe before its retry, see
+        :meth:`_probe`) is not meeting an outage but causing its error (a statement longer
+        than the deadline, a session the server ends for idling inside it): that is the
+        batch's failure, narrowed down to a message and counted against it by policy.
+        """
         if transient(cause):
+            key = _first(taken)
+            if self._db_failed == (key, True) and not database_state(cause):
+                self._db_failed = None
+                log.warning("%s failed again (%s) though the database answered in between: not an outage; "
+                            "taken as a failure of the batch's messages", what, first_line(cause))
+                self.db_backoff.succeeded()
+                self.metrics.rolled_back("error")
+                return self._handler_failed(taken, cause)
+            self._db_failed = (key, False)
             self.metrics.rolled_back("database")
             self.db_backoff.failed(what, cause)
             return False
         self.metrics.rolled_back("error")
         return self._handler_failed(taken, cause)
+
+    def _probe(self, taken: _Batch) -> bool:
+        """Before the retry of a batch that failed with a database error: does the database answer
+        now (``SELECT 1`` on a fresh connection)? False (a backoff is set) if it does not: an outage.
+        Nothing is asked for any other batch."""
+        if self._db_failed is None:
+            return True
+        key, answered = self._db_failed
+        if key != _first(taken):
+            self._db_failed = None
+            return True
+        if answered:
+            return True
+        try:
+            conn = self._batch_connection()
+            conn.exec_driver_sql("SELECT 1")
+            conn.rollback()
+        except SQLAlchemyError as exc:
+            self._drop_batch_connection()
+            self.db_backoff.failed("reach the database", exc)
+            return False
+        self._db_failed = (key, True)
+        return True
 
     def _handler_failed(self, taken: _Batch, cause: BaseException) -> bool:
         """Decide what a processor failure means; True if the batch is settled (dead-lettered or in doubt)."""
@@ -327,18 +378,12 @@ class Batches:
             try:
                 msgs = self._messages(taken.records)
                 run_handler(self.processor, conn, msgs, self.tracing, rejects)
+            except ProcessorContractError:
+                raise  # stops the worker: no message is to blame
             except Exception as exc:
                 raise _HandlerFailed(str(exc)) from exc
             if rejects:
-                # Final errors raised before the message did anything: dead-lettered in this
-                # same transaction, which commits the rest of the batch and moves past them.
-                for index, error in rejects:
-                    failure = Failure(final=True)
-                    failure.record(error)
-                    letters.append((taken.records[index], failure))
-                    deadletters.write(conn, self._dead_letters, self.group, taken.records[index], failure)
-                rejected = {index for index, _ in rejects}
-                msgs = [m for i, m in enumerate(msgs) if i not in rejected]
+                msgs = self._dead_letter_rejects(conn, taken, msgs, rejects, letters)
 
         self.busy = True
         try:
@@ -360,6 +405,19 @@ class Batches:
         finally:
             self.busy = False
 
+    def _dead_letter_rejects(self, conn: Connection, taken: _Batch, msgs: Sequence[Message],
+                             rejects: list[tuple[int, Exception]], letters: list[tuple[Record, Failure]],
+                             ) -> list[Message]:
+        """Final errors raised before the message did anything: dead-lettered in this same
+        transaction, which commits the rest of the batch and moves past them. Returns the rest."""
+        for index, error in rejects:
+            failure = Failure(final=True)
+            failure.record(error)
+            letters.append((taken.records[index], failure))
+            deadletters.write(conn, self._dead_letters, self.group, taken.records[index], failure)
+        rejected = {index for index, _ in rejects}
+        return [m for i, m in enumerate(msgs) if i not in rejected]
+
     def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
         """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.
 
@@ -371,22 +429,18 @@ class Batches:
         conn = self._batch_connection()
         try:
             trans = conn.begin()
-            if one_trip:
-                # psycopg2 is in autocommit mode on this connection: the transaction is kstore's own.
-                conn.exec_driver_sql("BEGIN")
-            write(conn)
-            if not trans.is_active:
-                # session.rollback() in the processor ended the batch's whole transaction: a
-                # processor failure (isolated, then retried or dead-lettered), said plainly.
-                raise _HandlerFailed("the processor rolled back the batch's transaction (session.rollback()); "
-                                     "to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
+            self._write(conn, trans, write, one_trip)
             self._commit_started = time.monotonic()
             if not one_trip:
+                self.store.check_own_transaction(conn)
                 # Last statement before COMMIT: the row locks are held as briefly as possible.
                 fenced = self.store.commit_offsets(conn, self.group, positions)
                 if fenced:
                     trans.rollback()
                     return fenced
+        except TransactionEnded as exc:
+            self._drop_batch_connection()
+            raise _ended(exc) from exc
         except BaseException:
             # Whatever failed (the processor, the database, a signal), start the next
             # batch on a fresh connection: this one may be broken or mid-transaction.
@@ -396,11 +450,15 @@ class Batches:
             if one_trip:
                 # The compare-and-set and COMMIT in one round trip (kstore.store): a fenced one
                 # raises in the server before its COMMIT; any other error may have come after it.
+                # (If nothing of the batch touched the database, its BEGIN rides in this message too.)
                 self.store.commit_in_one_round_trip(conn, self.group, positions)
             trans.commit()  # sends COMMIT, except after the one-trip commit (psycopg2 in autocommit mode)
         except FencedCommit:
             self._drop_batch_connection()
             return self._fenced_now(positions)
+        except TransactionEnded as exc:
+            self._drop_batch_connection()
+            raise _ended(exc) from exc
         except Exception as exc:
             # The COMMIT was sent, or may have been: the server may have committed and
             # its answer been lost. Never assume either way (see _resolve).
@@ -410,6 +468,27 @@ class Batches:
             self._drop_batch_connection()
             raise
         return set()
+
+    @staticmethod
+    def _write(conn: Connection, trans: Any, write: Callable[[Connection], None], one_trip: bool) -> None:
+        """The batch's own writes, inside its transaction ``trans``."""
+        raw = conn.connection.dbapi_connection
+        # psycopg2 is in autocommit mode on this connection: the transaction is kstore's own,
+        # begun with the batch's first round trip (kstore.dbapi), so the processor's Python
+        # before it never counts as idle in transaction. Inside the block the processor's own
+        # commit() or rollback() on the DBAPI connection is refused.
+        with dbapi.in_batch(raw, dbapi.BEGIN_BATCH if one_trip else None):
+            write(conn)
+        if dbapi.ended(raw):
+            raise TransactionEnded("a statement of the batch left the server outside its transaction")
+        refused = dbapi.refusal(raw)
+        if refused is not None:  # even if the processor caught it: its intent was not carried out
+            raise _HandlerFailed(str(refused)) from refused
+        if not trans.is_active:
+            # session.rollback() in the processor ended the batch's whole transaction: a
+            # processor failure (isolated, then retried or dead-lettered), said plainly.
+            raise _HandlerFailed("the processor rolled back the batch's transaction (session.rollback()); "
+                                 "to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
 
     def _fenced_now(self, positions: Mapping[TP, Position]) -> set[TP]:
         """The partitions of a fenced one-round-trip commit (nothing of it landed): those whose
@@ -480,6 +559,18 @@ class Batches:
                 self._recheck(lost)
             except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
                 self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
+
+
+def _ended(exc: TransactionEnded) -> ProcessorContractError:
+    return ProcessorContractError(
+        "the processor ended the batch's transaction itself (a COMMIT or ROLLBACK sent through SQL): the batch's "
+        "offsets were not committed, but what it committed before may have landed, and retrying it could apply "
+        f"that twice, so the worker stops ({exc}); write through self.session and never end its transaction")
+
+
+def _first(taken: _Batch) -> MessageKey:
+    r = taken.records[0]
+    return r.topic, r.partition, r.offset
 
 
 def _fields(record: Record) -> dict[str, object]:

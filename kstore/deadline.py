@@ -14,9 +14,9 @@ without an answer is read back, see :mod:`kstore.batches`):
   ``execute``, ``executemany``, ``commit`` and ``rollback`` on a kstore
   connection is armed with ``db_timeout_s``; if no answer came by then, the
   watchdog shuts the socket down under libpq, whose blocked ``recv()`` returns
-  and the driver raises "server closed the connection unexpectedly" (psycopg2: a
-  guarded connection class, whose cursors also guard ``copy_expert``; psycopg 3: its
-  ``Connection.wait``, which every round trip, COPY included, goes through). That catches
+  and the driver raises "server closed the connection unexpectedly" (armed by kstore's
+  connection classes, :mod:`kstore.dbapi`: psycopg2's cursors, ``copy_expert`` included;
+  psycopg 3's ``Connection.wait``, which every round trip, COPY included, goes through). That catches
   every silence, whatever the network does, at the cost of capping how long one
   statement may run (raise ``db_timeout_s`` for processors that run long ones).
 
@@ -37,8 +37,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-import psycopg2.extensions
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +68,15 @@ class Watchdog:
         finally:
             with self._lock:
                 self._armed.pop(token, None)
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop disarmed entries once they outnumber the armed ones (lock held). Round trips
+        disarm long before their deadline, so without this the heap would keep an entry per
+        round trip of the last ``db_timeout_s`` seconds: hundreds of thousands under load."""
+        if len(self._heap) > 64 + 2 * len(self._armed):
+            self._heap = [(deadline, token) for token, (deadline, _) in self._armed.items()]
+            heapq.heapify(self._heap)
 
     def _arm(self, fd: int, seconds: float) -> int:
         deadline = time.monotonic() + seconds
@@ -110,61 +117,10 @@ class Watchdog:
 WATCHDOG = Watchdog()
 
 
-def connection_factory(timeout_s: float) -> type[psycopg2.extensions.connection]:
-    """A psycopg2 connection class whose round trips each have a deadline of ``timeout_s``."""
-
-    @contextmanager
-    def deadline(conn: psycopg2.extensions.connection) -> Iterator[None]:
-        with WATCHDOG.guard(conn.fileno(), timeout_s):
-            yield
-
-    class GuardedCursor(psycopg2.extensions.cursor):  # type: ignore[misc]
-        def execute(self, query: Any, vars: Any = None) -> Any:
-            with deadline(self.connection):
-                return super().execute(query, vars)
-
-        def executemany(self, query: Any, vars_list: Any) -> Any:
-            with deadline(self.connection):
-                return super().executemany(query, vars_list)
-
-        def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
-            # session.copy_rows: a COPY is a round trip too (kstore/copy.py).
-            with deadline(self.connection):
-                return super().copy_expert(sql, file, size)
-
-    class GuardedConnection(psycopg2.extensions.connection):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.cursor_factory = GuardedCursor
-
-        def commit(self) -> None:
-            with deadline(self):
-                super().commit()
-
-        def rollback(self) -> None:
-            with deadline(self):
-                super().rollback()
-
-    return GuardedConnection
-
-
-def psycopg_connection_class(timeout_s: float) -> type[Any]:
-    """The same for psycopg 3: every blocking round trip of a psycopg 3 connection goes through
-    ``Connection.wait`` (execute, executemany, commit, rollback), so that is where the deadline is armed."""
-    import psycopg
-
-    class GuardedConnection(psycopg.Connection):
-        def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
-            with WATCHDOG.guard(self.fileno(), timeout_s):
-                return super().wait(gen, *args, **kwargs)
-
-    return GuardedConnection
-
-
-def connect_args(timeout_s: float, given: dict[str, Any], psycopg2_driver: bool) -> dict[str, Any]:
-    """libpq connection arguments for silent-network detection (and, with psycopg2, the
-    guarded connection class); ``given`` (the DSN's query string) wins, so a user can
-    tune or turn off any of them."""
+def connect_args(timeout_s: float, given: dict[str, Any]) -> dict[str, Any]:
+    """libpq connection arguments for silent-network detection; ``given`` (the DSN's query
+    string) wins, so a user can tune or turn off any of them. (The deadline per round trip is
+    armed by kstore's connection classes: :mod:`kstore.dbapi`.)"""
     args: dict[str, Any] = {
         "keepalives": 1,
         "keepalives_idle": KEEPALIVE_IDLE_S,
@@ -174,6 +130,4 @@ def connect_args(timeout_s: float, given: dict[str, Any], psycopg2_driver: bool)
     if timeout_s > 0:
         args["tcp_user_timeout"] = int(timeout_s * 1000)
         args["connect_timeout"] = max(2, int(timeout_s))
-        if psycopg2_driver:
-            args["connection_factory"] = connection_factory(timeout_s)
     return {k: v for k, v in args.items() if k not in given}

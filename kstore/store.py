@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import getpass
 import logging
+import os
 import socket
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
-from . import deadline
+from . import dbapi, deadline
 from .errors import ConfigurationError, DatabaseError, FencedError
 from .settings import Settings
 
@@ -73,11 +74,19 @@ Position = tuple[int, int, int]
 #: The text a fenced one-round-trip commit fails with (inside PostgreSQL's "invalid input syntax
 #: for type integer" error, SQLSTATE 22P02, which quotes it whatever the server's language).
 FENCED_MARK = "kstore: fenced, not committed"
+#: The same for a batch whose transaction is not the one kstore began (the processor ended it
+#: with a COMMIT or ROLLBACK of its own through SQL): see kstore.dbapi.BEGIN_BATCH.
+ENDED_MARK = "kstore: transaction ended inside the batch, not committed"
 _INVALID_TEXT_REPRESENTATION = "22P02"
 
 
 class FencedCommit(Exception):
     """A one-round-trip commit matched fewer offset rows than it moves: nothing was committed."""
+
+
+class TransactionEnded(Exception):
+    """The batch's transaction was ended inside the batch (a COMMIT or ROLLBACK the processor sent
+    itself): the offsets were not committed, and whatever it committed before cannot be undone."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +169,14 @@ def make_engine(settings: Settings) -> Engine:
     if url.startswith("postgresql"):
         parsed = make_url(url)
         kwargs["connect_args"] = {
-            # A zombie paused inside a transaction must not hold the offsets' row
-            # locks past the Kafka session timeout, or the new owner's claim stalls.
-            "options": f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms}",
+            "options": _server_options(settings, parsed.query.get("options")),
             # A database that goes silent must not hang the worker (see kstore/deadline.py).
-            **deadline.connect_args(settings.db_timeout_s, dict(parsed.query),
-                                    parsed.get_driver_name() == "psycopg2"),
+            **deadline.connect_args(settings.db_timeout_s, dict(parsed.query)),
         }
         if parsed.get_driver_name() == "psycopg2":
+            # The deadline per round trip, the batch's BEGIN and the refusal of a processor's own
+            # commit()/rollback() inside a batch (kstore/dbapi.py).
+            kwargs["connect_args"]["connection_factory"] = dbapi.psycopg2_connection_class(settings.db_timeout_s)
             # Several rows of a statement kstore.manyrows does not send as one multi-row INSERT
             # (a text() INSERT ending in ON CONFLICT, say, deferred by the batch session) go as
             # pages of statements in one round trip (psycopg2's execute_batch) instead of
@@ -175,14 +184,16 @@ def make_engine(settings: Settings) -> Engine:
             # rowcount for an UPDATE or DELETE run with many parameter sets.
             kwargs["executemany_mode"] = "values_plus_batch"
             kwargs["executemany_batch_page_size"] = 500
+    elif url.startswith("sqlite"):
+        kwargs["connect_args"] = {"factory": dbapi.SQLiteConnection}
     try:
         engine = create_engine(url, **kwargs)
     except (SQLAlchemyError, ImportError) as exc:
         raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
-    if engine.dialect.driver == "psycopg" and settings.db_timeout_s > 0:
-        guarded = deadline.psycopg_connection_class(settings.db_timeout_s)
+    if engine.dialect.driver == "psycopg":
+        guarded = dbapi.psycopg_connection_class(settings.db_timeout_s)
         event.listen(engine, "do_connect",
-                      lambda _dialect, _record, cargs, cparams: guarded.connect(*cargs, **cparams))
+                     lambda _dialect, _record, cargs, cparams: guarded.connect(*cargs, **cparams))
     if engine.dialect.driver == "psycopg2":
         event.listen(engine, "reset", _no_transaction_back_into_the_pool)
     if engine.dialect.name == "sqlite":
@@ -195,12 +206,28 @@ def make_engine(settings: Settings) -> Engine:
     return engine
 
 
+def _server_options(settings: Settings, given: str | tuple[str, ...] | None) -> str:
+    """libpq's ``options`` for kstore's connections: kstore's own, then the DSN's ``options=``
+    (or, without one, ``PGOPTIONS``), which a connection argument would otherwise replace: a
+    ``search_path`` or ``statement_timeout`` given there still applies (and wins if it sets
+    the same parameter)."""
+    # A zombie paused inside a transaction must not hold the offsets' row
+    # locks past the Kafka session timeout, or the new owner's claim stalls.
+    ours = f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms}"
+    theirs = " ".join(given) if isinstance(given, tuple) else given
+    if theirs is None:
+        theirs = os.environ.get("PGOPTIONS", "")
+    return f"{ours} {theirs}".strip()
+
+
 def _no_transaction_back_into_the_pool(dbapi_conn: Any, _record: Any, _state: Any) -> None:
     """A psycopg2 connection in autocommit mode may hold a transaction kstore began with its own
     ``BEGIN`` (the batch connection: :meth:`Store.commit_in_one_round_trip`), which psycopg2's
     ``rollback()`` does not know of and would leave open. Whatever path returns it to the pool,
     it goes back with that transaction rolled back (or, if that fails, is discarded by the pool),
     never to have another user's statements run and commit inside a half-done batch."""
+    if getattr(dbapi_conn, "kstore_begin", None) is not None:
+        dbapi_conn.kstore_begin = None  # a batch that never began: its BEGIN is not the next user's
     ext = psycopg2.extensions
     if dbapi_conn.info.transaction_status == ext.TRANSACTION_STATUS_IDLE or dbapi_conn.status != ext.STATUS_READY:
         return  # nothing open, or a transaction psycopg2 began itself (SQLAlchemy's rollback ends that)
@@ -364,9 +391,10 @@ class Store:
         """The compare-and-set of :meth:`commit_offsets`, then COMMIT, in one round trip.
 
         Only for a psycopg2 connection in autocommit mode whose transaction kstore began
-        with its own ``BEGIN`` (:attr:`one_round_trip_commit`). Raises :class:`FencedCommit`
-        if any partition did not match: the server raised before the COMMIT, nothing was
-        committed, and the caller must roll back. Any other error may have come after the
+        with :data:`kstore.dbapi.BEGIN_BATCH` (:attr:`one_round_trip_commit`). Raises
+        :class:`FencedCommit` if any partition did not match, and :class:`TransactionEnded` if
+        the transaction is not the one kstore began: in both the server raised before the
+        COMMIT and nothing of it was committed. Any other error may have come after the
         COMMIT ran: the caller must treat it as a commit in doubt.
         """
         if not positions:
@@ -376,9 +404,28 @@ class Store:
             conn.execute(self._commit_statement(len(positions), commit=True), _commit_params(group, positions))
         except DBAPIError as exc:
             orig = exc.orig
-            if getattr(orig, "pgcode", None) == _INVALID_TEXT_REPRESENTATION and FENCED_MARK in str(orig):
-                raise FencedCommit(f"fenced: {first_line(exc)}") from exc
+            if getattr(orig, "pgcode", None) == _INVALID_TEXT_REPRESENTATION:
+                if ENDED_MARK in str(orig):
+                    raise TransactionEnded(first_line(exc)) from exc
+                if FENCED_MARK in str(orig):
+                    raise FencedCommit(f"fenced: {first_line(exc)}") from exc
             raise
+
+    @staticmethod
+    def check_own_transaction(conn: Connection) -> None:
+        """Raise :class:`TransactionEnded` if ``conn``'s DBAPI connection is not inside a transaction
+        any more (the processor committed or rolled back through SQL), on SQLite and psycopg 3
+        (psycopg2's batches check it in the server: :meth:`commit_in_one_round_trip`). A new
+        transaction begun after such an end is not seen here."""
+        raw: Any = conn.connection.dbapi_connection
+        if conn.dialect.name == "sqlite":
+            inside = raw.in_transaction
+        else:
+            import psycopg
+
+            inside = raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        if not inside:
+            raise TransactionEnded("the batch's transaction was ended inside the batch (a COMMIT or ROLLBACK)")
 
     def _commit_statement(self, n: int, *, commit: bool) -> TextClause:
         """The offset commit for ``n`` partitions, built once per ``n``.
@@ -405,9 +452,11 @@ class Store:
                 f"WHERE {q.quote('consumer_group')} = :g AND ({keys}) RETURNING {topic}, {part}"
             )
             if commit:
-                # The CASE depends on the rows, so the cast runs (and fails) only when fenced.
-                update = (f"WITH moved AS ({update}) SELECT CAST(CASE WHEN count(*) = {n} THEN '0' "
-                          f"ELSE '{FENCED_MARK}' END AS integer) FROM moved; COMMIT")
+                # The CASE depends on the rows and on the transaction's own setting, so the cast
+                # runs (and fails) only when fenced or when the batch's transaction was ended.
+                update = (f"WITH moved AS ({update}) SELECT CAST(CASE "
+                          f"WHEN current_setting('kstore.batch', true) IS DISTINCT FROM 'on' THEN '{ENDED_MARK}' "
+                          f"WHEN count(*) = {n} THEN '0' ELSE '{FENCED_MARK}' END AS integer) FROM moved; COMMIT")
             stmt = text(update).bindparams(bindparam("u", type_=DateTime(timezone=True)))
             self._commit_statements[(n, commit)] = stmt
         return stmt
@@ -455,9 +504,14 @@ class Store:
         ))
 
     def rows(
-        self, group: str, topic: str | None = None, partitions: Iterable[TopicPartition] | None = None
+        self, group: str, topic: str | None = None, partitions: Iterable[TopicPartition] | None = None,
+        *, wait_for_locks: bool = False,
     ) -> dict[TopicPartition, Row]:
-        """Stored rows of a group (optionally one topic, or some partitions), without claiming them."""
+        """Stored rows of a group (optionally one topic, or some partitions), without claiming them.
+
+        ``wait_for_locks``: read them as a commit in doubt is read back, waiting (within a bound) for
+        a transaction that still holds their locks, such as a COMMIT the server is still applying
+        (:func:`kstore.indoubt.wait_for_locks`): a plain read would not see it yet."""
         o = self.offsets
         stmt = select(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch, o.c.owner, o.c.updated_at).where(
             o.c.consumer_group == group
@@ -470,6 +524,12 @@ class Store:
                 return {}
             stmt = stmt.where(tuple_(o.c.topic, o.c.partition_id).in_(keys))
         with self.engine.connect() as conn:
+            if wait_for_locks:
+                from .indoubt import wait_for_locks as waiting  # kstore.indoubt builds on this module
+
+                conn.begin()  # rolled back when the connection closes: the locks are only waited for
+                waiting(conn)
+                stmt = stmt.with_for_update(read=True)
             return {
                 (r.topic, r.partition_id): Row(r.next_offset, r.epoch, r.owner, r.updated_at)
                 for r in conn.execute(stmt)
@@ -490,9 +550,14 @@ class Store:
 
 
 #: SQLSTATE classes and codes that say "the database, not this batch": connection
-#: exceptions, transaction rollbacks (serialization failure, deadlock), insufficient
-#: resources, operator intervention (shutdown), and a lock that could not be had.
-_TRANSIENT_SQLSTATES = ("08", "40", "53", "57P", "55P03")
+#: exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
+#: resources (53), operator intervention (57: shutdown, a cancelled statement, a database that
+#: cannot take connections yet), system errors (58: an I/O error), a lock that could not be had
+#: (55P03), a read-only transaction (25006: the address now leads to a replica, as after a
+#: failover) and a session ended for idling in a transaction (25P03). A failover is an outage,
+#: never a bad message. A batch that keeps failing with one of these while the database answers
+#: in between is shrunk all the same (kstore.batches), so none of them can stall a pipeline.
+_TRANSIENT_SQLSTATES = ("08", "40", "53", "57", "58", "55P03", "25006", "25P03")
 #: SQLite's messages for a database that is busy or failing, rather than a bad statement.
 _TRANSIENT_SQLITE = ("database is locked", "database table is locked", "disk i/o error", "unable to open")
 
@@ -503,6 +568,25 @@ def _commit_params(group: str, positions: Mapping[TopicPartition, Position]) -> 
         params[f"t{i}"], params[f"p{i}"], params[f"n{i}"], params[f"e{i}"] = t, p, nxt, epoch
         params[f"s{i}"] = start
     return params
+
+
+#: Of those, the ones that describe the database whatever a batch does (a read-only replica, a
+#: full disk, too many connections): it answers a probe in that state, yet no batch is to blame.
+_STATE_SQLSTATES = ("25006", "53")
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (psycopg2 or psycopg 3), if it has one."""
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    return str(code) if code else None
+
+
+def database_state(exc: BaseException) -> bool:
+    """True for a transient error that describes the database's state rather than anything a batch
+    did (see :data:`_STATE_SQLSTATES`): kstore.batches never takes it for the batch's failure."""
+    code = sqlstate(exc)
+    return code is not None and code.startswith(_STATE_SQLSTATES)
 
 
 def transient(exc: BaseException) -> bool:
@@ -518,9 +602,9 @@ def transient(exc: BaseException) -> bool:
     if exc.connection_invalidated:
         return True
     orig = exc.orig
-    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    code = sqlstate(exc)
     if code:
-        return str(code).startswith(_TRANSIENT_SQLSTATES)
+        return code.startswith(_TRANSIENT_SQLSTATES)
     if type(orig).__module__.startswith("sqlite3"):
         return any(m in str(orig).lower() for m in _TRANSIENT_SQLITE)
     # A psycopg2 OperationalError without a SQLSTATE comes from the client side: the

@@ -47,12 +47,12 @@ class Faults:
 
 def lossy_engine(settings: Settings, faults: Faults) -> Engine:
     if "+psycopg:" in settings.dsn:
-        # psycopg 3: kstore's own do_connect (its deadline) would make the connection first, so it
-        # is left out here (db_timeout_s=0); these tests are about the COMMIT, not a silence.
+        # psycopg 3: on top of kstore's own connection class (its deadline off: these tests are
+        # about the COMMIT, not a silence), made before kstore's own do_connect would make it.
         engine = make_engine(settings.replace(db_timeout_s=0))
         lossy3 = _psycopg3_connection_class(faults)
 
-        @event.listens_for(engine, "do_connect")
+        @event.listens_for(engine, "do_connect", insert=True)
         def _lossy3(_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
             return lossy3.connect(*cargs, **cparams)
 
@@ -75,7 +75,9 @@ def _psycopg3_connection_class(faults: Faults) -> type[Any]:
     """The same faults on a psycopg 3 connection (``postgresql+psycopg://``)."""
     import psycopg
 
-    class LossyConnection3(psycopg.Connection):  # type: ignore[type-arg]
+    from kstore.dbapi import psycopg_connection_class
+
+    class LossyConnection3(psycopg_connection_class(0)):  # type: ignore[misc]
         @classmethod
         def connect(cls, *args: Any, **kwargs: Any) -> Any:
             if faults.down:

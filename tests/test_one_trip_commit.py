@@ -18,7 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from kstore import Settings
-from kstore.store import FencedCommit, Store, make_engine
+from kstore.dbapi import BEGIN_BATCH
+from kstore.store import FencedCommit, Store, TransactionEnded, make_engine
 
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
@@ -29,11 +30,12 @@ def is_one_trip_commit(sql: str) -> bool:
     return sql.startswith("WITH moved AS (UPDATE") and sql.rstrip().endswith("; COMMIT")
 
 
-def test_a_batch_is_begin_its_writes_and_one_commit_message_on_the_wire(
+def test_a_batch_is_its_writes_and_one_commit_message_on_the_wire(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """Every batch of a real worker is three messages on its connection: BEGIN, the batch's
-    multi-row INSERT, and the compare-and-set with its COMMIT; never a COMMIT or an offset
-    UPDATE of their own. And every message lands once."""
+    """Every batch of a real worker is two messages on its connection: the batch's multi-row
+    INSERT with kstore's BEGIN in front of it (sent only then, so the processor's time before
+    it is never idle in transaction), and the compare-and-set with its COMMIT; never a BEGIN,
+    a COMMIT or an offset UPDATE of their own. And every message lands once."""
     url = make_url(pg_dsn)
     topic = new_topic(2)
     expected = set(produce(topic, [f"m{i}" for i in range(400)]))
@@ -51,10 +53,12 @@ def test_a_batch_is_begin_its_writes_and_one_commit_message_on_the_wire(
     sent = [sql for cid, sql in queries if cid in batch_conns]
     commits = [i for i, sql in enumerate(sent) if is_one_trip_commit(sql)]
     assert len(commits) >= len(expected) // 50
-    previous = max(i for i in range(commits[0]) if sent[i] == "BEGIN")  # before: a claim may have used it
+    previous = commits[0] - 1  # before it: a claim may have used the connection
     for end in commits:
         batch = sent[previous:end + 1]
-        assert [sql.split()[0] for sql in batch] == ["BEGIN", "INSERT", "WITH"], batch
+        assert len(batch) == 2, batch
+        assert batch[0].startswith(f"{BEGIN_BATCH}; INSERT INTO"), batch
+        assert batch[1].startswith("WITH moved AS (UPDATE"), batch
         previous = end + 1
     assert not any(sql.strip().upper() in ("COMMIT", "ROLLBACK") for sql in sent[commits[0]:commits[-1]])
 
@@ -79,7 +83,7 @@ def claim(store: Store, group: str, tps: list[tuple[str, int]], owner: str) -> d
 def batch(store: Store, group: str, positions: dict[tuple[str, int], tuple[int, int, int]], value: str) -> None:
     """What a worker's batch does: BEGIN of its own in autocommit mode, a write, the one-trip commit."""
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql(BEGIN_BATCH)
         conn.execute(effects_table.insert(), {"topic": "t", "partition_id": 0, "kafka_offset": 0, "value": value,
                                               "worker": "w"})
         store.commit_in_one_round_trip(conn, group, positions)
@@ -117,6 +121,26 @@ def test_a_fenced_partition_commits_nothing_of_the_batch(store: Store, pg_dsn: s
     with pytest.raises(FencedCommit):
         batch(store, "g", {tp: (0, 5, now[tp]) for tp in tps}, "again")
     assert values(pg_dsn) == ["landed"]
+
+
+@pytest.mark.parametrize("end", ["COMMIT", "ROLLBACK", "COMMIT; BEGIN", "ROLLBACK; BEGIN"])
+def test_a_batch_whose_transaction_the_processor_ended_commits_no_offsets(store: Store, pg_dsn: str,
+                                                                         end: str) -> None:
+    """A processor (or a library it calls) that sends COMMIT or ROLLBACK through SQL mid-batch ends
+    kstore's transaction: the one-trip commit then raises TransactionEnded in the server, before its
+    COMMIT, and the offsets stay where they were, even when a new transaction was begun after it."""
+    (tp,) = tps = [("t", 0)]
+    mine = claim(store, "g", tps, "me")
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql(BEGIN_BATCH)
+        conn.execute(effects_table.insert(), {"topic": "t", "partition_id": 0, "kafka_offset": 0, "value": "before",
+                                              "worker": "w"})
+        conn.exec_driver_sql(end)
+        with pytest.raises(TransactionEnded):
+            store.commit_in_one_round_trip(conn, "g", {tp: (0, 5, mine[tp])})
+    assert stored_offsets(pg_dsn, "g") == {tp: 0}
+    # What the processor committed itself landed (and cannot be undone: the worker stops).
+    assert values(pg_dsn) == (["before"] if end.startswith("COMMIT") else [])
 
 
 def test_no_connection_goes_back_to_the_pool_inside_kstores_own_transaction(store: Store, pg_dsn: str) -> None:
