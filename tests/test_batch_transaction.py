@@ -22,6 +22,13 @@ from .processors import metadata
 DRIVERS = ["psycopg2", "psycopg"]
 
 
+def dsn_for(request: pytest.FixtureRequest, driver: str) -> str:
+    """The test database on ``driver``: psycopg2 or psycopg 3 (PostgreSQL), or SQLite."""
+    if driver == "sqlite":
+        return str(request.getfixturevalue("sqlite_dsn"))
+    return with_driver(str(request.getfixturevalue("pg_dsn")), driver)
+
+
 def dead_lettered(dsn: str, group: str) -> set[tuple[str, int, int]]:
     engine = sa.create_engine(dsn)
     try:
@@ -116,9 +123,9 @@ def test_a_coroutine_behind_a_plain_decorator_stops_the_worker_before_an_offset_
 
 
 @pytest.mark.parametrize("call", ["dbapi-commit", "dbapi-rollback"])
-@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("driver", [*DRIVERS, "sqlite"])
 def test_a_processors_own_dbapi_commit_or_rollback_fails_its_batch_and_loses_nothing(
-        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, driver: str, call: str) -> None:
+        request: pytest.FixtureRequest, new_topic: Any, produce: Any, workers: Any, driver: str, call: str) -> None:
     """A processor (or a library it calls) that commits or rolls back the DBAPI connection under the
     session, and swallows any error: on psycopg 3 a rollback lost the earlier messages' effects while
     their offsets committed, on psycopg2 it was silently a no-op. Now the call is refused and the
@@ -127,19 +134,20 @@ def test_a_processors_own_dbapi_commit_or_rollback_fails_its_batch_and_loses_not
     good = set(produce(topic, [f"ok{i}" for i in range(30)]))
     (bad,) = produce(topic, [call])
     good |= set(produce(topic, [f"after{i}" for i in range(30)]))
-    w = workers(with_driver(pg_dsn, driver), topic, "ends", processor="contract_processors:EndsTransaction",
+    dsn = dsn_for(request, driver)
+    w = workers(dsn, topic, "ends", processor="contract_processors:EndsTransaction",
                 args=["--on-error", "dead_letter", "--max-attempts", "1"])
-    wait_until(lambda: dead_lettered(pg_dsn, "ends"), 90, what="the message dead-lettered")
-    wait_until(lambda: stored_offsets(pg_dsn, "ends") == {(topic, 0): 61}, 60, what="offsets past everything")
+    wait_until(lambda: dead_lettered(dsn, "ends"), 90, what="the message dead-lettered")
+    wait_until(lambda: stored_offsets(dsn, "ends") == {(topic, 0): 61}, 60, what="offsets past everything")
     assert w.terminate() == 0
-    assert dead_lettered(pg_dsn, "ends") == {bad}
-    assert_exactly_once(effects(pg_dsn), good)
+    assert dead_lettered(dsn, "ends") == {bad}
+    assert_exactly_once(effects(dsn), good)
     assert f"{call.split('-')[1]}() on the batch's database connection is refused" in w.log
 
 
-@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("driver", [*DRIVERS, "sqlite"])
 def test_a_processor_that_commits_through_sql_stops_the_worker_before_its_offsets_commit(
-        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
+        request: pytest.FixtureRequest, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
     """COMMIT sent through SQL mid-batch lands what the batch wrote so far without its offsets, and
     later statements run in another transaction (or none). kstore cannot undo it, nor retry the batch
     without applying that part twice: it commits none of the batch's offsets and stops."""
@@ -147,10 +155,11 @@ def test_a_processor_that_commits_through_sql_stops_the_worker_before_its_offset
     produce(topic, [f"ok{i}" for i in range(10)])
     (bad,) = produce(topic, ["sql-commit"])
     produce(topic, [f"after{i}" for i in range(10)])
-    w = workers(with_driver(pg_dsn, driver), topic, "sqlcommit", processor="contract_processors:EndsTransaction",
+    dsn = dsn_for(request, driver)
+    w = workers(dsn, topic, "sqlcommit", processor="contract_processors:EndsTransaction",
                 args=["--on-error", "dead_letter"])
     assert w.wait(120) == 1
     assert "ended the batch's transaction itself" in w.log
-    stored = stored_offsets(pg_dsn, "sqlcommit").get((topic, 0))
+    stored = stored_offsets(dsn, "sqlcommit").get((topic, 0))
     assert stored is None or stored <= bad[2]  # the batch holding it never committed its offsets
-    assert not dead_lettered(pg_dsn, "sqlcommit")
+    assert not dead_lettered(dsn, "sqlcommit")
