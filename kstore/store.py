@@ -15,8 +15,9 @@ nothing; and the worker reads the row back before retrying anyway (see
 
 On PostgreSQL through psycopg2 the compare-and-set and the COMMIT travel in one
 round trip (:meth:`Store.commit_in_one_round_trip`): the batch connection runs in
-psycopg2's autocommit mode, kstore sends its own ``BEGIN``, and the last
-message of a batch is ``<compare-and-set>; COMMIT``. A compare-and-set that
+psycopg2's autocommit mode, kstore sends its own ``BEGIN`` (with the batch's first
+statement: :mod:`kstore.dbapi`), and the last message of a batch is
+``<compare-and-set>; COMMIT``. A compare-and-set that
 matched fewer rows than the batch's partitions raises inside the server, so the
 ``COMMIT`` after it never runs: a fenced batch cannot land. One round trip fewer
 per batch: one network round trip of latency against a remote database, and about
