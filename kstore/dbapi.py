@@ -19,7 +19,9 @@ installed by :func:`kstore.store.make_engine`. It does three things:
   end) would count as "idle in transaction", and past ``idle_in_transaction_timeout_ms`` the
   server would end the session and the batch would fail. So the ``BEGIN`` rides in front of
   the first statement's own message (one simple query: ``BEGIN; SET LOCAL ...; <statement>``;
-  a COPY, an executemany or a named cursor get it as a message of its own just before).
+  a COPY, an executemany or a named cursor get it as a message of its own just before). A
+  named (server-side) cursor is declared ``WITH HOLD``: psycopg2 refuses any other in
+  autocommit mode, though the server is inside kstore's transaction.
 
 Threading: all of it runs on the thread that uses the connection.
 """
@@ -128,11 +130,13 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
 
     def execute(self, query: Any, vars: Any = None) -> Any:
         conn = self.connection
-        if conn.kstore_begin is not None:
-            if self.name is not None:  # a named cursor wraps the query in DECLARE
-                self._begin_alone()
-            else:
-                query = _prefixed(take_begin(conn) or "", query, self)
+        if self.name is not None and conn.kstore_in_batch:
+            # A named (server-side) cursor: psycopg2 refuses one in autocommit mode unless it is WITH
+            # HOLD, though the server is inside kstore's transaction; and it wraps the query in DECLARE.
+            self.withhold = True
+            self._begin_alone()
+        elif conn.kstore_begin is not None:
+            query = _prefixed(take_begin(conn) or "", query, self)
         try:
             with _deadline(conn):
                 return super().execute(query, vars)
