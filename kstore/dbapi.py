@@ -108,6 +108,15 @@ def _refuse(conn: Any, what: str) -> None:
         raise error
 
 
+def _idle(conn: Any) -> bool:
+    """Whether the server is outside any transaction (False when that cannot be told: a broken
+    connection raises its own error, which must not be hidden by this one)."""
+    try:
+        return bool(conn.info.transaction_status == _IDLE)
+    except psycopg2.Error:
+        return False
+
+
 def _prefixed(begin: str, query: Any, cursor: Any) -> Any:
     if isinstance(query, bytes):
         return begin.encode() + b"; " + query
@@ -142,7 +151,7 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
                 return super().execute(query, vars)
         finally:
             # Inside kstore's own transaction, a statement that leaves the server idle ended it.
-            if conn.kstore_in_batch and conn.kstore_begin is None and conn.info.transaction_status == _IDLE:
+            if conn.kstore_in_batch and conn.kstore_begin is None and not conn.closed and _idle(conn):
                 conn.kstore_ended = True
 
     def executemany(self, query: Any, vars_list: Any) -> Any:
@@ -209,6 +218,7 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
             finally:
                 # psycopg begins a transaction before a batch's first statement (in the same round
                 # trip): one that leaves the server idle inside a batch ended it (COMMIT through SQL).
+                # (A broken connection tells UNKNOWN, never IDLE.)
                 if self.kstore_in_batch and self.pgconn.transaction_status == idle:
                     self.kstore_ended = True
 

@@ -414,18 +414,12 @@ class Store:
 
     @staticmethod
     def check_own_transaction(conn: Connection) -> None:
-        """Raise :class:`TransactionEnded` if ``conn``'s DBAPI connection is not inside a transaction
-        any more (the processor committed or rolled back through SQL), on SQLite and psycopg 3
-        (psycopg2's batches check it in the server: :meth:`commit_in_one_round_trip`). A new
-        transaction begun after such an end is not seen here."""
-        raw: Any = conn.connection.dbapi_connection
-        if conn.dialect.name == "sqlite":
-            inside = raw.in_transaction
-        else:
-            import psycopg
-
-            inside = raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-        if not inside:
+        """On SQLite, raise :class:`TransactionEnded` if ``conn``'s DBAPI connection is not inside a
+        transaction any more (the processor committed or rolled back through SQL: kstore began it
+        with the batch, and nothing else begins one). psycopg2's batches check it in the server
+        (:meth:`commit_in_one_round_trip`), and both psycopg drivers after every round trip
+        (:mod:`kstore.dbapi`)."""
+        if conn.dialect.name == "sqlite" and not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
             raise TransactionEnded("the batch's transaction was ended inside the batch (a COMMIT or ROLLBACK)")
 
     def _commit_statement(self, n: int, *, commit: bool) -> TextClause:

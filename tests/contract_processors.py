@@ -106,3 +106,15 @@ class EndsTransaction(Processor):
                 raw.commit() if msg.value.startswith("dbapi-commit") else raw.rollback()
         elif msg.value.startswith("sql-commit"):
             self.session.execute(sa.text("COMMIT"))
+
+
+class ReadsOnly(Processor):
+    """Writes nothing: every other message only reads (a batch's transaction with no write, or no
+    round trip at all)."""
+
+    group = "reads-only"
+    value_format = "str"
+
+    def handle(self, msg: Message) -> None:
+        if msg.offset % 2:
+            self.session.execute(sa.text("SELECT 1"))

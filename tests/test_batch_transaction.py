@@ -43,15 +43,15 @@ def dead_lettered(dsn: str, group: str) -> set[tuple[str, int, int]]:
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_a_batch_longer_than_the_idle_in_transaction_timeout_lands_exactly_once(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
-    """600 messages of 10 ms of Python each (batches of seconds) against a 1 s idle-in-transaction
+    """1,000 messages of 10 ms of Python each (batches of up to 10 s) against a 1 s idle-in-transaction
     timeout. kstore's transaction used to begin before the processor ran, so the server ended the
     session after 1 s of the processor's Python and the same batch was retried forever, nothing
     landing. Now the transaction begins with the batch's first round trip."""
     topic = new_topic(1)
-    sent = set(produce(topic, [f"m{i}" for i in range(600)]))
+    sent = set(produce(topic, [f"m{i}" for i in range(1000)]))
     w = workers(with_driver(pg_dsn, driver), topic, "slow", processor="contract_processors:Slow",
                 env={"KSTORE_TEST_SLEEP_MS": "10", "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "1000",
-                     "KSTORE_MAX_BATCH_SIZE": "600"})
+                     "KSTORE_MAX_BATCH_SIZE": "1000"})
     wait_until(lambda: sum(effects(pg_dsn).values()) >= len(sent), 120, what="every message processed")
     wait_until(lambda: stored_offsets(pg_dsn, "slow") == {(topic, 0): len(sent)}, 60, what="offsets at the end")
     assert w.terminate() == 0
@@ -163,3 +163,19 @@ def test_a_processor_that_commits_through_sql_stops_the_worker_before_its_offset
     stored = stored_offsets(dsn, "sqlcommit").get((topic, 0))
     assert stored is None or stored <= bad[2]  # the batch holding it never committed its offsets
     assert not dead_lettered(dsn, "sqlcommit")
+
+
+@pytest.mark.parametrize("driver", [*DRIVERS, "sqlite"])
+def test_batches_that_write_nothing_commit_their_offsets(
+        request: pytest.FixtureRequest, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
+    """A batch that never touches the database (its BEGIN is then sent with its commit) and one that
+    only reads commit their offsets like any other, and the worker carries on."""
+    topic = new_topic(2)
+    produce(topic, [f"m{i}" for i in range(300)], partition=0)
+    dsn = dsn_for(request, driver)
+    w = workers(dsn, topic, "reads", processor="contract_processors:ReadsOnly")
+    wait_until(lambda: stored_offsets(dsn, "reads").get((topic, 0)) == 300, 90, what="partition 0's offsets")
+    produce(topic, ["lone"], partition=1)  # alone at offset 0: a batch that makes no round trip of its own
+    wait_until(lambda: stored_offsets(dsn, "reads") == {(topic, 0): 300, (topic, 1): 1}, 60, what="every offset")
+    assert w.terminate() == 0
+    assert "ended the batch's transaction" not in w.log
