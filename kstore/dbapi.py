@@ -125,6 +125,24 @@ def _prefixed(begin: str, query: Any, cursor: Any) -> Any:
     return f"{begin}; {query}"
 
 
+class _RefusedInBatch:
+    """A DBAPI connection's batch state (see :func:`enter_batch`), and its commit() and rollback()
+    refused inside a batch. First among a connection class's bases."""
+
+    kstore_in_batch = False
+    kstore_ended = False
+    kstore_refused: BatchTransactionError | None = None
+    kstore_begin: str | None = None
+
+    def commit(self) -> None:
+        _refuse(self, "commit")
+        super().commit()  # type: ignore[misc]
+
+    def rollback(self) -> None:
+        _refuse(self, "rollback")
+        super().rollback()  # type: ignore[misc]
+
+
 def _deadline(conn: Any) -> Any:
     timeout_s = conn.kstore_timeout_s
     return WATCHDOG.guard(conn.fileno(), timeout_s) if timeout_s > 0 else nullcontext()
@@ -205,12 +223,7 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
 
     idle = psycopg.pq.TransactionStatus.IDLE
 
-    class Connection(psycopg.Connection):
-        kstore_in_batch = False
-        kstore_ended = False
-        kstore_refused: BatchTransactionError | None = None
-        kstore_begin: str | None = None
-
+    class Connection(_RefusedInBatch, psycopg.Connection):
         def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 with WATCHDOG.guard(self.fileno(), timeout_s) if timeout_s > 0 else nullcontext():
@@ -222,33 +235,12 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
                 if self.kstore_in_batch and self.pgconn.transaction_status == idle:
                     self.kstore_ended = True
 
-        def commit(self) -> None:
-            _refuse(self, "commit")
-            super().commit()
-
-        def rollback(self) -> None:
-            _refuse(self, "rollback")
-            super().rollback()
-
     return Connection
 
 
-class SQLiteConnection(sqlite3.Connection):
+class SQLiteConnection(_RefusedInBatch, sqlite3.Connection):
     """The same for SQLite (no deadline: there is no network). A COMMIT through SQL is seen at the
     batch's end: statements after it run outside any transaction (kstore.store.check_own_transaction)."""
-
-    kstore_in_batch = False
-    kstore_ended = False
-    kstore_refused: BatchTransactionError | None = None
-    kstore_begin: str | None = None
-
-    def commit(self) -> None:
-        _refuse(self, "commit")
-        super().commit()
-
-    def rollback(self) -> None:
-        _refuse(self, "rollback")
-        super().rollback()
 
 
 @contextmanager
