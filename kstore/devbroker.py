@@ -43,6 +43,7 @@ import base64
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -64,6 +65,8 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from kstore.devcerts import CertificateAuthority, KeyPair, encrypt_key
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_VERSION",
@@ -280,10 +283,26 @@ def java_executable() -> str:
     return found
 
 
+#: Starts of a cluster before a port taken by another process is reported (see Cluster.start).
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(DevBrokerError):
+    """A node could not bind a port picked for it: another process took it first."""
+
+
+def _bind_failed(node: Node) -> bool:
+    """Whether ``node``'s log says a port it was given is in use."""
+    try:
+        return "Address already in use" in node.log_file.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _free_ports(count: int) -> list[int]:
     # All sockets stay open until every port is picked, so the same port is never handed out
-    # twice. Another process can still grab one before the broker binds it; that is rare
-    # and shows up as a clear "did not start" error with the bind failure in the log tail.
+    # twice. Another process can still grab one before the broker binds it: Cluster.start then
+    # starts again on other ports.
     sockets = []
     try:
         for _ in range(count):
@@ -536,9 +555,24 @@ class Cluster:
         return self._data_dir
 
     def start(self: _C) -> _C:
-        """Fetch jars if needed, format storage, start every node and wait until all serve."""
+        """Fetch jars if needed, format storage, start every node and wait until all serve.
+
+        The ports are picked free but released before Kafka binds them (it takes them from its
+        configuration), so another process may take one first: a node that then fails to bind
+        is started again on other ports, up to :data:`PORT_ATTEMPTS` times in all."""
         if self.nodes:
             raise DevBrokerError("the cluster was already started")
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("a port picked for Kafka was taken before it could bind it: starting again on others")
+                self.nodes = []
+        raise AssertionError("unreachable")
+
+    def _start_once(self: _C) -> _C:
         self._libs = fetch_jars(self.version)
         if self._data_dir is None:
             self._data_dir = Path(tempfile.mkdtemp(prefix="kstore-kafka-"))
@@ -554,8 +588,11 @@ class Cluster:
             for node in self.nodes:
                 self._launch(node)
             self._wait_ready(self.nodes)
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            taken = isinstance(exc, DevBrokerError) and any(_bind_failed(node) for node in self.nodes)
+            self.stop()  # deletes a temporary data dir, logs included: read them first
+            if taken:
+                raise _PortTaken(str(exc)) from exc
             raise
         return self
 

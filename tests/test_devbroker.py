@@ -164,3 +164,33 @@ def _proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_port_taken_before_kafka_binds_it_is_replaced(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The ports are picked free, then released for Kafka to bind: another process may take one
+    in between (on a shared machine, another test run). The node then fails to bind, and the
+    broker is started again on other ports instead of failing the test session."""
+    import kstore.devbroker as devbroker
+
+    real = devbroker._free_ports
+    picked: list[list[int]] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+
+        def first_one_taken(count: int) -> list[int]:
+            ports = real(count)
+            if not picked:
+                ports[0] = taken.getsockname()[1]  # the broker's own port, held by someone else
+            picked.append(ports)
+            return ports
+
+        monkeypatch.setattr(devbroker, "_free_ports", first_one_taken)
+        with Broker() as broker:
+            assert len(picked) == 2
+            assert broker.nodes[0].port == picked[1][0] != taken.getsockname()[1]
+            _create_topic(broker.bootstrap_servers, "after-a-taken-port", 1, 1)
+            assert len(_describe(broker.bootstrap_servers, "after-a-taken-port")) == 1  # it serves
+    assert "taken before it could bind it" in caplog.text
+
