@@ -220,6 +220,8 @@ class FaultProxy:
         self.events: list[str] = []
         #: (connection number, text) of every simple-query message clients sent through the proxy.
         self.queries: list[tuple[int, str]] = []
+        #: Bytes received from clients, counted when they arrive (before any latency holds them).
+        self.client_bytes = 0
         self._armed = {"commit": 0, "transaction": 0}
         self._latency = 0.0
         self._blackholed = False
@@ -472,6 +474,8 @@ class FaultProxy:
                 half = conn.up if sock is conn.up.src else conn.down
                 chunk = sock.recv(self.recv_size)
                 if chunk:
+                    if half is conn.up:
+                        self.client_bytes += len(chunk)
                     half.delayed.append((time.monotonic() + self._latency, chunk))
                 else:
                     half.eof = True

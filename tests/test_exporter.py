@@ -192,17 +192,19 @@ def test_database_or_broker_outage_is_an_error_not_stale_numbers(pg_dsn: str, ka
         assert "cannot read group 'outage' (database)" in exp.proc.log
         assert exp.proc.terminate() == 0
 
-    with socket.socket() as s:  # a port nobody listens on: the brokers are down
+    # A port nobody listens on (the brokers are down), held bound for the whole test so that no
+    # other process can take it meanwhile.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_brokers = f"127.0.0.1:{s.getsockname()[1]}"
-    exp = exporter("--group", group, "--dsn", pg_dsn, "--bootstrap-servers", dead_brokers,
-                   env={"KSTORE_CONNECT_TIMEOUT_S": "2"})
-    m = exp.scrape()
-    assert one(m, "kstore_exporter_up", group=group) == 0
-    assert one(m, "kstore_exporter_scrape_errors_total", group=group, source="kafka") == 1
-    assert not per_partition(m, "kstore_lag_messages", group)
-    assert exp.proc.proc.poll() is None, "still serving"
-    assert exp.proc.terminate() == 0
+        exp = exporter("--group", group, "--dsn", pg_dsn, "--bootstrap-servers", dead_brokers,
+                       env={"KSTORE_CONNECT_TIMEOUT_S": "2"})
+        m = exp.scrape()
+        assert one(m, "kstore_exporter_up", group=group) == 0
+        assert one(m, "kstore_exporter_scrape_errors_total", group=group, source="kafka") == 1
+        assert not per_partition(m, "kstore_lag_messages", group)
+        assert exp.proc.proc.poll() is None, "still serving"
+        assert exp.proc.terminate() == 0
 
 
 def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -155,18 +155,20 @@ def test_top_in_a_terminal_follows_a_worker_coming_and_going(pg_dsn: str, kafka:
 
 
 def test_top_says_when_the_database_is_down_and_keeps_retrying(terminal: Any) -> None:
-    with socket.socket() as s:  # a port nobody listens on
+    # A port nobody listens on, held (bound, never listening) for the whole test so that no
+    # other process can take it meanwhile: connecting to it is refused.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    top = terminal("--group", "g", "--dsn", f"postgresql+psycopg2://kstore@127.0.0.1:{port}/kstore",
-                   "--interval", "0.5")
-    deadline = time.monotonic() + 30
-    while top.output.count("cannot read the database") < 2 and time.monotonic() < deadline:
-        top.read()
-    screen = " ".join(ANSI.sub("", top.output).split())  # the line wraps at the terminal's width
-    assert screen.count("cannot read the database") >= 2, f"shown again at each refresh:\n{screen}"
-    assert "Connection refused" in screen and "(retrying every 0.5s)" in screen, screen
-    assert top.ctrl_c() == 0
+        top = terminal("--group", "g", "--dsn", f"postgresql+psycopg2://kstore@127.0.0.1:{port}/kstore",
+                       "--interval", "0.5")
+        deadline = time.monotonic() + 30
+        while top.output.count("cannot read the database") < 2 and time.monotonic() < deadline:
+            top.read()
+        screen = " ".join(ANSI.sub("", top.output).split())  # the line wraps at the terminal's width
+        assert screen.count("cannot read the database") >= 2, f"shown again at each refresh:\n{screen}"
+        assert "Connection refused" in screen and "(retrying every 0.5s)" in screen, screen
+        assert top.ctrl_c() == 0
 
 
 def test_top_once_prints_one_frame(pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
