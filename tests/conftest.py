@@ -35,6 +35,10 @@ postgresql = factories.postgresql("postgresql_proc")
 PG_PASSWORD = "pg-s3cret-Pw"
 postgresql_pw_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"),
                                                password=PG_PASSWORD, port=None)
+#: A server of its own for the test that stops and starts PostgreSQL mid-run, so that a restart
+#: that goes wrong on a loaded machine cannot take every later test's database with it.
+postgresql_outage_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"), port=None)
+postgresql_outage = factories.postgresql("postgresql_outage_proc")
 #: A third server with TLS (ssl=on). Its certificate and key are made by `pg_tls_files` before it
 #: starts, at a path fixed now because pytest-postgresql takes the server options when the
 #: fixture is defined (the pid keeps parallel sessions apart).
@@ -147,6 +151,13 @@ def _prepare(dsn: str) -> str:
 def pg_dsn(postgresql: Any) -> str:
     """A fresh PostgreSQL database with kstore's tables and the tests' effects table."""
     info = postgresql.info
+    return _prepare(f"postgresql+{PG_DRIVER}://{info.user}@{info.host}:{info.port}/{info.dbname}")
+
+
+@pytest.fixture
+def pg_outage_dsn(postgresql_outage: Any) -> str:
+    """Like ``pg_dsn``, on the server that ``postgresql_outage_proc`` stops and starts."""
+    info = postgresql_outage.info
     return _prepare(f"postgresql+{PG_DRIVER}://{info.user}@{info.host}:{info.port}/{info.dbname}")
 
 

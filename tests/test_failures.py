@@ -118,18 +118,20 @@ def test_retry_raised_twice_then_success_lands_once(pg_dsn: str, kafka: str, new
     assert all(n == 1 for o, n in proc.calls.items() if o >= 10), "later batches ran normally"
 
 
-def test_database_outage_rides_through(postgresql_proc: Any, pg_dsn: str, new_topic: Any, produce: Any,
-                                       workers: Any) -> None:
-    """PostgreSQL stopped for 10 s mid-run: the worker waits, retries, and carries on; each message once."""
+def test_database_outage_rides_through(postgresql_outage_proc: Any, pg_outage_dsn: str, new_topic: Any,
+                                       produce: Any, workers: Any) -> None:
+    """PostgreSQL stopped for 10 s mid-run (a server of its own): the worker waits, retries, and
+    carries on; each message once."""
+    pg_dsn = pg_outage_dsn
     topic = new_topic(partitions=3)
     producer = threading.Thread(target=lambda: [produce(topic, (f"v{i}-{j}" for j in range(50))) or time.sleep(0.1)
                                                 for i in range(40)])
     w = workers(pg_dsn, topic, "outage", env={"KSTORE_TEST_BATCH_SLEEP": "0.02"})
     producer.start()
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 60)
-    postgresql_proc.stop()
+    postgresql_outage_proc.stop()
     time.sleep(10)
-    postgresql_proc.start()
+    postgresql_outage_proc.start()
     wait_until(lambda: _accepts_connections(pg_dsn), 60, what="PostgreSQL back up")
     producer.join(60)
     wait_until(lambda: len(effects(pg_dsn)) >= 2000, 90, what="all 2,000 effects after the outage")
