@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
 from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, wait_until
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 
 def port_of(w: Any) -> int:
@@ -84,8 +84,14 @@ def test_metrics_and_readiness_of_a_worker_draining_a_backlog(
     assert get(port, "/livez")[0] == 200
     table_lock.rollback()  # the claim can land now
     wait_until(lambda: get(port, "/readyz")[0] == 200, 30, what="ready once claimed")
+    # Some batches commit; then the next waits (pause file) until the test lets it go, so the backlog
+    # cannot drain before the lag is scraped and the batch in flight is fenced, however fast the
+    # machine (what is left takes more than a second of the processor's sleeps alone).
+    wait_until(lambda: (stored_offsets(pg_dsn, group).get((topic, 0)) or 0) >= 20, 60, what="some batches")
+    pause.touch()
+    wait_until(lambda: Path(f"{pause}.batch").exists(), 30, what="a batch in flight")
 
-    # While the backlog drains, the lag is seen above 0, in messages and in seconds. A partition's
+    # While the backlog waits, the lag is seen above 0, in messages and in seconds. A partition's
     # seconds are absent until its messages are fetched (the log end can be known first), so one
     # scrape is waited for where both are seen on the same partition.
     def lagging() -> dict[int, tuple[float, float]] | None:
@@ -98,8 +104,6 @@ def test_metrics_and_readiness_of_a_worker_draining_a_backlog(
         assert messages > 0 and seconds > 0, (messages, seconds)
 
     # A batch in flight when an operator moves partition 0 back by 10: its commit is fenced.
-    pause.touch()
-    wait_until(lambda: Path(f"{pause}.batch").exists(), 30, what="a batch in flight")
     r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", group, "--topic", topic,
                         "--partition", "0", "--shift-by", "-10", "--clamp", "--dsn", pg_dsn,
                         "--bootstrap-servers", kafka, "--execute"], capture_output=True, text=True, timeout=60)
