@@ -13,8 +13,8 @@ the probe (:mod:`kstore.brokerprobe`) checks the brokers with the very same cont
 
 Other kafka-python options are accepted by name (``kafka_options``), checked against
 kafka-python's own list; the ones kstore must control (group, offset commits, the
-offset reset, deserializers, the assignment strategy) or has its own setting for are
-refused with a one-line reason.
+offset reset, deserializers, the assignment strategy, static membership) or has its own
+setting for are refused with a one-line reason.
 """
 
 from __future__ import annotations
@@ -81,11 +81,13 @@ _KSTORE_CONTROLS = {
     "value_deserializer": "messages reach the processor as bytes",
     "partition_assignment_strategy": "kstore's rebalance handling is built for the eager protocol",
     "kafka_client": "kstore relies on kafka-python's own network client",
+    "group_instance_id": "static membership lets a restarted worker take back its partitions without a "
+                         "rebalance, so the group's leader never checks which database it writes to "
+                         "(one pipeline, one database)",
 }
 #: Options whose default is None: the type their text form converts to.
 _TEXT_TYPES: dict[str, Callable[[str], Any]] = {
     "api_version": lambda raw: tuple(int(part) for part in raw.split(".")),
-    "group_instance_id": str,
     "proxy_url": str,
     "socks5_proxy": str,
     "receive_buffer_bytes": int,
