@@ -110,7 +110,10 @@ class _Queue:
     """Records of one owned partition that kstore fetched but has not delivered yet."""
 
     records: deque[Any] = field(default_factory=deque)
-    #: Offset the next fetched record must have at least; anything below is stale.
+    #: Offset the next fetched record must have at least; anything below is stale. Past the
+    #: last queued record when the consumer skipped offsets with nothing to deliver there
+    #: (transaction markers, records of aborted transactions): a batch that empties the queue
+    #: commits up to here, so the stored offset reaches the log end.
     next_fetch: int = 0
     #: A new value from the source's counter on every flush (never reused, even by a
     #: new queue of the same partition): a batch taken under another generation is stale.
@@ -248,6 +251,7 @@ class KafkaSource:
                     self._seek(tp, q.next_fetch)
                     continue
                 queued += self._enqueue(q, krecords)
+            self._note_skipped(before)
             if queued:
                 self._throttle()
                 self.changed.notify_all()
@@ -264,6 +268,38 @@ class KafkaSource:
         self._queued_bytes += records_size(krecords)
         self._queued_records += len(krecords)
         return len(krecords)
+
+    def _note_skipped(self, before: Mapping[TP, int]) -> None:
+        """After a poll: where the consumer moved past the last queued record with nothing to
+        return, remember its position. Lock held.
+
+        kafka-python moves its position past transaction markers and records of aborted
+        transactions (read_committed) without returning anything for them, sometimes in a
+        poll that returns no record at all. Only forward moves of partitions not flushed
+        during the poll count: every record the consumer returned below its position has
+        been queued (or dropped as stale, below ``next_fetch``), so nothing deliverable lies
+        between ``next_fetch`` and the position.
+        """
+        for tp, q in self._queues.items():
+            if before.get(tp) != q.generation:
+                continue
+            position = self._fetch_position(tp)
+            if position is not None and position > q.next_fetch:
+                q.next_fetch = position
+
+    def _fetch_position(self, tp: TP) -> int | None:
+        """The consumer's fetch position, from its own state: ``position()`` may ask the
+        brokers, or start a reset, and this runs after every poll."""
+        state = self.consumer._subscription.assignment.get(TopicPartition(*tp))
+        position = None if state is None else state.position
+        return None if position is None else int(position.offset)
+
+    def skipped(self, committed: Mapping[TP, int]) -> dict[TP, int]:
+        """Owned partitions with nothing queued whose consumer moved past their ``committed``
+        offset (transaction markers, aborted records only): ``{tp: offset to commit}``."""
+        with self.lock:
+            return {tp: q.next_fetch for tp, q in self._queues.items()
+                    if not q.records and tp in committed and q.next_fetch > committed[tp]}
 
     def _throttle(self) -> None:
         """Pause fetching while the queues hold ``max_buffered_bytes``; resume below half. Lock held.
@@ -321,7 +357,7 @@ class KafkaSource:
         batch: list[Record] = []
         ends: dict[TP, int] = {}
         with self.lock:
-            queues = [(tp, q.records) for tp, q in self._queues.items() if q.records and only in (None, tp)]
+            queues = [(tp, q) for tp, q in self._queues.items() if q.records and only in (None, tp)]
             if len(queues) > 1:
                 # Start one partition further each time: with fewer records wanted than
                 # partitions queued, the last ones would otherwise never be served.
@@ -329,13 +365,15 @@ class KafkaSource:
                 queues = queues[start:] + queues[:start]
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
-                for tp, records in queues:
+                for tp, q in queues:
+                    records = q.records
                     n = min(share, len(records), max_records - len(batch))
                     if n:
                         take = records.popleft
                         batch.extend([take() for _ in range(n)])
-                        ends[tp] = batch[-1].offset + 1
-                queues = [(tp, records) for tp, records in queues if records]
+                        # Emptied: up to where the consumer is (past any transaction marker).
+                        ends[tp] = batch[-1].offset + 1 if records else max(batch[-1].offset + 1, q.next_fetch)
+                queues = [(tp, q) for tp, q in queues if q.records]
             if batch:
                 self._queued_records -= len(batch)
                 self._queued_bytes -= records_size(batch)

@@ -97,6 +97,11 @@ _TEXT_TYPES: dict[str, Callable[[str], Any]] = {
     "ssl_crlfile": str,
     "ssl_ciphers": str,
 }
+#: Every consumer kstore makes reads only committed records of upstream transactions (records of
+#: aborted ones are skipped; the log end it sees is the last stable offset). ``isolation_level``
+#: among the Kafka options overrides it: ``read_uncommitted`` also delivers aborted records.
+DEFAULT_ISOLATION_LEVEL = "read_committed"
+ISOLATION_LEVELS = ("read_committed", "read_uncommitted")
 #: Options kstore folds into the SSL context it builds (kafka-python ignores them once given a context).
 _SSL_CONTEXT_OPTIONS = ("ssl_crlfile", "ssl_ciphers")
 
@@ -121,6 +126,9 @@ def check_kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if name not in known:
             raise ConfigurationError(f"unknown Kafka option {raw_name!r} (not a kafka-python consumer option)")
         checked[name] = _from_text(name, value, known[name]) if isinstance(value, str) else value
+    level = checked.get("isolation_level")
+    if level is not None and level not in ISOLATION_LEVELS:
+        raise ConfigurationError(f"Kafka option isolation_level must be {' or '.join(ISOLATION_LEVELS)}, got {level!r}")
     return checked
 
 
@@ -314,6 +322,7 @@ def client_config(settings: Any) -> dict[str, Any]:
 def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     """A KafkaConsumer with kstore's own settings (``kstore_config``) over the user's options."""
     config = client_config(settings)
+    config.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
     config.update(kstore_config)
     if settings.kafka_options:
         log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(settings.kafka_options.items())))

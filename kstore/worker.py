@@ -211,6 +211,8 @@ class Worker:
         self._notify_revoked()
         self._claim_pending()
         self._check_epochs()
+        if not self._advance_skipped():
+            return False
         return self.batches.process_next()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
@@ -412,6 +414,20 @@ class Worker:
             log.info("claimed %s", ", ".join(
                 f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
             self.processor.on_assigned([tp for tp in claimed if tp in offsets])
+
+    def _advance_skipped(self) -> bool:
+        """Move stored offsets past transaction markers and aborted records (see Ledger.advance),
+        before any batch: one whose answer was lost is settled first. False while the database fails."""
+        if self.batches.in_doubt is not None or not self._db_backoff.ready():
+            return True  # a batch's commit in doubt is settled first; a failing database waits
+        try:
+            moved = self.ledger.advance()
+            if moved:
+                self._recheck(moved)
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+            self._db_backoff.failed("move offsets past transaction markers", exc)
+            return False
+        return True
 
     def _check_epochs(self) -> None:
         """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""

@@ -50,6 +50,7 @@ def test_kafka_options_are_converted_to_the_options_type(options: dict[str, Any]
     ("ssl_password", "x", "use ssl_key_password"),
     ("fetch_max_bytes", "lots", "fetch_max_bytes='lots' is not a valid int"),
     ("check_crcs", "maybe", "not a valid boolean"),
+    ("isolation_level", "committed", "isolation_level must be read_committed or read_uncommitted"),
     ("metric_reporters", "x", "cannot be given as text"),
 ])
 def test_bad_kafka_options_are_refused_with_the_reason(name: str, value: str, said: str) -> None:
