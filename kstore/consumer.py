@@ -48,7 +48,13 @@ from typing import Any, Literal, Protocol
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import IllegalStateError, KafkaError
+from kafka.errors import (
+    IllegalStateError,
+    KafkaError,
+    LogTruncationError,
+    NoOffsetForPartitionError,
+    OffsetOutOfRangeError,
+)
 from kafka.structs import MemberState
 
 from .errors import BrokerError, ConfigurationError
@@ -178,6 +184,9 @@ class KafkaSource:
         #: Offsets committed to the database, to mirror to Kafka (``mirror_offsets``) on the fetch thread.
         self._mirror: dict[TP, int] = {}
         self._events_lock = threading.Lock()  # the only lock the IO thread takes
+        #: Owned partitions kafka-python could not fetch from, paused: the offset it wanted and,
+        #: if the log was truncated below it, what it said (the worker places them again).
+        self._unfetchable: dict[TP, tuple[int, str | None]] = {}
         self.consumer = self._connect()
 
     def _connect(self) -> Any:
@@ -189,7 +198,11 @@ class KafkaSource:
             # Offsets live in the database; Kafka's committed offsets are
             # never written (kafka-python seeks to any it finds).
             enable_auto_commit=False,
-            auto_offset_reset="earliest",
+            # Never move a position by itself: with a policy, kafka-python silently resets a
+            # position that left the log (retention deleted records not yet processed, a
+            # truncation) and the messages skipped go unnoticed. With "none" it raises, and
+            # kstore places the partition again itself, loudly (see poll).
+            auto_offset_reset="none",
             allow_auto_create_topics=False,
             max_poll_records=s.max_poll_records,
             session_timeout_ms=s.session_timeout_ms,
@@ -236,7 +249,11 @@ class KafkaSource:
         """
         with self.lock:
             before = {tp: q.generation for tp, q in self._queues.items()}
-        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        try:
+            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except (OffsetOutOfRangeError, LogTruncationError, NoOffsetForPartitionError) as exc:
+            self._cannot_fetch(exc)
+            return 0
         queued = 0
         with self.lock:
             for ktp, krecords in batches.items():
@@ -268,6 +285,51 @@ class KafkaSource:
         self._queued_bytes += records_size(krecords)
         self._queued_records += len(krecords)
         return len(krecords)
+
+    def _cannot_fetch(self, exc: KafkaError) -> None:
+        """kafka-python has no reset policy (``auto_offset_reset="none"``) and raised for some
+        partitions: pause them, and note the owned ones for the worker (:meth:`unfetchable`).
+
+        Out of range: its position is no longer in the log (below the log start, or past
+        the end). Truncated: the log was cut below its position (kafka-python keeps the
+        position). No offset: a partition assigned but not sought yet; the listener gives
+        every new partition a position, so only a race can do that: it gets the same
+        placeholder, paused until its claim seeks it.
+        """
+        found: dict[Any, tuple[int | None, str | None]] = {}
+        if isinstance(exc, OffsetOutOfRangeError) and exc.args and isinstance(exc.args[0], dict):
+            found = {ktp: (int(offset), None) for ktp, offset in exc.args[0].items()}
+        elif isinstance(exc, LogTruncationError):
+            found = {ktp: (None, f"the log was truncated below this worker's position (first diverging offset "
+                                 f"{'unknown' if d is None else d.offset}; an unclean leader election?)")
+                     for ktp, d in exc.divergent_offsets.items()}
+        elif isinstance(exc, NoOffsetForPartitionError) and exc.args:
+            with self.lock:
+                for ktp in exc.args[0]:
+                    self._pause([(ktp.topic, ktp.partition)])
+                    self._seek((ktp.topic, ktp.partition), 0)
+            return
+        with self.lock:
+            for ktp, (offset, truncated) in found.items():
+                tp = (ktp.topic, ktp.partition)
+                self._pause([tp])
+                q = self._queues.get(tp)
+                if q is None:
+                    log.debug("%s[%d] cannot be fetched (%s) but is not delivered here: left paused", *tp, exc)
+                    continue
+                if offset is not None and offset != q.next_fetch:
+                    # Not where kstore reads from (a seek overtook the fetch): read from there.
+                    self._seek(tp, q.next_fetch)
+                    if not self._throttled:
+                        self._resume([tp])
+                    continue
+                self._unfetchable[tp] = (q.next_fetch, truncated)
+
+    def unfetchable(self) -> dict[TP, tuple[int, str | None]]:
+        """Owned partitions kafka-python could not fetch from: ``{tp: (offset, truncated)}``,
+        paused until :meth:`own` places them again (or they are disowned)."""
+        with self.lock:
+            return dict(self._unfetchable)
 
     def _note_skipped(self, before: Mapping[TP, int]) -> None:
         """After a poll: where the consumer moved past the last queued record with nothing to
@@ -313,7 +375,7 @@ class KafkaSource:
             self._pause(self._queues)
         elif self._throttled and self._queued_bytes <= limit // 2:
             self._throttled = False
-            self._resume(self._queues)
+            self._resume(tp for tp in self._queues if tp not in self._unfetchable)
 
     def room(self, limit: int, timeout_s: float) -> int:
         """How many records may be queued before ``limit`` is reached; waits up to
@@ -452,6 +514,7 @@ class KafkaSource:
         """Start delivering ``tp`` from ``offset``: flush, seek, resume. Caller holds :attr:`lock`."""
         q = self._queues.setdefault(tp, _Queue())
         self._flush(q)
+        self._unfetchable.pop(tp, None)
         q.next_fetch = offset
         self._seek(tp, offset)
         if self._throttled:
@@ -494,6 +557,7 @@ class KafkaSource:
         with self.lock:
             for tp in tps:
                 q = self._queues.pop(tp, None)
+                self._unfetchable.pop(tp, None)
                 if q is not None:
                     self._flush(q)
                 if pause:

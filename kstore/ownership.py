@@ -31,7 +31,7 @@ from sqlalchemy import Connection
 from .consumer import TP, KafkaSource
 from .errors import FencedError, InvalidOffsetError, KstoreError
 from .settings import Settings, parse_start_policy
-from .store import WRITES, Claim, Position, Row, Store, first_line
+from .store import Claim, Position, Row, Store, first_line
 from .targets import Target, check_target, policy_offset
 
 log = logging.getLogger("kstore.worker")
@@ -303,37 +303,6 @@ class Ledger:
         return out
 
     # -- for the batch loop -------------------------------------------------------
-
-    def advance(self) -> list[TP]:
-        """Move stored offsets over what the consumer skipped with nothing to deliver there
-        (transaction markers, records of aborted transactions), for owned partitions with
-        nothing queued: without it, a log ending in a marker would show a lag of 1 for good.
-
-        One compare-and-set like a batch's (epoch and stored offset), with no effects, so
-        rows that match commit even if others did not. A row that did not match is read
-        back: at the new offset under this epoch, an earlier advance whose answer was lost
-        landed; moved otherwise, it is returned for :meth:`recheck`. Raises SQLAlchemyError
-        if the database fails: nothing is noted, and the next call settles it the same way.
-        Returns the partitions whose rows moved under this worker.
-        """
-        with self.source.lock:
-            committed = {tp: o.committed for tp, o in self.owned.items()}
-            positions = {tp: (committed[tp], end, self.owned[tp].epoch)
-                         for tp, end in self.source.skipped(committed).items()}
-        if not positions:
-            return []
-        with self.store.engine.connect() as conn, conn.execution_options(**WRITES).begin():
-            unmatched = self.store.commit_offsets(conn, self.group, positions)
-        moved: list[TP] = []
-        if unmatched:
-            rows = self.store.rows(self.group, partitions=unmatched)
-            moved = sorted(tp for tp in unmatched if tp not in rows
-                           or (rows[tp].epoch, rows[tp].next_offset) != (positions[tp][2], positions[tp][1]))
-            positions = {tp: pos for tp, pos in positions.items() if tp not in moved}
-        self.committed(positions)
-        log.debug("moved past transaction markers: %s", ", ".join(
-            f"{t}[{p}] {start}->{end}" for (t, p), (start, end, _) in sorted(positions.items())))
-        return moved
 
     def positions(self, ends: Mapping[TP, int]) -> dict[TP, Position]:
         """What a batch ending at ``ends`` commits: ``(stored offset, new offset, epoch)`` per partition.
