@@ -88,3 +88,32 @@ def test_records_deleted_past_the_position_are_reported_and_the_worker_carries_o
     assert total(samples, "kstore_position_resets_total") == 1
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent | {m for m in later if m[2] >= 150})
+
+
+def test_a_partition_waiting_for_its_claim_never_fails_the_worker(
+        kafka: str, admin: Any, new_topic: Any, produce: Any, pg_dsn: str, workers: Any) -> None:
+    """Without a reset policy, a partition assigned but not yet claimed (its claim waits for a
+    locked table) has only kstore's placeholder position, below the log start here: paused, it is
+    never fetched, so nothing raises; once claimed it starts at the log start, with no out-of-range."""
+    topic = new_topic(2)
+    group = f"g-{topic}"
+    produce(topic, [f"a{i}" for i in range(50)], partition=0)
+    kept = set(produce(topic, [f"b{i}" for i in range(50)], partition=1))
+    admin.delete_records({TopicPartition(topic, 0): 30})
+    engine = sa.create_engine(pg_dsn)
+    conn = engine.connect()
+    lock = conn.begin()
+    conn.execute(sa.text("LOCK TABLE kstore_offsets IN ACCESS EXCLUSIVE MODE"))
+    try:
+        w = workers(pg_dsn, topic, group, env={"KSTORE_CLAIM_LOCK_TIMEOUT_MS": "300"})
+        w.wait_for_log("could not claim", count=3)
+        assert w.proc.poll() is None, w.log
+    finally:
+        lock.rollback()
+        conn.close()
+        engine.dispose()
+    wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): 50, (topic, 1): 50}, 60,
+               what="both partitions processed once claimed")
+    assert w.terminate() == 0
+    assert "out of range" not in w.log and "Traceback" not in w.log
+    assert_exactly_once(effects(pg_dsn), kept | {(topic, 0, o) for o in range(30, 50)})
