@@ -350,9 +350,17 @@ class KafkaSource:
                 q.next_fetch = position
 
     def _fetch_position(self, tp: TP) -> int | None:
-        """The consumer's fetch position, from its own state: ``position()`` may ask the
-        brokers, or start a reset, and this runs after every poll."""
-        state = self.consumer._subscription.assignment.get(TopicPartition(*tp))
+        """The consumer's fetch position, from kafka-python's own state: its ``position()``
+        may ask the brokers, or start a reset, and this runs after every poll. A consumer
+        that is not kafka-python's (a test double) is asked through ``position()``."""
+        subscription = getattr(self.consumer, "_subscription", None)
+        if subscription is None:
+            try:
+                found = self.consumer.position(TopicPartition(*tp))
+            except IllegalStateError:
+                return None
+            return None if found is None else int(found)
+        state = subscription.assignment.get(TopicPartition(*tp))
         position = None if state is None else state.position
         return None if position is None else int(position.offset)
 
