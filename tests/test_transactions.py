@@ -53,11 +53,11 @@ def produce_transactions(kafka: str, topic: str) -> tuple[Offsets, Offsets]:
     return committed, aborted
 
 
-def log_ends(kafka: str, topic: str) -> dict[tuple[str, int], int]:
+def log_ends(kafka: str, topic: str, partitions: int = PARTITIONS) -> dict[tuple[str, int], int]:
     """The log end of each partition (past the last transaction marker)."""
     consumer = KafkaConsumer(bootstrap_servers=kafka)
     try:
-        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
         return {(tp.topic, tp.partition): end for tp, end in consumer.end_offsets(tps).items()}
     finally:
         consumer.close()
@@ -108,3 +108,29 @@ def test_read_uncommitted_when_asked_delivers_aborted_records(
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), committed | aborted)
     assert "isolation_level='read_uncommitted'" in w.log
+
+
+def test_an_open_transaction_is_delivered_once_it_commits(
+        kafka: str, new_topic: Any, produce: Any, pg_dsn: str, workers: Any) -> None:
+    """Records of a transaction still open are not processed (the consumer stops at the last
+    stable offset); once it commits they are, once each, and the offset moves past its marker."""
+    topic = new_topic(1)
+    group = f"g-{topic}"
+    before = set(produce(topic, [f"plain{i}" for i in range(10)], partition=0))
+    producer = KafkaProducer(bootstrap_servers=kafka, transactional_id=f"tx-{uuid.uuid4().hex[:8]}")
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        futures = [producer.send(topic, value=f"open{i}".encode(), partition=0) for i in range(10)]
+        producer.flush()
+        open_records = {(m.topic, m.partition, m.offset) for m in (f.get(timeout=30) for f in futures)}
+        w = workers(pg_dsn, topic, group)
+        wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): 10}, 60, what="the plain records processed")
+        assert set(effects(pg_dsn)) == before  # nothing of the open transaction
+        producer.commit_transaction()
+    finally:
+        producer.close()
+    wait_until(lambda: stored_offsets(pg_dsn, group) == log_ends(kafka, topic, 1), 60,
+               what="the committed transaction processed, its marker passed")
+    assert w.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), before | open_records)
