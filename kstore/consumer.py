@@ -48,7 +48,13 @@ from typing import Any, Literal, Protocol
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import IllegalStateError, KafkaError
+from kafka.errors import (
+    IllegalStateError,
+    KafkaError,
+    LogTruncationError,
+    NoOffsetForPartitionError,
+    OffsetOutOfRangeError,
+)
 from kafka.structs import MemberState
 
 from .errors import BrokerError, ConfigurationError
@@ -110,7 +116,10 @@ class _Queue:
     """Records of one owned partition that kstore fetched but has not delivered yet."""
 
     records: deque[Any] = field(default_factory=deque)
-    #: Offset the next fetched record must have at least; anything below is stale.
+    #: Offset the next fetched record must have at least; anything below is stale. Past the
+    #: last queued record when the consumer skipped offsets with nothing to deliver there
+    #: (transaction markers, records of aborted transactions): a batch that empties the queue
+    #: commits up to here, so the stored offset reaches the log end.
     next_fetch: int = 0
     #: A new value from the source's counter on every flush (never reused, even by a
     #: new queue of the same partition): a batch taken under another generation is stale.
@@ -175,6 +184,9 @@ class KafkaSource:
         #: Offsets committed to the database, to mirror to Kafka (``mirror_offsets``) on the fetch thread.
         self._mirror: dict[TP, int] = {}
         self._events_lock = threading.Lock()  # the only lock the IO thread takes
+        #: Owned partitions kafka-python could not fetch from, paused: the offset it wanted and,
+        #: if the log was truncated below it, what it said (the worker places them again).
+        self._unfetchable: dict[TP, tuple[int, str | None]] = {}
         self.consumer = self._connect()
 
     def _connect(self) -> Any:
@@ -186,7 +198,11 @@ class KafkaSource:
             # Offsets live in the database; Kafka's committed offsets are
             # never written (kafka-python seeks to any it finds).
             enable_auto_commit=False,
-            auto_offset_reset="earliest",
+            # Never move a position by itself: with a policy, kafka-python silently resets a
+            # position that left the log (retention deleted records not yet processed, a
+            # truncation) and the messages skipped go unnoticed. With "none" it raises, and
+            # kstore places the partition again itself, loudly (see poll).
+            auto_offset_reset="none",
             allow_auto_create_topics=False,
             max_poll_records=s.max_poll_records,
             session_timeout_ms=s.session_timeout_ms,
@@ -233,7 +249,11 @@ class KafkaSource:
         """
         with self.lock:
             before = {tp: q.generation for tp, q in self._queues.items()}
-        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        try:
+            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except (OffsetOutOfRangeError, LogTruncationError, NoOffsetForPartitionError) as exc:
+            self._cannot_fetch(exc)
+            return 0
         queued = 0
         with self.lock:
             for ktp, krecords in batches.items():
@@ -248,6 +268,7 @@ class KafkaSource:
                     self._seek(tp, q.next_fetch)
                     continue
                 queued += self._enqueue(q, krecords)
+            self._note_skipped(before)
             if queued:
                 self._throttle()
                 self.changed.notify_all()
@@ -265,6 +286,91 @@ class KafkaSource:
         self._queued_records += len(krecords)
         return len(krecords)
 
+    def _cannot_fetch(self, exc: KafkaError) -> None:
+        """kafka-python has no reset policy (``auto_offset_reset="none"``) and raised for some
+        partitions: pause them, and note the owned ones for the worker (:meth:`unfetchable`).
+
+        Out of range: its position is no longer in the log (below the log start, or past
+        the end). Truncated: the log was cut below its position (kafka-python keeps the
+        position). No offset: a partition assigned but not sought yet; the listener gives
+        every new partition a position, so only a race can do that: it gets the same
+        placeholder, paused until its claim seeks it.
+        """
+        found: dict[Any, tuple[int | None, str | None]] = {}
+        if isinstance(exc, OffsetOutOfRangeError) and exc.args and isinstance(exc.args[0], dict):
+            found = {ktp: (int(offset), None) for ktp, offset in exc.args[0].items()}
+        elif isinstance(exc, LogTruncationError):
+            found = {ktp: (None, f"the log was truncated below this worker's position (first diverging offset "
+                                 f"{'unknown' if d is None else d.offset}; an unclean leader election?)")
+                     for ktp, d in exc.divergent_offsets.items()}
+        elif isinstance(exc, NoOffsetForPartitionError) and exc.args:
+            with self.lock:
+                for ktp in exc.args[0]:
+                    self._pause([(ktp.topic, ktp.partition)])
+                    self._seek((ktp.topic, ktp.partition), 0)
+            return
+        with self.lock:
+            for ktp, (offset, truncated) in found.items():
+                tp = (ktp.topic, ktp.partition)
+                self._pause([tp])
+                q = self._queues.get(tp)
+                if q is None:
+                    log.debug("%s[%d] cannot be fetched (%s) but is not delivered here: left paused", *tp, exc)
+                    continue
+                if offset is not None and offset != q.next_fetch:
+                    # Not where kstore reads from (a seek overtook the fetch): read from there.
+                    self._seek(tp, q.next_fetch)
+                    if not self._throttled:
+                        self._resume([tp])
+                    continue
+                self._unfetchable[tp] = (q.next_fetch, truncated)
+
+    def unfetchable(self) -> dict[TP, tuple[int, str | None]]:
+        """Owned partitions kafka-python could not fetch from: ``{tp: (offset, truncated)}``,
+        paused until :meth:`own` places them again (or they are disowned)."""
+        with self.lock:
+            return dict(self._unfetchable)
+
+    def _note_skipped(self, before: Mapping[TP, int]) -> None:
+        """After a poll: where the consumer moved past the last queued record with nothing to
+        return, remember its position. Lock held.
+
+        kafka-python moves its position past transaction markers and records of aborted
+        transactions (read_committed) without returning anything for them, sometimes in a
+        poll that returns no record at all. Only forward moves of partitions not flushed
+        during the poll count: every record the consumer returned below its position has
+        been queued (or dropped as stale, below ``next_fetch``), so nothing deliverable lies
+        between ``next_fetch`` and the position.
+        """
+        for tp, q in self._queues.items():
+            if before.get(tp) != q.generation:
+                continue
+            position = self._fetch_position(tp)
+            if position is not None and position > q.next_fetch:
+                q.next_fetch = position
+
+    def _fetch_position(self, tp: TP) -> int | None:
+        """The consumer's fetch position, from kafka-python's own state: its ``position()``
+        may ask the brokers, or start a reset, and this runs after every poll. A consumer
+        that is not kafka-python's (a test double) is asked through ``position()``."""
+        subscription = getattr(self.consumer, "_subscription", None)
+        if subscription is None:
+            try:
+                found = self.consumer.position(TopicPartition(*tp))
+            except IllegalStateError:
+                return None
+            return None if found is None else int(found)
+        state = subscription.assignment.get(TopicPartition(*tp))
+        position = None if state is None else state.position
+        return None if position is None else int(position.offset)
+
+    def skipped(self, committed: Mapping[TP, int]) -> dict[TP, int]:
+        """Owned partitions with nothing queued whose consumer moved past their ``committed``
+        offset (transaction markers, aborted records only): ``{tp: offset to commit}``."""
+        with self.lock:
+            return {tp: q.next_fetch for tp, q in self._queues.items()
+                    if not q.records and tp in committed and q.next_fetch > committed[tp]}
+
     def _throttle(self) -> None:
         """Pause fetching while the queues hold ``max_buffered_bytes``; resume below half. Lock held.
 
@@ -277,7 +383,7 @@ class KafkaSource:
             self._pause(self._queues)
         elif self._throttled and self._queued_bytes <= limit // 2:
             self._throttled = False
-            self._resume(self._queues)
+            self._resume(tp for tp in self._queues if tp not in self._unfetchable)
 
     def room(self, limit: int, timeout_s: float) -> int:
         """How many records may be queued before ``limit`` is reached; waits up to
@@ -321,7 +427,7 @@ class KafkaSource:
         batch: list[Record] = []
         ends: dict[TP, int] = {}
         with self.lock:
-            queues = [(tp, q.records) for tp, q in self._queues.items() if q.records and only in (None, tp)]
+            queues = [(tp, q) for tp, q in self._queues.items() if q.records and only in (None, tp)]
             if len(queues) > 1:
                 # Start one partition further each time: with fewer records wanted than
                 # partitions queued, the last ones would otherwise never be served.
@@ -329,13 +435,15 @@ class KafkaSource:
                 queues = queues[start:] + queues[:start]
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
-                for tp, records in queues:
+                for tp, q in queues:
+                    records = q.records
                     n = min(share, len(records), max_records - len(batch))
                     if n:
                         take = records.popleft
                         batch.extend([take() for _ in range(n)])
-                        ends[tp] = batch[-1].offset + 1
-                queues = [(tp, records) for tp, records in queues if records]
+                        # Emptied: up to where the consumer is (past any transaction marker).
+                        ends[tp] = batch[-1].offset + 1 if records else max(batch[-1].offset + 1, q.next_fetch)
+                queues = [(tp, q) for tp, q in queues if q.records]
             if batch:
                 self._queued_records -= len(batch)
                 self._queued_bytes -= records_size(batch)
@@ -414,6 +522,7 @@ class KafkaSource:
         """Start delivering ``tp`` from ``offset``: flush, seek, resume. Caller holds :attr:`lock`."""
         q = self._queues.setdefault(tp, _Queue())
         self._flush(q)
+        self._unfetchable.pop(tp, None)
         q.next_fetch = offset
         self._seek(tp, offset)
         if self._throttled:
@@ -456,6 +565,7 @@ class KafkaSource:
         with self.lock:
             for tp in tps:
                 q = self._queues.pop(tp, None)
+                self._unfetchable.pop(tp, None)
                 if q is not None:
                     self._flush(q)
                 if pause:

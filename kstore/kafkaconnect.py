@@ -13,8 +13,8 @@ the probe (:mod:`kstore.brokerprobe`) checks the brokers with the very same cont
 
 Other kafka-python options are accepted by name (``kafka_options``), checked against
 kafka-python's own list; the ones kstore must control (group, offset commits, the
-offset reset, deserializers, the assignment strategy) or has its own setting for are
-refused with a one-line reason.
+offset reset, deserializers, the assignment strategy, static membership) or has its own
+setting for are refused with a one-line reason.
 """
 
 from __future__ import annotations
@@ -81,11 +81,13 @@ _KSTORE_CONTROLS = {
     "value_deserializer": "messages reach the processor as bytes",
     "partition_assignment_strategy": "kstore's rebalance handling is built for the eager protocol",
     "kafka_client": "kstore relies on kafka-python's own network client",
+    "group_instance_id": "static membership lets a restarted worker take back its partitions without a "
+                         "rebalance, so the group's leader never checks which database it writes to "
+                         "(one pipeline, one database)",
 }
 #: Options whose default is None: the type their text form converts to.
 _TEXT_TYPES: dict[str, Callable[[str], Any]] = {
     "api_version": lambda raw: tuple(int(part) for part in raw.split(".")),
-    "group_instance_id": str,
     "proxy_url": str,
     "socks5_proxy": str,
     "receive_buffer_bytes": int,
@@ -95,6 +97,11 @@ _TEXT_TYPES: dict[str, Callable[[str], Any]] = {
     "ssl_crlfile": str,
     "ssl_ciphers": str,
 }
+#: Every consumer kstore makes reads only committed records of upstream transactions (records of
+#: aborted ones are skipped; the log end it sees is the last stable offset). ``isolation_level``
+#: among the Kafka options overrides it: ``read_uncommitted`` also delivers aborted records.
+DEFAULT_ISOLATION_LEVEL = "read_committed"
+ISOLATION_LEVELS = ("read_committed", "read_uncommitted")
 #: Options kstore folds into the SSL context it builds (kafka-python ignores them once given a context).
 _SSL_CONTEXT_OPTIONS = ("ssl_crlfile", "ssl_ciphers")
 
@@ -119,6 +126,9 @@ def check_kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if name not in known:
             raise ConfigurationError(f"unknown Kafka option {raw_name!r} (not a kafka-python consumer option)")
         checked[name] = _from_text(name, value, known[name]) if isinstance(value, str) else value
+    level = checked.get("isolation_level")
+    if level is not None and level not in ISOLATION_LEVELS:
+        raise ConfigurationError(f"Kafka option isolation_level must be {' or '.join(ISOLATION_LEVELS)}, got {level!r}")
     return checked
 
 
@@ -312,6 +322,7 @@ def client_config(settings: Any) -> dict[str, Any]:
 def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     """A KafkaConsumer with kstore's own settings (``kstore_config``) over the user's options."""
     config = client_config(settings)
+    config.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
     config.update(kstore_config)
     if settings.kafka_options:
         log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(settings.kafka_options.items())))

@@ -36,6 +36,9 @@ LAG_SECONDS_HELP = "Age of the oldest message not yet committed (0 when caught u
 
 #: Why a batch's transaction was rolled back (the ``reason`` label).
 ROLLBACK_REASONS = ("error", "fenced", "database", "in_doubt", "shutdown")
+#: Why kstore placed a partition again because its position left the log (the ``reason`` label;
+#: see kstore.positions): moved to start_from, or held for an operator.
+POSITION_RESET_REASONS = ("below_log_start", "past_log_end", "truncated")
 
 _SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -117,8 +120,14 @@ class Metrics:
                                   registry=r)
         self._in_doubt = Counter("kstore_in_doubt_resolved", "COMMITs whose answer was lost, read back: outcome "
                                  "landed or not_landed.", ["group", "outcome"], registry=r)
+        self._position_resets = Counter(
+            "kstore_position_resets", "Positions that left the log (records deleted before they were processed, a "
+            "truncation), by reason: below_log_start (moved to start_from), past_log_end or truncated (held).",
+            ["group", "reason"], registry=r)
         for reason in ROLLBACK_REASONS:
             self._rolled_back.labels(group, reason)
+        for reason in POSITION_RESET_REASONS:
+            self._position_resets.labels(group, reason)
         for outcome in ("landed", "not_landed"):
             self._in_doubt.labels(group, outcome)
         for counter in (self._batches, self._rebalances, self._fenced, self._retries, self._dead_letters,
@@ -166,6 +175,9 @@ class Metrics:
 
     def database_error(self) -> None:
         self._db_errors.labels(self.group).inc()
+
+    def position_reset(self, reason: str) -> None:
+        self._position_resets.labels(self.group, reason).inc()
 
     def in_doubt_resolved(self, landed: bool) -> None:
         self._in_doubt.labels(self.group, "landed" if landed else "not_landed").inc()

@@ -63,6 +63,8 @@ class Settings:
     ssl_check_hostname: bool = True
     #: Any other kafka-python consumer option by name, e.g. ``{"fetch_max_bytes": 1048576}``;
     #: text values are converted to the option's type, and names checked, when Settings is made.
+    #: ``isolation_level`` is ``read_committed`` unless set here: records of aborted upstream
+    #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: Overrides the processor's ``group`` when set.
     group: str | None = None

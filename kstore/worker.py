@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from . import positions
 from .batches import Batches
 from .consumer import TP, KafkaSource
 from .errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
@@ -211,6 +212,8 @@ class Worker:
         self._notify_revoked()
         self._claim_pending()
         self._check_epochs()
+        if not self._follow_positions():
+            return False
         return self.batches.process_next()
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
@@ -412,6 +415,24 @@ class Worker:
             log.info("claimed %s", ", ".join(
                 f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
             call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
+
+    def _follow_positions(self) -> bool:
+        """Where the consumer moved, or could not fetch, by itself (see kstore.positions): move
+        stored offsets past transaction markers, place again partitions whose position left the
+        log. Before any batch, so one whose answer was lost is settled first. False while the
+        database fails."""
+        if self.batches.in_doubt is not None or not self._db_backoff.ready():
+            return True  # a batch's commit in doubt is settled first; a failing database waits
+        try:
+            moved = positions.advance(self.ledger)
+            if moved:
+                self._recheck(moved)
+            for _tp, reason in positions.relocate(self.ledger):
+                self.metrics.position_reset(reason)
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+            self._db_backoff.failed("follow the consumer's positions", exc)
+            return False
+        return True
 
     def _check_epochs(self) -> None:
         """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""

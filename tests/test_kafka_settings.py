@@ -32,7 +32,6 @@ class Provider(AbstractTokenProvider):  # type: ignore[misc]
     ({"check_crcs": "false"}, {"check_crcs": False}),
     ({"isolation_level": "read_committed"}, {"isolation_level": "read_committed"}),
     ({"api_version": "3.7"}, {"api_version": (3, 7)}),
-    ({"group_instance_id": "pod-1"}, {"group_instance_id": "pod-1"}),
     ({"request_timeout_ms": 40_000}, {"request_timeout_ms": 40_000}),  # a Python value is kept as it is
 ])
 def test_kafka_options_are_converted_to_the_options_type(options: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -45,11 +44,13 @@ def test_kafka_options_are_converted_to_the_options_type(options: dict[str, Any]
     ("enable_auto_commit", "true", "offsets live in the database"),
     ("auto_offset_reset", "latest", "start_from"),
     ("value_deserializer", "x", "as bytes"),
+    ("group_instance_id", "pod-1", "the group's leader never checks which database it writes to"),
     ("max_poll_records", "10", "a kstore setting of its own: use max_poll_records (KSTORE_MAX_POLL_RECORDS)"),
     ("sasl_plain_password", "x", "use sasl_password (KSTORE_SASL_PASSWORD)"),
     ("ssl_password", "x", "use ssl_key_password"),
     ("fetch_max_bytes", "lots", "fetch_max_bytes='lots' is not a valid int"),
     ("check_crcs", "maybe", "not a valid boolean"),
+    ("isolation_level", "committed", "isolation_level must be read_committed or read_uncommitted"),
     ("metric_reporters", "x", "cannot be given as text"),
 ])
 def test_bad_kafka_options_are_refused_with_the_reason(name: str, value: str, said: str) -> None:
