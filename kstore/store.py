@@ -565,9 +565,11 @@ def _commit_params(group: str, positions: Mapping[TopicPartition, Position]) -> 
     return params
 
 
-#: Of those, the ones that describe the database whatever a batch does (a read-only replica, a
-#: full disk, too many connections): it answers a probe in that state, yet no batch is to blame.
-_STATE_SQLSTATES = ("25006", "53")
+#: Of those, the ones that describe the database or its other sessions whatever a batch does:
+#: a read-only replica, a full disk or too many connections, and contention with another
+#: transaction (a serialization failure, a deadlock, a lock not had in time). The database answers
+#: a probe meanwhile, yet no batch is to blame: they are retried as they are for as long as they last.
+_STATE_SQLSTATES = ("25006", "53", "40", "55P03")
 
 
 def sqlstate(exc: BaseException) -> str | None:
@@ -578,8 +580,9 @@ def sqlstate(exc: BaseException) -> str | None:
 
 
 def database_state(exc: BaseException) -> bool:
-    """True for a transient error that describes the database's state rather than anything a batch
-    did (see :data:`_STATE_SQLSTATES`): kstore.batches never takes it for the batch's failure."""
+    """True for a transient error that describes the database's state or its other sessions' rather
+    than anything a batch did (see :data:`_STATE_SQLSTATES`): kstore.batches never takes it for the
+    batch's failure."""
     code = sqlstate(exc)
     return code is not None and code.startswith(_STATE_SQLSTATES)
 

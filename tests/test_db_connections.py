@@ -71,10 +71,15 @@ def test_what_a_batch_did_is_not_transient(code: str) -> None:
     assert not transient(_pg_error(code))
 
 
-def test_a_read_only_or_full_database_is_never_taken_for_a_batchs_failure() -> None:
+@pytest.mark.parametrize("code", ["25006", "53100", "40001", "40P01", "55P03"])
+def test_a_read_only_or_full_or_contended_database_is_never_taken_for_a_batchs_failure(code: str) -> None:
     """It answers a probe, yet no batch is to blame: never narrowed down to a message."""
-    assert database_state(_pg_error("25006")) and database_state(_pg_error("53100"))
-    assert not database_state(_pg_error("57014")) and not database_state(_pg_error("08006"))
+    assert database_state(_pg_error(code))
+
+
+@pytest.mark.parametrize("code", ["57014", "57P01", "08006", "25P03"])
+def test_a_cut_or_cancelled_session_may_be_the_batchs_own_doing(code: str) -> None:
+    assert not database_state(_pg_error(code))
 
 
 def test_a_real_read_only_transaction_is_transient(pg_dsn: str) -> None:
