@@ -179,3 +179,25 @@ class Contended(Processor):
                 time.sleep(0.02)
             execute(sa.text("UPDATE promise_counter SET n = n + 1 WHERE id = 1"))
         execute(INSERT_TEXT, _row(msg))
+
+
+class LocksItsOffsetRow(Processor):
+    """Writes one effect row per message; in the batch holding offset ``KSTORE_TEST_HANG_AT`` it
+    also takes its partition's offsets row lock (``SELECT ... FOR UPDATE``, the lock its commit's
+    UPDATE takes), creates ``KSTORE_TEST_HANG_FILE`` and sleeps: a test then SIGSTOPs it, a zombie
+    inside its transaction holding the row a new owner's claim must lock."""
+
+    group = "locks-its-row"
+    value_format = "str"
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        name = os.environ.get("KSTORE_TEST_WORKER_NAME", "z")
+        for msg in msgs:
+            self.session.execute(INSERT_TEXT, _row(msg, worker=name))
+        hang_at, hang_file = int(os.environ.get("KSTORE_TEST_HANG_AT", "-1")), os.environ.get("KSTORE_TEST_HANG_FILE")
+        if hang_file and not Path(hang_file).exists() and any(m.offset == hang_at for m in msgs):
+            self.session.execute(sa.text(
+                "SELECT next_offset FROM kstore_offsets WHERE topic = :t AND partition_id = :p FOR UPDATE"),
+                {"t": msgs[0].topic, "p": msgs[0].partition})
+            Path(hang_file).write_text(",".join(str(m.offset) for m in msgs))
+            time.sleep(3600)
