@@ -39,12 +39,12 @@ def test_the_idle_in_transaction_timeout_ends_a_sigstopped_zombies_transaction(
     zombie = workers(pg_dsn, topic, "zombie-lock", "promise_processors:LocksItsOffsetRow", env={
         "KSTORE_TEST_HANG_AT": "0", "KSTORE_TEST_HANG_FILE": str(hang),
         "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": str(ZOMBIE_IDLE_TIMEOUT_MS)})
-    wait_until(hang.exists, 60, interval=0.02, what="the zombie inside its batch, holding the row")
+    wait_until(hang.exists, 180, interval=0.02, what="the zombie inside its batch, holding the row")
     zombie.pause()
     try:
         owner = workers(pg_dsn, topic, "zombie-lock", "promise_processors:LocksItsOffsetRow",
                         env={"KSTORE_CLAIM_LOCK_TIMEOUT_MS": "2000"})
-        owner.wait_for_log(r"assigned \S+; claiming before any delivery", timeout=60)
+        owner.wait_for_log(r"assigned \S+; claiming before any delivery", timeout=120)
         owner.wait_for_log(r"claimed \S+\[0\]@0", timeout=60)
         # The claim waited for the zombie's row lock, and got it while the zombie was still stopped.
         assert re.search(r"could not claim .*lock timeout", owner.log), owner.log[-3000:]
