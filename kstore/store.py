@@ -522,7 +522,10 @@ class Store:
             if wait_for_locks:
                 from .indoubt import wait_for_locks as waiting  # kstore.indoubt builds on this module
 
-                conn.begin()  # rolled back when the connection closes: the locks are only waited for
+                # Rolled back when the connection closes: the locks are only waited for (on SQLite,
+                # BEGIN IMMEDIATE waits, within the busy timeout, for a writer still committing).
+                conn = conn.execution_options(**WRITES)
+                conn.begin()
                 waiting(conn)
                 stmt = stmt.with_for_update(read=True)
             return {

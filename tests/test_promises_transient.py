@@ -52,10 +52,6 @@ def waiting_on_a_lock(engine: sa.Engine, like: str) -> bool:
             {"q": like}).scalar_one())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kstore defect: a transient error met again after the database answered a probe is taken as the "
-    "batch's failure (kstore.batches: 'failed again ... though the database answered in between'), so a "
-    "lock held for more than one retry dead-letters a good message after 1 attempt"))
 def test_a_lock_timeout_is_retried_not_counted_against_the_message(
     pg_dsn: str, counter: sa.Engine, new_topic: Callable[..., str], produce: Callable[..., Any],
     workers: Callable[..., Any], tmp_path: Path,
