@@ -64,8 +64,12 @@ class Delivery:
 
 
 def check_delivery(worker_id: str, taken: dict[TP, int | None], rows: dict[TP, StoredRow],
-                   delivery: Delivery, log_value: Any, journal: JournalCheck) -> None:
-    """The delivery invariants for one partition of a batch (see the module docstring)."""
+                   delivery: Delivery, log_value: Any, journal: JournalCheck, stale_ok: bool = False) -> bool:
+    """The delivery invariants for one partition of a batch (see the module docstring).
+
+    ``stale_ok``: a batch starting below the stored offset under its epoch is let through
+    (it cannot commit: the compare-and-set matches the position too). True if it was one.
+    """
     tp, offsets = delivery.tp, delivery.offsets
     resets = journal.resets[tp]
     where = f"{tp[0]}[{tp[1]}] offsets {offsets[0]}..{offsets[-1]}"
@@ -86,15 +90,18 @@ def check_delivery(worker_id: str, taken: dict[TP, int | None], rows: dict[TP, S
                                     f"{reset[1]} at epoch {reset[0]}\nresets of it so far: {', '.join(resets)}")
     row = rows.get(tp)
     if row is None or row.epoch != epoch:
-        return  # fenced: this batch cannot commit
+        return False  # fenced: this batch cannot commit
     history = f"\nresets of it so far: {', '.join(resets) or 'none'}"
     if row.owner != worker_id:
         raise Violation("delivery", f"{where}: row at our epoch {epoch} names owner {row.owner}{history}")
     if offsets[0] != row.next_offset:
-        what = "a stale or duplicate record" if row.next_offset is not None and offsets[0] < row.next_offset \
-            else "a gap"
+        stale = row.next_offset is not None and offsets[0] < row.next_offset
+        if stale and stale_ok:
+            return True
+        what = "a stale or duplicate record" if stale else "a gap"
         raise Violation("delivery", f"{where} delivered at epoch {epoch} while {row.next_offset} is stored: "
                                     f"{what}{history}")
+    return False
 
 
 @dataclass

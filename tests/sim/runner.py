@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -23,10 +24,16 @@ class Summary:
     seconds: float = 0.0
     delivered: int = 0
     failures: dict[str, list[Outcome]] = field(default_factory=dict)
+    #: Faults that went off, by kind, over all the schedules.
+    fired: Counter[str] = field(default_factory=Counter)
+    #: For each fault kind: how many schedules enabled it.
+    enabled: Counter[str] = field(default_factory=Counter)
 
     def add(self, outcome: Outcome) -> None:
         self.schedules += 1
         self.delivered += outcome.delivered
+        self.fired.update(outcome.fired)
+        self.enabled.update(outcome.config.faults)
         if outcome.violation is not None:
             runs = self.failures.setdefault(signature(outcome.violation), [])
             if not runs:
@@ -37,6 +44,8 @@ class Summary:
     def merge(self, other: Summary) -> None:
         self.schedules += other.schedules
         self.delivered += other.delivered
+        self.fired.update(other.fired)
+        self.enabled.update(other.enabled)
         for sig, outcomes in other.failures.items():
             mine = self.failures.setdefault(sig, [])
             mine.extend(outcomes if not mine else [_slim(o) for o in outcomes])
