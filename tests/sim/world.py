@@ -443,7 +443,7 @@ class World:
         dead: Counter[tuple[TP, int]] = Counter(
             ((t, p), o) for t, p, o in self.db.query("SELECT topic, partition_id, \"offset\" FROM kstore_dead_letters"))
         ends = {tp: self.cluster.end(tp) for tp in self.cluster.partitions}
-        check_final(ends, self.stored(), effects, dead, self.poison, self.had_resets)
+        check_final(ends, self.stored(), effects, dead, self.poison, self.journal, self.had_resets)
 
     def close(self) -> None:
         """Give back the connections a dead or paused worker still holds (its process is gone now),
