@@ -79,8 +79,9 @@ FAULT_MESSAGE = "disk I/O error"
 #: What sqlite3 says when its connection is gone; SQLAlchemy takes it for a disconnect (it
 #: invalidates the connection, and kstore classifies the error as the database's, not the batch's).
 CUT_MESSAGE = "Cannot operate on a closed database."
-#: What became of a COMMIT whose answer was lost (see the module docstring).
-LOST_ANSWER_OUTCOMES = ("landed", "late", "never")
+#: What became of a COMMIT whose answer was lost (see the module docstring), drawn with these
+#: weights: "late" is the one that makes a retry of the same batch dangerous.
+LOST_ANSWER_OUTCOMES = {"landed": 1, "late": 2, "never": 1}
 #: A late COMMIT lands before one of the next 2..N statements run on the database (so after
 #: the next one: a read back of its rows, say), or when the action ends.
 LATE_STATEMENTS = 6
@@ -341,7 +342,7 @@ class Databases:
 
     def lose_answer(self, real: sqlite3.Connection, label: str, faults: Faults) -> None:
         """A COMMIT was sent and its connection cut before the answer came: decide its fate."""
-        outcome = self.rng.choice(LOST_ANSWER_OUTCOMES)
+        outcome = self.rng.choices(list(LOST_ANSWER_OUTCOMES), list(LOST_ANSWER_OUTCOMES.values()))[0]
         faults.fired["lost_answer"] += 1
         faults.fired[f"lost_answer/{outcome}"] += 1
         self.trace.append(f"  {label}: the answer to a COMMIT is lost, its connection cut; the COMMIT: {outcome}")

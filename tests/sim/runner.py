@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,12 +69,14 @@ def _run_range(args: tuple[int, int, str, str, frozenset[str]]) -> Summary:
     return summary
 
 
-def run_many(first: int, count: int, directory: Path, skip: frozenset[str], jobs: int = 1) -> Summary:
-    """Run seeds ``first .. first + count - 1``, in ``jobs`` processes."""
+def run_many(blocks: Sequence[tuple[int, int]], directory: Path, skip: frozenset[str], jobs: int = 1) -> Summary:
+    """Run each block of seeds ``(first, count)``: ``first .. first + count - 1``, in ``jobs`` processes."""
     started = time.perf_counter()
     built = str(template(directory))  # once, before the processes start
+    count = sum(n for _, n in blocks)
     jobs = max(1, min(jobs, count))
-    chunks = [(*chunk, str(directory), built, skip) for chunk in _chunks(first, count, jobs * 4 if jobs > 1 else 1)]
+    chunks = [(*chunk, str(directory), built, skip) for first, n in blocks
+              for chunk in _chunks(first, n, jobs * 4 if jobs > 1 else 1)]
     summary = Summary()
     if jobs == 1:
         for chunk in chunks:
@@ -111,7 +113,8 @@ def parse_skip(raw: str | None, default: Iterable[str]) -> frozenset[str]:
 
 
 def replay_command(outcome: Outcome, actions: list[Action] | None = None) -> str:
-    env = [f"KSTORE_SIM_SEED={outcome.seed}", f"KSTORE_SIM_SKIP={','.join(sorted(outcome.config.skip))}"]
+    env = ["KSTORE_SIM_BY_HAND=1", f"KSTORE_SIM_SEED={outcome.seed}",
+           f"KSTORE_SIM_SKIP={','.join(sorted(outcome.config.skip))}"]
     if actions is not None:
         env.append(f"KSTORE_SIM_ACTIONS='{json.dumps(actions)}'")
     return " ".join(env) + " .venv/bin/python -m pytest tests/test_simulation.py -q"
