@@ -153,6 +153,15 @@ def test_a_schedule_replays_identically(tmp_path: Path) -> None:
     assert first.history == again.history
 
 
+def test_a_schedule_with_a_late_commit_replays_identically(tmp_path: Path) -> None:
+    """A COMMIT whose answer was lost and which lands later lands at the same point on a replay."""
+    skip = KNOWN_BUGS
+    first = next(o for o in (run(seed, tmp_path, skip) for seed in range(200)) if o.fired["lost_answer/late"])
+    again = run(first.seed, tmp_path, skip)
+    assert _without_ids(first.trace) == _without_ids(again.trace)
+    assert first.history == again.history and first.fired == again.fired
+
+
 def _without_ids(trace: list[str]) -> list[str]:
     """Worker ids end in a random uuid: the only thing that differs between two runs."""
     return [re.sub(r"[^ ]+:[0-9]+:[0-9a-f]{8}", "ID", line) for line in trace]
