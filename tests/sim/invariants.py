@@ -8,13 +8,16 @@ Exactly-once with operator resets, as checked here:
   still commit), the first message is the stored ``next_offset`` and the row's
   owner is this worker. A batch under an older epoch may be delivered (a zombie,
   or a reset not noticed yet): it cannot commit, and the journal would show it.
+  So may, while ``late_read_back`` is relaxed, a batch starting below the stored
+  offset, re-run by a worker one of whose lost COMMITs landed late: the
+  compare-and-set's position check keeps it from committing.
 - **Per committed transaction** (journal): every move of a partition's
   ``next_offset`` from ``a`` to ``b`` under an unchanged epoch (a commit), with
   effects or without, is made by the row's owner and carries exactly one effect or
-  dead letter for each offset in ``[a, b)``; no effect or dead letter commits without such a move; a move
-  under a new epoch (a reset) is an operator's, a ``Worker.reset_offsets`` the
-  schedule made, or kstore placing a partition with no stored offset at the log
-  start; a claim bumps the epoch, keeps the offset and names the claimer; epochs
+  dead letter for each offset in ``[a, b)``; no effect or dead letter commits
+  without such a move; a move under a new epoch (a reset) is an operator's, a
+  ``Worker.reset_offsets`` the schedule made, or kstore placing a partition with no
+  stored offset at the log start; a claim bumps the epoch, keeps the offset and names the claimer; epochs
   never go back. So the effects are exactly what the history of resets dictates:
   a reset backwards replays, a reset forwards skips, nothing else repeats or skips.
 - **At the end** (after draining with faults off): every partition's stored offset
