@@ -5,7 +5,18 @@ DBAPI level, and a journal of every committed write.
   processor's effects table, the journal table and triggers; each schedule copies it.
 - Every kstore engine (``kstore.worker.make_engine`` is replaced by
   :meth:`Databases.make_engine`) hands out :class:`FaultyConnection` objects,
-  which fail statements and commits as the schedule's :class:`Faults` say.
+  which fail statements and commits as the schedule's :class:`Faults` say, and
+  count each fault that fired (:attr:`Databases.fired`).
+- A COMMIT whose answer is lost is a cut connection, as on a real network: the
+  driver reports the connection gone (SQLAlchemy invalidates it; every later use
+  of it fails) and the COMMIT's fate is one of :data:`LOST_ANSWER_OUTCOMES`: it
+  landed before the cut, it never reached the server (rolled back), or it is still
+  in flight: the transaction keeps its locks (SQLite's write lock) and lands a few
+  statements later (of any connection), at the latest when the action ends. A
+  plain read back in between still sees the rows as they were: the worker must
+  not take that for "not landed, retry freely"; a retry of the same batch under
+  the same epoch then meets rows that already moved (what the offsets
+  compare-and-set's position check is for).
 - Triggers write every insert/update of ``kstore_offsets``, every effect and
   every dead letter to ``sim_journal``; a commit that wrote anything adds a
   ``commit`` row naming who committed, so the journal holds each transaction's
@@ -14,11 +25,13 @@ DBAPI level, and a journal of every committed write.
 
 from __future__ import annotations
 
+import random
 import shutil
 import sqlite3
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,6 +76,15 @@ END;
 #: The message of every injected failure: what SQLite says when the disk goes away,
 #: a transient error (retry later), not one about the statement.
 FAULT_MESSAGE = "disk I/O error"
+#: What sqlite3 says when its connection is gone; SQLAlchemy takes it for a disconnect (it
+#: invalidates the connection, and kstore classifies the error as the database's, not the batch's).
+CUT_MESSAGE = "Cannot operate on a closed database."
+#: What became of a COMMIT whose answer was lost (see the module docstring), drawn with these
+#: weights: "late" is the one that makes a retry of the same batch dangerous.
+LOST_ANSWER_OUTCOMES = {"landed": 1, "late": 2, "never": 1}
+#: A late COMMIT lands before one of the next 2..N statements run on the database (so after
+#: the next one: a read back of its rows, say), or when the action ends.
+LATE_STATEMENTS = 6
 
 
 class JournalRow(NamedTuple):
@@ -81,7 +103,8 @@ class JournalRow(NamedTuple):
 
 @dataclass
 class Faults:
-    """One engine's armed faults (one-shot counters) and the shared outage flag."""
+    """One engine's armed faults (one-shot counters) and the shared outage flag; ``fired``
+    counts each fault that went off, by kind (shared by all the engines of a schedule)."""
 
     down: bool = False
     #: The next N commits land, then raise (the answer was lost): a commit in doubt.
@@ -90,6 +113,7 @@ class Faults:
     fail_commits: int = 0
     #: The next N statements fail.
     fail_statements: int = 0
+    fired: Counter[str] = field(default_factory=Counter)
 
     def clear(self) -> None:
         self.down = False
@@ -97,25 +121,39 @@ class Faults:
 
     def statement(self) -> None:
         if self.down:
-            self._fail()
+            self._fail("down")
         if self.fail_statements > 0:
             self.fail_statements -= 1
-            self._fail()
+            self._fail("fail_statement")
 
     def before_commit(self) -> bool:
         """Raise if the commit fails before landing; True if its answer is to be lost."""
         if self.down:
-            self._fail()
+            self._fail("down")
         if self.fail_commits > 0:
             self.fail_commits -= 1
-            self._fail()
+            self._fail("fail_commit")
         if self.lose_commit_answers > 0:
             self.lose_commit_answers -= 1
             return True
         return False
 
-    def _fail(self) -> None:
+    def _fail(self, kind: str) -> None:
+        self.fired[kind] += 1
         raise sqlite3.OperationalError(FAULT_MESSAGE)
+
+
+@dataclass
+class InFlight:
+    """A COMMIT sent on a connection since cut, not applied yet: its transaction holds its locks."""
+
+    real: sqlite3.Connection
+    label: str
+    statements_left: int
+
+
+def _cut() -> sqlite3.ProgrammingError:
+    return sqlite3.ProgrammingError(CUT_MESSAGE)
 
 
 class FaultyCursor:
@@ -144,27 +182,41 @@ class FaultyCursor:
 
 
 class FaultyConnection:
-    """A sqlite3 connection with injected faults and a journal marker on each writing commit."""
+    """A sqlite3 connection with injected faults and a journal marker on each writing commit.
+
+    After a lost answer it is cut (see the module docstring): every use fails as on a
+    closed connection, and closing it does nothing (the simulation owns what is left of it).
+    """
 
     def __init__(self, real: sqlite3.Connection, faults: Faults, label: str,
-                 on_statement: Callable[[], None] | None) -> None:
+                 on_statement: Callable[[], None] | None, db: Databases | None = None) -> None:
         object.__setattr__(self, "_real", real)
         object.__setattr__(self, "_faults", faults)
         object.__setattr__(self, "_label", label)
         object.__setattr__(self, "_on_statement", on_statement)
+        object.__setattr__(self, "_db", db)
+        object.__setattr__(self, "_cut", False)
         object.__setattr__(self, "_changes_at_begin", real.total_changes)
 
     def cursor(self, *args: Any, **kwargs: Any) -> FaultyCursor:
+        if self._cut:
+            raise _cut()
         return FaultyCursor(self._real.cursor(*args, **kwargs), self)
 
     def before_statement(self, statement: str) -> None:
         if self._on_statement is not None:
             self._on_statement()  # another thread of the worker may take a turn here (see threads.py)
+        if self._cut:
+            raise _cut()
+        if self._db is not None and statement.lstrip()[:6].upper() != "PRAGMA":
+            self._db.tick_in_flight()  # a new connection's set-up is not a round trip of its own
         self._faults.statement()
         if statement.lstrip()[:5].upper() == "BEGIN":
             object.__setattr__(self, "_changes_at_begin", self._real.total_changes)
 
     def commit(self) -> None:
+        if self._cut:
+            raise _cut()
         real = self._real
         try:
             lose_answer = self._faults.before_commit()
@@ -173,15 +225,20 @@ class FaultyConnection:
             raise
         if real.in_transaction and real.total_changes != self._changes_at_begin:
             real.execute("INSERT INTO sim_journal (kind, label) VALUES ('commit', ?)", (self._label,))
+        if lose_answer and self._db is not None:
+            object.__setattr__(self, "_cut", True)
+            self._db.lose_answer(real, self._label, self._faults)
+            raise _cut()
         real.commit()
-        if lose_answer:
-            raise sqlite3.OperationalError(FAULT_MESSAGE)
 
     def rollback(self) -> None:
+        if self._cut:
+            raise _cut()
         self._real.rollback()
 
     def close(self) -> None:
-        self._real.close()
+        if not self._cut:
+            self._real.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -254,13 +311,22 @@ class Databases:
     """One schedule's database: its file, its engines' faults, its journal."""
 
     def __init__(self, template_path: Path, path: Path,
-                 on_statement: Callable[[str], None] | None = None) -> None:
+                 on_statement: Callable[[str], None] | None = None, rng: random.Random | None = None,
+                 trace: list[str] | None = None) -> None:
         self.path = path
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         shutil.copyfile(template_path, path)
         self.dsn = f"sqlite:///{path}"
         self.faults: dict[str, Faults] = {}
+        #: Faults that went off, by kind ("lost_answer" also by outcome: "lost_answer/late", ...).
+        self.fired: Counter[str] = Counter()
+        #: COMMITs whose answer was lost and which have not landed yet.
+        self.in_flight: list[InFlight] = []
+        #: Labels of the engines one of whose COMMITs landed late (after its answer was lost).
+        self.landed_late: set[str] = set()
+        self.rng = rng or random.Random(0)
+        self.trace: list[str] = [] if trace is None else trace
         self.down = False
         self._on_statement = on_statement
         self._reader = sqlite3.connect(path, isolation_level=None)
@@ -269,7 +335,45 @@ class Databases:
         self.engines: list[Engine] = []
 
     def faults_of(self, label: str) -> Faults:
-        return self.faults.setdefault(label, Faults())
+        faults = self.faults.get(label)
+        if faults is None:
+            faults = self.faults[label] = Faults(fired=self.fired)
+        return faults
+
+    def lose_answer(self, real: sqlite3.Connection, label: str, faults: Faults) -> None:
+        """A COMMIT was sent and its connection cut before the answer came: decide its fate."""
+        outcome = self.rng.choices(list(LOST_ANSWER_OUTCOMES), list(LOST_ANSWER_OUTCOMES.values()))[0]
+        faults.fired["lost_answer"] += 1
+        faults.fired[f"lost_answer/{outcome}"] += 1
+        self.trace.append(f"  {label}: the answer to a COMMIT is lost, its connection cut; the COMMIT: {outcome}")
+        if outcome == "late" and real.in_transaction:
+            self.in_flight.append(InFlight(real, label, self.rng.randint(2, LATE_STATEMENTS)))
+            return
+        if outcome == "never":
+            real.rollback()  # the server saw the connection go before the COMMIT: it aborts
+        else:
+            real.commit()
+        real.close()
+
+    def tick_in_flight(self) -> None:
+        """Before any statement on the database: the COMMITs in flight whose time has come land."""
+        for flight in list(self.in_flight):
+            flight.statements_left -= 1
+            if flight.statements_left <= 0:
+                self._land(flight)
+
+    def settle(self) -> None:
+        """The end of an action: every COMMIT still in flight lands (a server applies what it received)."""
+        for flight in list(self.in_flight):
+            self._land(flight)
+
+    def _land(self, flight: InFlight) -> None:
+        self.in_flight.remove(flight)
+        self.fired["lost_answer/late landed"] += 1
+        self.landed_late.add(flight.label)
+        self.trace.append(f"  {flight.label}: its COMMIT in flight lands now")
+        flight.real.commit()
+        flight.real.close()
 
     def set_down(self, down: bool) -> None:
         self.down = down
@@ -294,7 +398,7 @@ class Databases:
         faults.statement()  # a database that is down refuses connections too
         hook = self._on_statement
         on_statement = (lambda: hook(label)) if hook is not None and label != "operator" else None
-        return FaultyConnection(real, faults, label, on_statement)
+        return FaultyConnection(real, faults, label, on_statement, self)
 
     @contextmanager
     def warming(self) -> Iterator[None]:
@@ -327,6 +431,9 @@ class Databases:
         return False
 
     def close(self) -> None:
+        for flight in list(self.in_flight):  # a schedule stopped by a violation: the process is gone
+            self.in_flight.remove(flight)
+            flight.real.close()
         for engine in {id(e): e for e in self.engines}.values():
             engine.dispose()  # connections of kstore's engines never outlive a schedule
         self._reader.close()

@@ -8,19 +8,24 @@ Exactly-once with operator resets, as checked here:
   still commit), the first message is the stored ``next_offset`` and the row's
   owner is this worker. A batch under an older epoch may be delivered (a zombie,
   or a reset not noticed yet): it cannot commit, and the journal would show it.
+  So may, while ``late_read_back`` is relaxed, a batch starting below the stored
+  offset, re-run by a worker one of whose lost COMMITs landed late: the
+  compare-and-set's position check keeps it from committing.
 - **Per committed transaction** (journal): every move of a partition's
-  ``next_offset`` from ``a`` to ``b`` under an unchanged epoch (a commit) is made by
-  the row's owner and carries exactly one effect or dead letter for each offset
-  in ``[a, b)``; no effect or dead letter commits without such a move; a move
-  under a new epoch (a reset) is an operator's, a ``Worker.reset_offsets`` the
-  schedule made, or kstore placing a partition with no stored offset at the log
-  start; a claim bumps the epoch, keeps the offset and names the claimer; epochs
+  ``next_offset`` from ``a`` to ``b`` under an unchanged epoch (a commit), with
+  effects or without, is made by the row's owner and carries exactly one effect or
+  dead letter for each offset in ``[a, b)``; no effect or dead letter commits
+  without such a move; a move under a new epoch (a reset) is an operator's, a
+  ``Worker.reset_offsets`` the schedule made, or kstore placing a partition with no
+  stored offset at the log start; a claim bumps the epoch, keeps the offset and names the claimer; epochs
   never go back. So the effects are exactly what the history of resets dictates:
   a reset backwards replays, a reset forwards skips, nothing else repeats or skips.
 - **At the end** (after draining with faults off): every partition's stored offset
-  is its log end; without resets, every message has exactly one effect and every
-  poison message exactly one dead letter and no effect; dead letters are only
-  ever written for poison messages.
+  is its log end; every message has as many effects (a poison message as many dead
+  letters, and no effect) as commits moved its partition's offset past it, counted
+  from the offsets' history alone (a reset backwards makes a second pass, a reset
+  forwards skips); each was passed over at least once; without resets, exactly one;
+  dead letters are only ever written for poison messages.
 """
 
 from __future__ import annotations
@@ -64,8 +69,12 @@ class Delivery:
 
 
 def check_delivery(worker_id: str, taken: dict[TP, int | None], rows: dict[TP, StoredRow],
-                   delivery: Delivery, log_value: Any, journal: JournalCheck) -> None:
-    """The delivery invariants for one partition of a batch (see the module docstring)."""
+                   delivery: Delivery, log_value: Any, journal: JournalCheck, stale_ok: bool = False) -> bool:
+    """The delivery invariants for one partition of a batch (see the module docstring).
+
+    ``stale_ok``: a batch starting below the stored offset under its epoch is let through
+    (it cannot commit: the compare-and-set matches the position too). True if it was one.
+    """
     tp, offsets = delivery.tp, delivery.offsets
     resets = journal.resets[tp]
     where = f"{tp[0]}[{tp[1]}] offsets {offsets[0]}..{offsets[-1]}"
@@ -86,15 +95,18 @@ def check_delivery(worker_id: str, taken: dict[TP, int | None], rows: dict[TP, S
                                     f"{reset[1]} at epoch {reset[0]}\nresets of it so far: {', '.join(resets)}")
     row = rows.get(tp)
     if row is None or row.epoch != epoch:
-        return  # fenced: this batch cannot commit
+        return False  # fenced: this batch cannot commit
     history = f"\nresets of it so far: {', '.join(resets) or 'none'}"
     if row.owner != worker_id:
         raise Violation("delivery", f"{where}: row at our epoch {epoch} names owner {row.owner}{history}")
     if offsets[0] != row.next_offset:
-        what = "a stale or duplicate record" if row.next_offset is not None and offsets[0] < row.next_offset \
-            else "a gap"
+        stale = row.next_offset is not None and offsets[0] < row.next_offset
+        if stale and stale_ok:
+            return True
+        what = "a stale or duplicate record" if stale else "a gap"
         raise Violation("delivery", f"{where} delivered at epoch {epoch} while {row.next_offset} is stored: "
                                     f"{what}{history}")
+    return False
 
 
 @dataclass
@@ -118,6 +130,10 @@ class JournalCheck:
         #: (epoch, offset) of each partition's latest reset: no batch taken under that epoch or a
         #: later one may hold a record below that offset (until the next reset).
         self.last_reset: dict[TP, tuple[int, int]] = {}
+        #: How many commits moved each partition's offset over each offset (a reset backwards makes
+        #: a second pass), and how many resets jumped forward over it: what the effects must match.
+        self.passes: Counter[tuple[TP, int]] = Counter()
+        self.skipped: Counter[tuple[TP, int]] = Counter()
 
     def feed(self, rows: Iterable[JournalRow]) -> None:
         for row in rows:
@@ -147,8 +163,9 @@ class JournalCheck:
                 if tp in moved:
                     raise Violation("journal", f"{txn.label} moved {tp} twice in one transaction")
                 moved[tp] = row
-        for tp, offsets in items.items():
-            self._check_items(txn.label, tp, sorted(offsets), moved.get(tp))
+        # Every move, with effects or not: a commit that moves an offset without its effects is a loss.
+        for tp in sorted(set(items) | set(moved)):
+            self._check_items(txn.label, tp, sorted(items.get(tp, [])), moved.get(tp))
         self.history.append(f"{txn.label}: " + "; ".join(_summary(r) for r in txn.rows))
 
     def _is_commit(self, label: str, tp: TP, row: JournalRow) -> bool:
@@ -190,6 +207,8 @@ class JournalCheck:
 
     def _reset(self, label: str, tp: TP, row: JournalRow) -> None:
         assert row.new_epoch is not None and row.new_next is not None
+        old = self._start_of(tp) if row.old_next is None else row.old_next  # no row yet: from the log start
+        self.skipped.update((tp, o) for o in range(old, row.new_next))
         self.resets[tp].append(f"{label} {row.old_next}->{row.new_next} (epoch {row.new_epoch})")
         self.last_reset[tp] = (row.new_epoch, row.new_next)
 
@@ -204,6 +223,10 @@ class JournalCheck:
                                        "without moving its offset")
         assert move.old_next is not None and move.new_next is not None
         want = list(range(move.old_next, move.new_next))
+        self.passes.update((tp, o) for o in want)
+        if not offsets:
+            raise Violation("journal", f"{label} moved {tp} {move.old_next} -> {move.new_next} with no effects or "
+                                       "dead letters: those messages are lost")
         if offsets != want:
             dup = sorted(o for o, n in Counter(offsets).items() if n > 1)
             raise Violation("journal", f"{label} moved {tp} {move.old_next} -> {move.new_next} with effects for "
@@ -220,7 +243,8 @@ def _summary(row: JournalRow) -> str:
 
 
 def check_final(ends: dict[TP, int], stored: dict[TP, int | None], effects: Counter[tuple[TP, int]],
-                dead: Counter[tuple[TP, int]], poison: set[tuple[TP, int]], had_resets: bool) -> None:
+                dead: Counter[tuple[TP, int]], poison: set[tuple[TP, int]], journal: JournalCheck,
+                had_resets: bool) -> None:
     """The end state after draining (see the module docstring)."""
     behind = {tp: (stored.get(tp), end) for tp, end in ends.items() if stored.get(tp) != end}
     if behind:
@@ -231,12 +255,20 @@ def check_final(ends: dict[TP, int], stored: dict[TP, int | None], effects: Coun
     poison_effects = sorted(k for k in effects if k in poison)
     if poison_effects:
         raise Violation("final", f"poison messages with effects: {poison_effects}")
-    if had_resets:
-        return
     for tp, end in sorted(ends.items()):
         for offset in range(end):
             key = (tp, offset)
-            got = dead[key] if key in poison else effects[key]
-            if got != 1:
-                what = "dead letters" if key in poison else "effects"
-                raise Violation("final", f"{tp[0]}[{tp[1]}] offset {offset}: {got} {what}, want exactly 1")
+            _check_count(key, dead[key] if key in poison else effects[key], key in poison, journal, had_resets)
+
+
+def _check_count(key: tuple[TP, int], got: int, poison: bool, journal: JournalCheck, had_resets: bool) -> None:
+    """One offset's effects (or dead letters): one per commit that moved past it, and without
+    resets exactly one; with resets, it was passed over at least once (by a commit or a reset)."""
+    passes, skipped = journal.passes[key], journal.skipped[key]
+    want = passes if had_resets else 1
+    what = "dead letters" if poison else "effects"
+    where = f"{key[0][0]}[{key[0][1]}] offset {key[1]}"
+    if got != want or passes + skipped == 0:
+        resets = ", ".join(journal.resets[key[0]]) or "none"
+        raise Violation("final", f"{where}: {got} {what}, want {want} (commits past it: {passes}, "
+                                 f"resets over it: {skipped})\nresets of it: {resets}")

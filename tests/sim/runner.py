@@ -6,7 +6,8 @@ import json
 import multiprocessing
 import os
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,16 @@ class Summary:
     seconds: float = 0.0
     delivered: int = 0
     failures: dict[str, list[Outcome]] = field(default_factory=dict)
+    #: Faults that went off, by kind, over all the schedules.
+    fired: Counter[str] = field(default_factory=Counter)
+    #: For each fault kind: how many schedules enabled it.
+    enabled: Counter[str] = field(default_factory=Counter)
 
     def add(self, outcome: Outcome) -> None:
         self.schedules += 1
         self.delivered += outcome.delivered
+        self.fired.update(outcome.fired)
+        self.enabled.update(outcome.config.faults)
         if outcome.violation is not None:
             runs = self.failures.setdefault(signature(outcome.violation), [])
             if not runs:
@@ -37,6 +44,8 @@ class Summary:
     def merge(self, other: Summary) -> None:
         self.schedules += other.schedules
         self.delivered += other.delivered
+        self.fired.update(other.fired)
+        self.enabled.update(other.enabled)
         for sig, outcomes in other.failures.items():
             mine = self.failures.setdefault(sig, [])
             mine.extend(outcomes if not mine else [_slim(o) for o in outcomes])
@@ -60,12 +69,14 @@ def _run_range(args: tuple[int, int, str, str, frozenset[str]]) -> Summary:
     return summary
 
 
-def run_many(first: int, count: int, directory: Path, skip: frozenset[str], jobs: int = 1) -> Summary:
-    """Run seeds ``first .. first + count - 1``, in ``jobs`` processes."""
+def run_many(blocks: Sequence[tuple[int, int]], directory: Path, skip: frozenset[str], jobs: int = 1) -> Summary:
+    """Run each block of seeds ``(first, count)``: ``first .. first + count - 1``, in ``jobs`` processes."""
     started = time.perf_counter()
     built = str(template(directory))  # once, before the processes start
+    count = sum(n for _, n in blocks)
     jobs = max(1, min(jobs, count))
-    chunks = [(*chunk, str(directory), built, skip) for chunk in _chunks(first, count, jobs * 4 if jobs > 1 else 1)]
+    chunks = [(*chunk, str(directory), built, skip) for first, n in blocks
+              for chunk in _chunks(first, n, jobs * 4 if jobs > 1 else 1)]
     summary = Summary()
     if jobs == 1:
         for chunk in chunks:
@@ -102,7 +113,8 @@ def parse_skip(raw: str | None, default: Iterable[str]) -> frozenset[str]:
 
 
 def replay_command(outcome: Outcome, actions: list[Action] | None = None) -> str:
-    env = [f"KSTORE_SIM_SEED={outcome.seed}", f"KSTORE_SIM_SKIP={','.join(sorted(outcome.config.skip))}"]
+    env = ["KSTORE_SIM_BY_HAND=1", f"KSTORE_SIM_SEED={outcome.seed}",
+           f"KSTORE_SIM_SKIP={','.join(sorted(outcome.config.skip))}"]
     if actions is not None:
         env.append(f"KSTORE_SIM_ACTIONS='{json.dumps(actions)}'")
     return " ".join(env) + " .venv/bin/python -m pytest tests/test_simulation.py -q"

@@ -16,6 +16,7 @@ import logging
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,8 +45,11 @@ _WEIGHTS: list[tuple[float, str]] = [
 
 #: What a run may leave out: fault kinds, and parts of the world that a known bug breaks
 #: (see tests/test_simulation.py). "crash": a worker that raises dies (its session times
-#: out) instead of failing the schedule.
-OPTIONAL = (*FAULT_KINDS, "throttle", "steady", "crash")
+#: out) instead of failing the schedule. "late_read_back": a batch re-delivered under its
+#: epoch below the stored offset, by a worker one of whose COMMITs landed after its answer
+#: was lost, is let through (it cannot commit: the journal still checks that it does not).
+TOLERABLE = ("crash", "late_read_back")
+OPTIONAL = (*FAULT_KINDS, "throttle", "steady", *TOLERABLE)
 
 
 def draw_config(rng: random.Random, skip: frozenset[str]) -> Config:
@@ -65,7 +69,7 @@ def draw_config(rng: random.Random, skip: frozenset[str]) -> Config:
         preempt=rng.choice([0.0, 0.0, 0.1, 0.3]),
         resets=rng.random() < 0.6,
         faults=frozenset(k for k in FAULT_KINDS if rng.random() < 0.6 and k not in skip),
-        tolerate=frozenset({"crash"}) & skip,
+        tolerate=frozenset(TOLERABLE) & skip,
         steady="steady" not in skip,
         skip=skip,
     )
@@ -150,6 +154,8 @@ class Outcome:
     crashes: list[str]
     delivered: int
     seconds: float
+    #: Faults that went off, by kind (see :attr:`.db.Databases.fired`).
+    fired: Counter[str]
 
     def report(self, tail: int = 60) -> str:
         lines = [f"seed {self.seed}: {self.violation}", f"config: {self.config}",
@@ -157,6 +163,7 @@ class Outcome:
                  f"last {tail} turns:", *("  " + t for t in self.trace[-tail:]),
                  "last committed transactions:", *("  " + h for h in self.history[-15:]),
                  "state at the end:", *("  " + line for line in self.state),
+                 f"faults fired: {dict(sorted(self.fired.items())) or 'none'}",
                  *(f"crash (tolerated): {c}" for c in self.crashes)]
         return "\n".join(lines)
 
@@ -262,7 +269,7 @@ def run(seed: int, directory: Path, skip: frozenset[str] = frozenset(), actions:
     if violation is None and not keep_db:
         world.db.remove()
     return Outcome(seed, cfg, todo, violation, world.trace, state, world.journal.history, world.crashes,
-                   world.delivered, time.perf_counter() - started)
+                   world.delivered, time.perf_counter() - started, Counter(world.db.fired))
 
 
 def _play(world: World, actions: Sequence[Action]) -> tuple[Violation | None, list[str]]:

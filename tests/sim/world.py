@@ -104,7 +104,8 @@ class World:
         self.group = Group(self.cluster, self.rng)
         self.trace: list[str] = []
         self.threads = Threads(self.rng, cfg.preempt, self._live, self.trace)
-        self.db = Databases(template, directory / f"sim-{seed}.db", on_statement=self.threads.at_statement)
+        self.db = Databases(template, directory / f"sim-{seed}.db", on_statement=self.threads.at_statement,
+                            rng=self.rng, trace=self.trace)
         self.slots: list[Member | None] = [None] * cfg.slots
         self.members: dict[str, Member] = {}
         self.journal = JournalCheck(self.cluster.start, self._worker_id)
@@ -184,6 +185,7 @@ class World:
 
     def check(self) -> None:
         """After every action: the journal's new transactions, and no transaction left open."""
+        self.db.settle()  # a COMMIT still in flight lands before the action ends
         self.journal.feed(self.db.journal())
         self.journal.finish_action()
         if self.db.write_locked():
@@ -441,7 +443,7 @@ class World:
         dead: Counter[tuple[TP, int]] = Counter(
             ((t, p), o) for t, p, o in self.db.query("SELECT topic, partition_id, \"offset\" FROM kstore_dead_letters"))
         ends = {tp: self.cluster.end(tp) for tp in self.cluster.partitions}
-        check_final(ends, self.stored(), effects, dead, self.poison, self.had_resets)
+        check_final(ends, self.stored(), effects, dead, self.poison, self.journal, self.had_resets)
 
     def close(self) -> None:
         """Give back the connections a dead or paused worker still holds (its process is gone now),
