@@ -142,9 +142,10 @@ def test_text_inserts_are_deferred_and_sent_together(engine: sa.Engine, statemen
 def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
         engine: sa.Engine, statements: Any, sql: str) -> None:
     def work(session: BatchSession) -> None:
+        before = len(statements)
         result = session.execute(sa.text(sql), {"name": "x"})
         assert not isinstance(result, DeferredResult)
-        assert statements, "sent at once"
+        assert statements[before:] == [(sql.replace(":name", "?"), False)], "sent at once, by execute() itself"
 
     if "; DELETE" in sql:  # SQLite's driver runs one statement at a time: judged, not run
         assert not _deferrable(sa.text(sql), {"name": "x"})
