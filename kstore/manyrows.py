@@ -11,10 +11,12 @@ latter, from SQLAlchemy's own compilation of the statement:
 - the statement is compiled once per (statement, parameter names), as SQLAlchemy
   would for an executemany, and its one-row ``VALUES (...)`` is the template;
 - only a plain INSERT qualifies: every bound parameter is one of the rows' keys
-  (no Python-side column default, no embedded values), no RETURNING, no upsert
-  (SQLAlchemy does not compile those for insertmanyvalues either), nothing
-  escaped; anything else returns None and the caller runs SQLAlchemy's own path
-  (for an upsert on kstore's engine: psycopg2's execute_batch, pages of 500);
+  (no Python-side column default, no embedded values), no RETURNING, no upsert,
+  nothing escaped; anything else returns None and the caller runs SQLAlchemy's own path;
+- an upsert (``ON CONFLICT``) is never one multi-row statement: a key twice among the
+  rows fails there ("cannot affect row a second time") where one statement per row
+  updates it twice. On psycopg2 it goes as kstore's pages of statements
+  (:func:`_run_pages`), on psycopg 3 as its executemany, a statement per row;
 - the columns' bind processors run as SQLAlchemy would run them (JSON, Enum, a
   TypeDecorator...), except ``LargeBinary``'s, which only wraps bytes in
   ``psycopg2.Binary``: psycopg2 quotes bytes the same way unwrapped;
@@ -22,14 +24,26 @@ latter, from SQLAlchemy's own compilation of the statement:
   connection's transaction, events see it, and errors are SQLAlchemy's.
 
 A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
-its one ``VALUES (...)`` row (so no ``ON CONFLICT``: those go as execute_batch pages).
+its one ``VALUES (...)`` row of parameters, constants and casts, found by the text's tokens
+(:mod:`kstore.sqltext`: comments, literals and dollar quotes cannot fool it); what follows the
+row (a comment, a ``;``) is dropped, so a trailing ``-- note`` cannot swallow the rows after
+it. Any other one-INSERT text (``ON CONFLICT``, ``INSERT ... SELECT``) goes on psycopg2 as
+kstore's pages. (psycopg2's own ``execute_batch`` is never used: it joins statements with
+``;`` on one line, where a ``-- note`` silently swallows the rest of its page.)
 
 On psycopg 3, which binds parameters on the server, the rows are quoted by its
 ``ClientCursor`` (psycopg's own client-side binding) the same way: SQLAlchemy leaves an
 INSERT without RETURNING to psycopg 3's ``executemany``, one pipelined INSERT per row,
 about twice the CPU.
 
-All rows go in one statement, so the result's ``rowcount`` is that of all of them.
+All rows go in one statement, so the result's ``rowcount`` is that of all of them, and it is
+checked: a multi-row INSERT of n rows must report n, a page must end with its sentinel, or
+:class:`~kstore.errors.WriteCountError` fails the batch before its commit. The one legitimate
+cause of fewer rows is the table's own (a ``BEFORE INSERT`` trigger returning NULL, a rule):
+write such a table with ``defer_inserts = False``. Rows sent together differ from the same
+statements one by one in two more ways a table can tell: a ``FOR EACH STATEMENT`` trigger
+fires once for them, and with two bad rows the error reported may be the later row's (all
+rows are quoted and read before any is inserted); the batch fails either way.
 """
 
 from __future__ import annotations

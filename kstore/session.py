@@ -9,14 +9,20 @@ them together, as multi-row INSERTs, when anything else needs the database:
 
 - Only a plain INSERT with one dict of parameters is deferred: no RETURNING or
   ``return_defaults()``, no multi-row ``values([...])``, not inside a savepoint. A
-  ``text()`` is deferred when its words make it one INSERT with no RETURNING (and no
-  second statement after a ``;``).
+  ``text()`` is deferred when its tokens (:mod:`kstore.sqltext`: comments, string
+  literals, quoted identifiers and dollar quotes read as PostgreSQL reads them) make it
+  exactly one INSERT with no RETURNING, followed by nothing but comments and one ``;``
+  (``WITH ... INSERT`` runs at once: its CTEs may write).
   Everything else runs at once, after the INSERTs deferred before it.
 - Order is kept: any other statement, ``flush()``, ``connection()``,
   ``begin_nested()`` and the end of the batch first send what was deferred,
   in the order it was executed; consecutive INSERTs of the same statement and
   the same parameter names are sent together: as one multi-row ``INSERT ... VALUES``
-  on PostgreSQL (:mod:`kstore.manyrows`), else as SQLAlchemy's ``executemany``.
+  on PostgreSQL (:mod:`kstore.manyrows`) when that means the same as one by one; an upsert
+  (``ON CONFLICT``) or ``INSERT ... SELECT`` as one statement per row, in pages of 500 per
+  round trip on psycopg2; else as SQLAlchemy's ``executemany``. Every rewritten write's
+  row count is checked (:class:`~kstore.errors.WriteCountError` fails the batch); a table
+  whose ``BEFORE INSERT`` trigger returns NULL, or with a rule, needs ``defer_inserts = False``.
   Reading your own writes works.
 - The result: reading anything from it (``rowcount``, ``inserted_primary_key``)
   runs that INSERT at once, alone, and answers from its real result. Read it
