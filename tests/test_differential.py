@@ -247,7 +247,10 @@ def comparable(value: Any) -> Any:
 
 
 def contents(conn: sa.Connection) -> list[Any]:
-    rows = conn.execute(sa.select(table).order_by(table.c.id)).all()
+    """The rows in the order they were inserted, without their ids: a sequence is not transactional,
+    and rows sent together draw their ids before any is inserted (a failed COPY of two rows uses two,
+    where the first row's failure one by one uses one)."""
+    rows = conn.execute(sa.select(*table.c[1:]).order_by(table.c.id)).all()
     return [tuple(map(comparable, r)) for r in rows]
 
 
@@ -320,7 +323,7 @@ def check(engines: Engines, ops: list[Op], kstore_begin: bool) -> None:
 
 
 DIFF_SETTINGS = settings(
-    max_examples=EXAMPLES or 100, derandomize=not EXAMPLES, print_blob=True, database=None, deadline=None,
+    max_examples=EXAMPLES or 120, derandomize=not EXAMPLES, print_blob=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
