@@ -155,8 +155,8 @@ def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
 
 def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> None:
     """Deferred text() INSERTs go together: on psycopg2 as one multi-row statement when the text
-    ends with its VALUES row (kstore.manyrows), else as one executemany, which kstore's engine
-    runs as execute_batch (pages of statements, one round trip each): never a round trip per row."""
+    ends with its VALUES row (kstore.manyrows), else as kstore's pages of statements (one round
+    trip each): never a round trip per row."""
     engine = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
     sent: list[int] = []
 
