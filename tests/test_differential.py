@@ -306,8 +306,9 @@ def run_path(engine: sa.Engine, ops: list[Op], fast: bool, kstore_begin: bool = 
 
 
 def bad_value(error: tuple[str, str | None]) -> bool:
-    """An error about a value: the server's data exceptions (SQLSTATE class 22), the driver's quoting."""
-    return error[0] == "ValueError" or str(error[1]).startswith("22")
+    """An error about a value: the server's data exceptions (SQLSTATE class 22), the driver's quoting
+    (psycopg2: ValueError; psycopg 3: DataError without a SQLSTATE, for a NUL in a string)."""
+    return error[0] in ("ValueError", "DataError") or str(error[1]).startswith("22")
 
 
 def check(engines: Engines, ops: list[Op], kstore_begin: bool) -> None:
