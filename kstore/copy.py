@@ -19,18 +19,21 @@ import io
 import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import date, datetime, time, timedelta
+from datetime import date, datetime, time, timedelta, tzinfo
 from decimal import Decimal
+from functools import partial
 from itertools import repeat
 from operator import itemgetter
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from sqlalchemy import Connection, Table, column, insert
 from sqlalchemy import table as table_clause
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import JSON, DateTime, TypeDecorator
 
-from .manyrows import connection_encoding
+from .errors import WriteCountError
+from .manyrows import COUNT_HINT, connection_encoding
 
 #: Bytes psycopg2 reads from the COPY data per call (its default is 8 KiB).
 COPY_CHUNK = 1 << 20
@@ -133,12 +136,13 @@ def copy_rows(
     dbapi: Any = conn.connection.dbapi_connection
     try:
         if dialect.driver == "psycopg":
-            _psycopg_copy(dbapi, sql, values, connection_encoding(conn))
+            copied = _psycopg_copy(dbapi, sql, values, connection_encoding(conn))
         else:
             data = _text_copy(values, connection_encoding(conn))
             with dbapi.cursor() as cur:
                 # Bytes, in large pieces: psycopg2 reads a file 8 KiB at a time by default.
                 cur.copy_expert(sql, data, size=COPY_CHUNK)
+                copied = cur.rowcount
     except dialect.loaded_dbapi.Error as exc:
         # As SQLAlchemy itself would raise it (IntegrityError, OperationalError...), and a
         # lost connection invalidated, so kstore tells an outage from a bad row as for any write.
@@ -147,10 +151,15 @@ def copy_rows(
             conn.invalidate(exc)
         raise DBAPIError.instance(sql, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost,
                                   dialect=dialect) from exc
+    if copied != len(values):
+        # The server's own count ("COPY n"): a row lost in kstore's encoding (an unescaped newline
+        # splits one, an escaped one joins two) or dropped by the table must not pass unnoticed.
+        raise WriteCountError(f"a COPY of {len(values)} rows into {name} reported {copied} rows written: "
+                              f"the batch fails and nothing of it commits. {COUNT_HINT}")
     return len(values)
 
 
-def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encoding: str) -> None:
+def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encoding: str) -> int:
     """psycopg 3: kstore's text encoding when it knows every value's type (whole columns by C
     loops, faster than a ``write_row`` per row); otherwise psycopg's own adaptation, row by row."""
     try:
@@ -159,13 +168,15 @@ def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encodin
         data = None
         if any(type(v) in _JSON for row in values for v in row):
             values = [[json.dumps(v) if type(v) in _JSON else v for v in row] for row in values]
-    with dbapi.cursor() as cur, cur.copy(sql) as copy:
-        if data is not None:
-            copy.write(data)
-            return
-        write = copy.write_row
-        for row in values:
-            write(row)
+    with dbapi.cursor() as cur:
+        with cur.copy(sql) as copy:
+            if data is not None:
+                copy.write(data)
+            else:
+                write = copy.write_row
+                for row in values:
+                    write(row)
+        return int(cur.rowcount)
 
 
 def _columns_and_values(
@@ -202,16 +213,39 @@ def _checked(rows: Sequence[Mapping[str, Any]], n: int, names: list[str]) -> Seq
 
 def _bind_decorated(target: Table, names: list[str], values: Sequence[Sequence[Any]],
                     conn: Connection) -> Sequence[Sequence[Any]]:
-    """Apply the columns' TypeDecorators (a user's own types) to their values, as an INSERT would."""
-    decorators = {}
+    """Apply the columns' TypeDecorators (a user's own types) to their values, as an INSERT would;
+    and write a JSON column's values as an INSERT does: every value as JSON text, None as JSON
+    ``null`` (SQL NULL with ``none_as_null=True``), so ``False`` is ``false``, not COPY's ``f``."""
+    dialect = conn.dialect
+    convert: dict[int, Callable[[Any], Any]] = {}
     for i, name in enumerate(names):
         kind = target.c[name].type
         if isinstance(kind, TypeDecorator) and type(kind).process_bind_param is not TypeDecorator.process_bind_param:
-            decorators[i] = kind
-    if not decorators:
+            convert[i] = partial(kind.process_bind_param, dialect=dialect)
+        elif isinstance(kind, DateTime) and not kind.timezone and dialect.name == "postgresql":
+            # COPY into a timestamp ignores an offset; an INSERT converts to the session's time zone.
+            convert[i] = partial(_naive_in, _session_zone(conn))
+        elif isinstance(kind, JSON) and dialect.name == "postgresql":
+            convert[i] = partial(_json_text, getattr(dialect, "_json_serializer", None) or json.dumps,
+                                 kind.none_as_null)
+    if not convert:
         return values
-    dialect = conn.dialect
-    return [
-        [decorators[i].process_bind_param(v, dialect) if i in decorators else v for i, v in enumerate(row)]
-        for row in values
-    ]
+    return [[convert[i](v) if i in convert else v for i, v in enumerate(row)] for row in values]
+
+
+def _session_zone(conn: Connection) -> tzinfo:
+    dbapi: Any = conn.connection.dbapi_connection
+    if conn.dialect.driver == "psycopg":
+        return dbapi.info.timezone  # type: ignore[no-any-return]
+    name = dbapi.get_parameter_status("TimeZone") or "UTC"
+    return ZoneInfo(name)
+
+
+def _naive_in(zone: tzinfo, value: Any) -> Any:
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value.astimezone(zone).replace(tzinfo=None)
+    return value
+
+
+def _json_text(serialize: Callable[[Any], str], none_as_null: bool, value: Any) -> str | None:
+    return None if value is None and none_as_null else serialize(value)

@@ -63,3 +63,17 @@ class CommitInDoubtError(KstoreError):
     """
 
     exit_code = 3
+
+
+class WriteCountError(KstoreError):
+    """A write kstore rewrote for speed reported another number of rows than kstore sent.
+
+    A multi-row INSERT of n rows must report n, a COPY of n rows n, a page of k statements
+    must show that all k ran. Anything else fails the batch before its commit: rows would
+    otherwise have been lost (or doubled) while the offsets moved on. The one legitimate
+    cause is the table's own: a ``BEFORE INSERT`` trigger that returns NULL, or a rule, drops
+    rows on purpose; a processor writing to such a table sets ``defer_inserts = False`` (and
+    writes it without ``copy_rows``).
+    """
+
+    exit_code = 1

@@ -9,14 +9,20 @@ them together, as multi-row INSERTs, when anything else needs the database:
 
 - Only a plain INSERT with one dict of parameters is deferred: no RETURNING or
   ``return_defaults()``, no multi-row ``values([...])``, not inside a savepoint. A
-  ``text()`` is deferred when its words make it one INSERT with no RETURNING (and no
-  second statement after a ``;``).
+  ``text()`` is deferred when its tokens (:mod:`kstore.sqltext`: comments, string
+  literals, quoted identifiers and dollar quotes read as PostgreSQL reads them) make it
+  exactly one INSERT with no RETURNING, followed by nothing but comments and one ``;``
+  (``WITH ... INSERT`` runs at once: its CTEs may write).
   Everything else runs at once, after the INSERTs deferred before it.
 - Order is kept: any other statement, ``flush()``, ``connection()``,
   ``begin_nested()`` and the end of the batch first send what was deferred,
   in the order it was executed; consecutive INSERTs of the same statement and
   the same parameter names are sent together: as one multi-row ``INSERT ... VALUES``
-  on PostgreSQL (:mod:`kstore.manyrows`), else as SQLAlchemy's ``executemany``.
+  on PostgreSQL (:mod:`kstore.manyrows`) when that means the same as one by one; an upsert
+  (``ON CONFLICT``) or ``INSERT ... SELECT`` as one statement per row, in pages of 500 per
+  round trip on psycopg2; else as SQLAlchemy's ``executemany``. Every rewritten write's
+  row count is checked (:class:`~kstore.errors.WriteCountError` fails the batch); a table
+  whose ``BEFORE INSERT`` trigger returns NULL, or with a rule, needs ``defer_inserts = False``.
   Reading your own writes works.
 - The result: reading anything from it (``rowcount``, ``inserted_primary_key``)
   runs that INSERT at once, alone, and answers from its real result. Read it
@@ -39,7 +45,6 @@ them together, as multi-row INSERTs, when anything else needs the database:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -51,7 +56,8 @@ from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import TextClause
 
 from .copy import copy_rows
-from .manyrows import execute_many, execute_many_text
+from .manyrows import execute_many, execute_many_text, is_upsert
+from .sqltext import is_one_insert, tokens
 
 # SQLAlchemy's private names used here, for want of a public API (everything else is
 # public). Each is pinned by a test in tests/test_deferred_inserts.py, so an upgrade that
@@ -134,24 +140,7 @@ def _deferrable(statement: Executable, params: Any) -> bool:
     if isinstance(statement, Insert):
         return (not statement._returning and not statement._return_defaults
                 and not statement._multi_values and statement.select is None)  # not from_select()
-    return isinstance(statement, TextClause) and _plain_insert_text(statement.text)
-
-
-_INSERT_TEXT = re.compile(r"\s*INSERT\s", re.IGNORECASE)
-_NOT_PLAIN = re.compile(r"\bRETURNING\b|;\s*\S", re.IGNORECASE)
-_PLAIN: dict[str, bool] = {}
-
-
-def _plain_insert_text(sql: str) -> bool:
-    """A ``text()`` that is one INSERT returning nothing: no RETURNING anywhere and no second
-    statement (judged on the words alone, so a string literal holding them is not deferred).
-    Remembered per SQL string: it is the same few strings for every message."""
-    plain = _PLAIN.get(sql)
-    if plain is None:
-        if len(_PLAIN) >= 1024:
-            _PLAIN.clear()
-        plain = _PLAIN[sql] = bool(_INSERT_TEXT.match(sql)) and not _NOT_PLAIN.search(sql)
-    return plain
+    return isinstance(statement, TextClause) and is_one_insert(statement.text)
 
 
 def _execute_rows(conn: Connection, statement: Insert | TextClause, rows: list[Any]) -> CursorResult[Any]:
@@ -159,7 +148,27 @@ def _execute_rows(conn: Connection, statement: Insert | TextClause, rows: list[A
     (kstore.manyrows, about half SQLAlchemy's CPU per row), else SQLAlchemy's executemany."""
     sent = (execute_many(conn, statement, rows) if isinstance(statement, Insert)
             else execute_many_text(conn, statement, rows))
-    return sent or conn.execute(statement, rows)
+    if sent is not None:
+        return sent
+    if isinstance(statement, Insert) and is_upsert(statement) and conn.dialect.driver == "psycopg2":
+        # SQLAlchemy would send them as one multi-row upsert: one by one, as they were executed.
+        for row in rows:
+            result = conn.execute(statement, row)
+        return result
+    return conn.execute(statement, rows)
+
+
+def _many_rows(statement: Executable) -> bool:
+    """An executemany that kstore sends itself (as deferred rows are): a Core INSERT, or a ``text()``
+    of one INSERT."""
+    return isinstance(statement, Insert) or (isinstance(statement, TextClause) and is_one_insert(statement.text))
+
+
+def _text_table(sql: str) -> str:
+    """The table a ``text()`` INSERT writes, for an error message: the word after INTO."""
+    words = [t.text for t in tokens(sql) or () if t.kind in ("word", "ident")]
+    upper = [w.upper() for w in words]
+    return words[upper.index("INTO") + 1] if "INTO" in upper[:-1] else "?"
 
 
 def _same_statement(a: Insert | TextClause, b: Insert | TextClause) -> bool:
@@ -221,7 +230,7 @@ class BatchSession(Session):
             conn = self.connection()
             if not self._is_clean():
                 self._flush_first()
-            if type(params) is list and isinstance(statement, Insert):
+            if type(params) is list and params and _many_rows(statement):
                 return _execute_rows(conn, statement, params)
             return conn.execute(statement, params)
         self.send_deferred()
@@ -269,7 +278,7 @@ class BatchSession(Session):
         # Nothing is deferred any more: execute() then takes a path that raises the failure.
         self._defer_inserts = False
         if isinstance(statement, TextClause):
-            table = " ".join(statement.text.split()[2:3]) or "?"
+            table = _text_table(statement.text)
         else:
             table = str(getattr(statement.table, "name", statement.table))
         together = f" (one of {rows} rows sent together)" if rows > 1 else ""

@@ -178,13 +178,11 @@ def make_engine(settings: Settings) -> Engine:
             # The deadline per round trip, the batch's BEGIN and the refusal of a processor's own
             # commit()/rollback() inside a batch (kstore/dbapi.py).
             kwargs["connect_args"]["connection_factory"] = dbapi.psycopg2_connection_class(settings.db_timeout_s)
-            # Several rows of a statement kstore.manyrows does not send as one multi-row INSERT
-            # (a text() INSERT ending in ON CONFLICT, say, deferred by the batch session) go as
-            # pages of statements in one round trip (psycopg2's execute_batch) instead of
-            # psycopg2's round trip per row. The one cost, documented by SQLAlchemy: no
-            # rowcount for an UPDATE or DELETE run with many parameter sets.
-            kwargs["executemany_mode"] = "values_plus_batch"
-            kwargs["executemany_batch_page_size"] = 500
+            # Never psycopg2's execute_batch: it joins a page of statements with ";" on one line,
+            # so a statement ending with a "--" comment swallows the rest of its page, silently.
+            # Many rows of an INSERT kstore.manyrows does not send as one statement go as its own
+            # checked pages; any other executemany is psycopg2's, a statement per row.
+            kwargs["executemany_mode"] = "values_only"
     elif url.startswith("sqlite"):
         kwargs["connect_args"] = {"factory": dbapi.SQLiteConnection}
     try:

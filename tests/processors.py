@@ -171,3 +171,24 @@ class SessionMisuse(Processor):
         self.session.execute(effects.insert(), row)
         if msg.value.startswith("rollback"):
             self.session.rollback()
+
+
+NOTED_INSERT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
+                       "VALUES (:topic, :partition_id, :kafka_offset, :value, 'noted') -- note")
+
+
+class NotedInserts(Processor):
+    """One ``text()`` INSERT per message that ends with a ``-- note`` comment: per message (deferred by
+    kstore's session) or, with ``KSTORE_TEST_MANY=1``, as one executemany for the batch."""
+
+    group = "noted"
+    value_format = "str"
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        rows = [{"topic": m.topic, "partition_id": m.partition, "kafka_offset": m.offset, "value": m.value}
+                for m in msgs]
+        if os.environ.get("KSTORE_TEST_MANY") == "1":
+            self.session.execute(NOTED_INSERT, rows)
+        else:
+            for row in rows:
+                self.session.execute(NOTED_INSERT, row)

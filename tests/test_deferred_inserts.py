@@ -142,9 +142,10 @@ def test_text_inserts_are_deferred_and_sent_together(engine: sa.Engine, statemen
 def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
         engine: sa.Engine, statements: Any, sql: str) -> None:
     def work(session: BatchSession) -> None:
+        before = len(statements)
         result = session.execute(sa.text(sql), {"name": "x"})
         assert not isinstance(result, DeferredResult)
-        assert statements, "sent at once"
+        assert statements[before:] == [(sql.replace(":name", "?"), False)], "sent at once, by execute() itself"
 
     if "; DELETE" in sql:  # SQLite's driver runs one statement at a time: judged, not run
         assert not _deferrable(sa.text(sql), {"name": "x"})
@@ -154,8 +155,8 @@ def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
 
 def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> None:
     """Deferred text() INSERTs go together: on psycopg2 as one multi-row statement when the text
-    ends with its VALUES row (kstore.manyrows), else as one executemany, which kstore's engine
-    runs as execute_batch (pages of statements, one round trip each): never a round trip per row."""
+    ends with its VALUES row (kstore.manyrows), else as kstore's pages of statements (one round
+    trip each): never a round trip per row."""
     engine = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
     sent: list[int] = []
 

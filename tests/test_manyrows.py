@@ -111,7 +111,6 @@ def test_deferred_one_row_inserts_go_as_one_statement(engine: sa.Engine, sent: A
 @pytest.mark.parametrize(("statement", "table"), [
     pytest.param(lambda: with_default.insert(), with_default, id="Python-side column default"),
     pytest.param(lambda: things.insert().values(kind="embedded"), things, id="embedded value"),
-    pytest.param(lambda: pg_insert(things).on_conflict_do_nothing(index_elements=["id"]), things, id="upsert"),
     pytest.param(lambda: pg_insert(things).on_conflict_do_update(index_elements=["id"], set_={"s": "again"}),
                  things, id="upsert with its own parameter"),
 ])
@@ -122,6 +121,27 @@ def test_statements_that_do_not_qualify_take_sqlalchemys_path(
     write(engine, statement(), [{"n": 1}, {"n": 2}])
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 2
+
+
+def _excluded_s() -> Any:
+    upsert = pg_insert(things)
+    return upsert.on_conflict_do_update(index_elements=["id"], set_={"s": upsert.excluded.s})
+
+
+@pytest.mark.parametrize(("statement", "expected"), [
+    pytest.param(_excluded_s, [(1, "b"), (2, "c")], id="DO UPDATE SET s = excluded.s"),
+    pytest.param(lambda: pg_insert(things).on_conflict_do_update(index_elements=["id"], set_={"s": "again"}),
+                 [(1, "again"), (2, "c")], id="DO UPDATE with its own parameter"),
+    pytest.param(lambda: pg_insert(things).on_conflict_do_nothing(index_elements=["id"]), [(1, "a"), (2, "c")],
+                 id="DO NOTHING"),
+])
+@pytest.mark.parametrize("per_row", [True, False], ids=["deferred", "executemany"])
+def test_upserts_run_one_statement_per_row(engine: sa.Engine, statement: Any, expected: Any, per_row: bool) -> None:
+    """A key twice among the rows is updated twice, as the statements one by one do: one multi-row
+    upsert would fail ("ON CONFLICT DO UPDATE command cannot affect row a second time")."""
+    write(engine, statement(), [{"id": 1, "s": "a"}, {"id": 1, "s": "b"}, {"id": 2, "s": "c"}], per_row=per_row)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(things.c.id, things.c.s).order_by(things.c.id)).all() == expected
 
 
 def test_rows_with_different_keys_take_sqlalchemys_path(engine: sa.Engine) -> None:
@@ -142,17 +162,30 @@ TEXT_INSERT = "INSERT INTO things (n, s, b) VALUES (:n, :s, :b)"
 @pytest.mark.parametrize(("sql", "one_statement"), [
     pytest.param(TEXT_INSERT, True, id="ends with its VALUES row"),
     pytest.param("insert into things (n, s, b)\n values(:n,:s,:b) ", True, id="lower case, other spacing"),
+    pytest.param(TEXT_INSERT + " -- a note", True, id="a comment after the row"),
+    pytest.param("/* first */ INSERT INTO things (n, s, b) -- (x)\n VALUES (:n, /* : */ :s, :b);", True,
+                 id="comments everywhere and a semicolon"),
+    pytest.param("INSERT INTO things (n, s, b, kind) VALUES (:n, :s, :b, 'lit(eral)')", True, id="a literal"),
+    pytest.param("INSERT INTO things (n, s, b, kind) VALUES (:n, :s, :b, 'x'::text)", True, id="a cast"),
     pytest.param(TEXT_INSERT + " ON CONFLICT DO NOTHING", False, id="ON CONFLICT"),
-    pytest.param("INSERT INTO things (n, s, b, kind) VALUES (:n, :s, :b, 'lit(eral)')", False, id="a literal"),
+    pytest.param(TEXT_INSERT + " ON CONFLICT DO NOTHING -- a note", False, id="ON CONFLICT and a comment"),
     pytest.param("INSERT INTO things (n, s, b) VALUES (:n, lower(:s), :b)", False, id="a function call"),
 ])
 def test_deferred_text_inserts(engine: sa.Engine, sent: Any, sql: str, one_statement: bool) -> None:
-    """Deferred ``text()`` INSERTs that end with their VALUES row go as one statement; any
-    other shape as psycopg2's execute_batch pages. Either way every row reads back as given."""
+    """Deferred ``text()`` INSERTs that end with their VALUES row go as one statement; any other
+    shape on psycopg2 as kstore's pages of 500 statements (each page one text ending with its
+    sentinel), on psycopg 3 as its executemany. Either way every row reads back as given."""
     rows = [{"n": i, "s": ROWS[0]["s"] + str(i), "b": bytes([i % 256]) + b"\\'"} for i in range(700)]
     write(engine, sa.text(sql), rows, per_row=True)
-    inserts = [many for text, many in sent if text.lower().startswith("insert")]
-    assert inserts == ([False] if one_statement else [True])
+    inserts = [(text, many) for text, many in sent if "insert" in text.lower()]
+    if one_statement:
+        assert [many for _, many in inserts] == [False] and inserts[0][0].count("),(") == 699
+    elif engine.dialect.driver == "psycopg2":
+        assert [many for _, many in inserts] == [False, False]
+        assert [text.count(";\n") for text, _ in inserts] == [500, 200]
+        assert [text.rsplit("\n", 1)[1] for text, _ in inserts] == ["SELECT 500", "SELECT 200"]
+    else:
+        assert [many for _, many in inserts] == [True]
     got = [(n, s, b) for n, s, b, *_ in read(engine)]
     if "lower(" in sql:
         rows = [{**r, "s": r["s"].lower()} for r in rows]
