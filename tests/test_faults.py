@@ -184,6 +184,7 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     wait_until(hang.exists, 60, interval=0.01, what="the zombie to be mid-batch")
     zombie.pause()
     in_flight = read_in_flight(hang)
+    assert in_flight, "the zombie's batch"
 
     healthy = workers(pg_dsn, topic, "zombie")
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
