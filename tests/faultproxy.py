@@ -93,6 +93,11 @@ class PgWatcher:
         self._status = b"I"  # transaction status from the last ReadyForQuery: I(dle), T(ransaction), E(rror)
         self._tag = ""  # the last CommandComplete tag, for the event log
         self.opaque = False
+        #: What the client sent in its current transaction: each statement's text (simple queries and
+        #: the extended protocol's Parse), and "<CopyData>" for the data of a COPY ... FROM STDIN.
+        self.transaction: list[str] = []
+        #: ``transaction`` as it was when its COMMIT was cut (the last one cut on this connection).
+        self.cut_transaction: list[str] = []
 
     def _give_up(self, why: str) -> None:
         self.opaque = True
@@ -118,7 +123,12 @@ class PgWatcher:
                 elif kind == b"Q":
                     sql = body.rstrip(b"\0").decode(errors="replace")
                     self._seen(sql)
+                    self.transaction.append(sql)
                     self._pending.append(self._fault_for(sql))
+                elif kind == b"P":  # Parse: statement name, NUL, query text, NUL, parameter types
+                    self.transaction.append(body.partition(b"\0")[2].partition(b"\0")[0].decode(errors="replace"))
+                elif kind == b"d" and self.transaction[-1:] != ["<CopyData>"]:
+                    self.transaction.append("<CopyData>")
                 elif kind in (b"S", b"F"):
                     self._pending.append(None)
         except ValueError as e:
@@ -153,15 +163,22 @@ class PgWatcher:
                 if kind == b"C":
                     self._tag = body.rstrip(b"\0").decode(errors="replace")
                 elif kind == b"Z":
-                    self._status = body[:1]
-                    if self._pending:
-                        self._pending.popleft()
+                    self._ready_for_query(body[:1], fault)
                     if fault is not None:
                         return bytes(out), f"cut after {fault}: the server answered {self._tag!r}"
         except ValueError as e:
             out += self._server
             self._give_up(f"server: {e}")
         return bytes(out), None
+
+    def _ready_for_query(self, status: bytes, fault: str | None) -> None:
+        self._status = status
+        if self._pending:
+            self._pending.popleft()
+        if fault is not None:
+            self.cut_transaction = list(self.transaction)
+        if status == b"I":  # outside a transaction: the next statement begins one
+            self.transaction.clear()
 
     def _next_server_message(self, out: bytearray) -> tuple[bytes, bytes, bytes] | None:
         """The next whole backend message, after passing on (into ``out``) the one-byte encryption answers."""
@@ -222,6 +239,8 @@ class FaultProxy:
         self.queries: list[tuple[int, str]] = []
         #: Bytes received from clients, counted when they arrive (before any latency holds them).
         self.client_bytes = 0
+        #: For each COMMIT cut, what its transaction sent (``PgWatcher.transaction``), in the order cut.
+        self.cut_transactions: list[list[str]] = []
         self._armed = {"commit": 0, "transaction": 0}
         self._latency = 0.0
         self._blackholed = False
@@ -520,6 +539,8 @@ class FaultProxy:
         self.cuts += 1
         if why.startswith("cut after COMMIT"):
             self.commits_cut += 1
+            if conn.watcher is not None:
+                self.cut_transactions.append(conn.watcher.cut_transaction)
         else:
             self.transactions_cut += 1
         self._close(conn, why, reset=True)

@@ -11,13 +11,16 @@ made to fail the way a cut connection fails them.
   (the server rolls the transaction back: the write did not land).
 
 With ``down_after_fault`` every new connection fails from then on (the database
-unreachable), so reading the outcome back fails too. Imported without a package
-(``PYTHONPATH=tests``) by the CLI test's subprocess, hence no relative imports.
+unreachable), so reading the outcome back fails too. ``Faults.cut`` records each
+COMMIT a fault took, with the statements of the transaction it ended, so a test
+can show that its fault fired, and on the write it is about. Imported without a
+package (``PYTHONPATH=tests``) by the CLI test's subprocess, hence no relative imports.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -34,6 +37,19 @@ from kstore.store import make_engine
 CUT = "server closed the connection unexpectedly"
 
 
+@dataclass(frozen=True)
+class CutCommit:
+    """A COMMIT a fault took: the fault, and the statements of the transaction it ended (in order)."""
+
+    fault: str
+    statements: tuple[str, ...]
+
+    def wrote(self, table: str) -> bool:
+        """Whether that transaction INSERTed into, UPDATEd or DELETEd from ``table``."""
+        pattern = re.compile(rf"\s*(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+\"?{re.escape(table)}\"?[\s(]", re.I)
+        return any(pattern.match(sql) for sql in self.statements)
+
+
 @dataclass
 class Faults:
     """What the next COMMITs of a lossy engine do ("lost" or "refused"), in order; then they behave."""
@@ -43,9 +59,29 @@ class Faults:
     down: bool = False
     #: How many connections were refused while down (so a test can tell the read back was tried).
     refused_connections: int = 0
+    #: Every COMMIT a fault took, in order (so a test can tell the fault fired, and on which write).
+    cut: list[CutCommit] = field(default_factory=list)
+
+
+def _statements(conn: Any) -> list[str]:
+    """The statements sent on DBAPI connection ``conn`` since its last COMMIT or ROLLBACK."""
+    statements: list[str] = conn.__dict__.setdefault("lossy_statements", [])
+    return statements
+
+
+def _track_statements(engine: Engine) -> None:
+    @event.listens_for(engine, "before_cursor_execute")
+    def _seen(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        _statements(cursor.connection).append(statement)
 
 
 def lossy_engine(settings: Settings, faults: Faults) -> Engine:
+    engine = _lossy_engine(settings, faults)
+    _track_statements(engine)
+    return engine
+
+
+def _lossy_engine(settings: Settings, faults: Faults) -> Engine:
     if "+psycopg:" in settings.dsn:
         # psycopg 3: on top of kstore's own connection class (its deadline off: these tests are
         # about the COMMIT, not a silence), made before kstore's own do_connect would make it.
@@ -88,6 +124,10 @@ def _psycopg3_connection_class(faults: Faults) -> type[Any]:
         def commit(self) -> None:
             _commit(faults, self, super().commit, psycopg.OperationalError)
 
+        def rollback(self) -> None:
+            _statements(self).clear()
+            super().rollback()
+
     return LossyConnection3
 
 
@@ -102,6 +142,10 @@ def _connection_class(faults: Faults, base: type[Any]) -> type[Any]:
         def commit(self) -> None:
             _commit(faults, self, super().commit, psycopg2.OperationalError)
 
+        def rollback(self) -> None:
+            _statements(self).clear()
+            super().rollback()
+
     return LossyConnection
 
 
@@ -109,10 +153,13 @@ def _commit(faults: Faults, conn: Any, commit: Any, error: type[Exception]) -> N
     """COMMIT as the next fault says: as usual, "lost" (it lands, then the connection is cut) or
     "refused" (cut before it is sent); either way the caller gets the driver's cut-connection error."""
     fault = faults.commits.pop(0) if faults.commits else None
+    statements = tuple(_statements(conn))
+    _statements(conn).clear()
     if fault is None:
         commit()
         return
     assert fault in ("lost", "refused"), fault
+    faults.cut.append(CutCommit(fault, statements))
     if fault == "lost":
         commit()
     conn.close()  # the connection is gone, as after a cut: the server ends the session

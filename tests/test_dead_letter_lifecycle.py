@@ -222,15 +222,24 @@ def lossy(monkeypatch: pytest.MonkeyPatch) -> Faults:
     return faults
 
 
+def assert_cut(faults: Faults, expected: list[str], *tables: str) -> None:
+    """The faults so far all fired, each on the COMMIT of the change (a transaction writing ``tables``)."""
+    assert [c.fault for c in faults.cut] == expected, faults.cut
+    for cut in faults.cut:
+        assert all(cut.wrote(table) for table in tables), cut.statements
+
+
 def test_a_discard_whose_commit_answer_is_lost_is_read_back(pg_dsn: str, lossy: Faults) -> None:
     a = add_letter(pg_dsn, "a")
     lossy.commits.append("refused")  # did not land: says so, and running it again is safe
     with pytest.raises(DatabaseError, match=f"did not land \\({CUT}\\): nothing changed; it is safe to run it again"):
         dl.discard_dead_letters(Settings(dsn=pg_dsn), "g", [a], "spam")
+    assert_cut(lossy, ["refused"], "kstore_dead_letters", "kstore_dead_letter_history")
     assert statuses(pg_dsn) == {a: "dead"} and history_rows(pg_dsn) == []
 
     lossy.commits.append("lost")  # landed: reported as done, so nobody runs it again
     done = dl.discard_dead_letters(Settings(dsn=pg_dsn), "g", [a], "spam")
+    assert_cut(lossy, ["refused", "lost"], "kstore_dead_letters", "kstore_dead_letter_history")
     assert done.changed == [a]
     (change,) = history_rows(pg_dsn)
     assert (change.request_id, change.to_status) == (done.request_id, "discarded")
@@ -242,6 +251,7 @@ def test_an_edited_replay_whose_commit_answer_is_lost_lands_once(pg_dsn: str, lo
     a = add_letter(pg_dsn, "poison")
     lossy.commits.append("lost")
     result = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g", [a], edits={a: Edit(value=b"fixed")})
+    assert_cut(lossy, ["lost"], "effects", "kstore_dead_letters", "kstore_dead_letter_history")
     assert (result.replayed, result.failed) == ([a], {})
     assert effect_values(pg_dsn) == [(7, "fixed")]
     assert statuses(pg_dsn) == {a: "replayed"}

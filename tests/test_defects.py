@@ -3,6 +3,7 @@ real Kafka and a real database. Each failed on the code before its fix."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import psutil
 import pytest
 import sqlalchemy as sa
+from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
 from kstore import cli as kstore_cli
@@ -159,16 +161,23 @@ def test_the_shutdown_alarm_repeats_after_the_first_timeout() -> None:
             signal.signal(s, h)
 
 
-def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: str, new_topic: Any) -> None:
+def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: str, new_topic: Any,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Defect 7: kafka-python 3 raises on seek/pause/resume of an unassigned partition; Kafka can
     revoke one on its IO thread just before the worker acts on it, and the worker exited."""
     topic = new_topic(1)
     source = KafkaSource(Settings(bootstrap_servers=kafka), "unassigned", [topic], "w-test")
     try:
-        with source.lock:
+        assert source.consumer.assignment() == set()  # it never joined: nothing is assigned to it
+        with pytest.raises(ValueError, match="Unassigned partition"):  # what kafka-python does on its own
+            source.consumer.seek(TopicPartition(topic, 0), 5)
+        with caplog.at_level(logging.DEBUG, logger="kstore"), source.lock:
             source.own((topic, 0), 5)  # seek + resume: not assigned to this consumer
+            assert source.generation((topic, 0)) is not None  # owned all the same, until Kafka says otherwise
             source.disown([(topic, 0)], pause=True)
-        assert source.queued() == 0
+        assert source.generation((topic, 0)) is None
+        for doing in ("seeking", "resuming", "pausing"):
+            assert f"{topic}[0] is no longer assigned: not {doing} it" in caplog.text, caplog.text
     finally:
         source.close()
 

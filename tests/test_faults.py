@@ -5,14 +5,19 @@ Every test runs real ``kstore worker`` processes against real Kafka and PostgreS
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from .harness import assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
+
+#: A worker's log line for each batch it committed.
+COMMITTED = r"committed \d+ messages"
 
 
 class BackgroundProducer:
@@ -46,9 +51,11 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     w1.wait_for_log(r"claimed")
     w2 = workers(pg_dsn, topic, "reb", env=slow)
     w2.wait_for_log(r"claimed")
+    w2.wait_for_log(COMMITTED)
     time.sleep(2)
     w3 = workers(pg_dsn, topic, "reb", env=slow)
     w3.wait_for_log(r"claimed")
+    w3.wait_for_log(COMMITTED)
     time.sleep(2)
     assert w3.terminate() == 0
     time.sleep(2)
@@ -61,8 +68,20 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     assert w1.terminate() == 0
     counts = effects(pg_dsn)
     assert_exactly_once(counts, sent)
-    # Each of the three workers really did part of the work.
+    # Each of the three workers really did part of the work (the Recorder writes its worker's name).
+    by_worker = rows_by_worker(pg_dsn)
+    assert set(by_worker) == {"w1", "w2", "w3"} and min(by_worker.values()) > 0, by_worker
     assert len(sent) > 500
+
+
+def rows_by_worker(dsn: str) -> dict[str, int]:
+    """How many effects rows each worker wrote (its KSTORE_TEST_WORKER_NAME, in the ``worker`` column)."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return {r[0]: r[1] for r in conn.execute(sa.text("SELECT worker, count(*) FROM effects GROUP BY worker"))}
+    finally:
+        engine.dispose()
 
 
 def test_rebalance_while_the_fetch_queue_is_full(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
@@ -100,7 +119,11 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
     wait_until(hang.exists, 60, what="the processor to write its batch and hang")
     in_flight = read_in_flight(hang)
     assert len(in_flight) == 25
+    # The batch's rows are on the server, in the worker's open transaction, before the kill.
+    xid, rows = uncommitted_effects(pg_dsn)
+    assert rows == {(p, o) for _, p, o in in_flight}, f"the open transaction {xid} holds {sorted(rows)}"
     w1.kill()
+    wait_until(lambda: transaction_status(pg_dsn, xid) == "aborted", 30, what=f"transaction {xid} rolled back")
 
     before = effects(pg_dsn)
     assert not in_flight & set(before), "effects of the uncommitted batch survived kill -9"
@@ -112,6 +135,39 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
     wait_until(lambda: len(effects(pg_dsn)) >= 400, 60, what="all 400 effects after restart")
     assert w2.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
+
+
+def uncommitted_effects(dsn: str) -> tuple[int, set[tuple[int, int]]]:
+    """The one open transaction that has written (a worker's batch) and the (partition, offset) of
+    the effects rows it inserted, read from the table's pages (pageinspect): rows no other
+    transaction can see until it commits."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pageinspect"))
+            (xid,) = conn.execute(sa.text(
+                "SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE datname = current_database() "
+                "AND backend_type = 'client backend' AND backend_xid IS NOT NULL AND pid <> pg_backend_pid()"
+            )).scalars().all()
+            attrs = conn.execute(sa.text(
+                "SELECT t_attrs[3], t_attrs[4] FROM generate_series(0, pg_relation_size('effects') / "
+                "current_setting('block_size')::int - 1) AS page, "
+                "LATERAL heap_page_item_attrs(get_raw_page('effects', page::int), 'effects'::regclass) "
+                "WHERE t_xmin::text::bigint = :xid"), {"xid": xid}).all()
+    finally:
+        engine.dispose()
+    # partition_id (int4) and kafka_offset (int8), as stored: in this machine's byte order
+    return xid, {(int.from_bytes(p, sys.byteorder), int.from_bytes(o, sys.byteorder)) for p, o in attrs}
+
+
+def transaction_status(dsn: str, xid: int) -> str:
+    """'in progress', 'committed' or 'aborted' (a fresh test cluster: the xid's epoch is 0)."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return str(conn.execute(sa.text("SELECT txid_status(:x)"), {"x": xid}).scalar_one())
+    finally:
+        engine.dispose()
 
 
 def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
@@ -128,6 +184,7 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     wait_until(hang.exists, 60, interval=0.01, what="the zombie to be mid-batch")
     zombie.pause()
     in_flight = read_in_flight(hang)
+    assert in_flight, "the zombie's batch"
 
     healthy = workers(pg_dsn, topic, "zombie")
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
@@ -141,7 +198,6 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     assert zombie.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
     assert "fenced on" in zombie.log and "rolled back" in zombie.log
-    import sqlalchemy as sa
     engine = sa.create_engine(pg_dsn)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT topic, partition_id, kafka_offset, worker FROM effects")).all()

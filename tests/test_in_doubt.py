@@ -64,6 +64,7 @@ def test_reset_whose_commit_answer_was_lost_but_landed_returns_its_epoch(
     faults.commits.append("lost")
     with caplog.at_level(logging.WARNING, logger="kstore"):
         epoch = lossy_store.reset("g", ("t", 0), 5, expected_epoch=None, reason="admin")
+    assert_cut_the_reset(faults, "lost")
     assert epoch == 2
     assert stored_offsets(pg_dsn, "g") == {("t", 0): 5}
     latest, setup = history(pg_dsn)
@@ -79,6 +80,7 @@ def test_reset_that_cannot_be_read_back_is_in_doubt(pg_dsn: str, lossy_store: St
     faults.down_after_fault = True
     with pytest.raises(CommitInDoubtError) as raised:
         lossy_store.reset("g", ("t", 0), 5, expected_epoch=None, reason="admin")
+    assert_cut_the_reset(faults, "lost")
     message = str(raised.value)
     assert "\n" not in message and "may or may not have landed" in message, message
     assert "`kstore offsets history --group g`" in message and "Connection refused" in message, message
@@ -108,15 +110,24 @@ def test_shift_by_whose_commit_is_lost_never_shifts_twice(pg_dsn: str, kafka: st
     lossy_admin.commits.append("refused")  # did not land: says so; running it again shifts once
     with pytest.raises(DatabaseError, match=f"did not land \\({CUT}\\): nothing changed; it is safe to run it again"):
         set_offsets(settings, "g", topic, shift_by=-10, execute=True)
+    assert_cut_the_reset(lossy_admin, "refused")
     assert stored_offsets(pg_dsn, "g") == {(topic, 0): 60}
     plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True)
     assert [(p.from_offset, p.to_offset) for p in plan] == [(60, 50)]
 
     lossy_admin.commits.append("lost")  # landed: reported as applied, so nobody runs it again
     plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True)
+    assert_cut_the_reset(lossy_admin, "refused", "lost")
     assert [(p.from_offset, p.to_offset) for p in plan] == [(50, 40)]
     assert stored_offsets(pg_dsn, "g") == {(topic, 0): 40}
     assert [(h.from_offset, h.to_offset) for h in history(pg_dsn)] == [(50, 40), (60, 50), (None, 60)]
+
+
+def assert_cut_the_reset(faults: Faults, *expected: str) -> None:
+    """The faults so far all fired, each on the COMMIT of a reset (its offsets and its history row)."""
+    assert [c.fault for c in faults.cut] == list(expected), faults.cut
+    for cut in faults.cut:
+        assert cut.wrote("kstore_offsets") and cut.wrote("kstore_offset_history"), cut.statements
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -176,15 +187,24 @@ def test_replay_whose_commit_answer_was_lost_counts_as_replayed_once(pg_dsn: str
     letter = add_dead_letter(pg_dsn, "g", "poison")
     lossy_admin.commits.append("lost")
     result = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+    assert_cut_the_replay(lossy_admin, "lost")
     assert (result.replayed, result.failed) == ([letter], {})
     assert letter_state(pg_dsn, letter) == ("replayed", 3)
     assert effects(pg_dsn) == {("t", 0, 7): 1}
+
+
+def assert_cut_the_replay(faults: Faults, *expected: str) -> None:
+    """The faults all fired, each on the COMMIT of a replay: its effect and its letter's new status."""
+    assert [c.fault for c in faults.cut] == list(expected), faults.cut
+    for cut in faults.cut:
+        assert cut.wrote("effects") and cut.wrote("kstore_dead_letters"), cut.statements
 
 
 def test_replay_whose_commit_did_not_land_stays_dead_and_replays_later(pg_dsn: str, lossy_admin: Faults) -> None:
     letter = add_dead_letter(pg_dsn, "g", "poison")
     lossy_admin.commits.append("refused")
     result = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+    assert_cut_the_replay(lossy_admin, "refused")
     assert result.replayed == [] and CUT in result.failed[letter]
     assert letter_state(pg_dsn, letter) == ("dead", 4)
     assert effects(pg_dsn) == {}
@@ -199,6 +219,7 @@ def test_replay_that_cannot_be_read_back_is_in_doubt(pg_dsn: str, lossy_admin: F
     lossy_admin.down_after_fault = True
     with pytest.raises(CommitInDoubtError, match=f"`kstore dead-letters show {letter}`") as raised:
         replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+    assert_cut_the_replay(lossy_admin, "lost")
     assert "may or may not have landed" in str(raised.value) and "\n" not in str(raised.value)
     assert letter_state(pg_dsn, letter) == ("replayed", 3), "it landed; no failure was counted"
     assert effects(pg_dsn) == {("t", 0, 7): 1}

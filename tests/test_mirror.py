@@ -8,10 +8,12 @@ rebalance listener so it never does.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
-from kafka import KafkaAdminClient, OffsetAndMetadata, TopicPartition
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicPartition
 
 from kstore.devbroker import run_tool
 
@@ -46,7 +48,8 @@ def test_kafkas_own_tool_shows_the_mirrored_offsets(kafka: str, pg_dsn: str, new
 
 
 def test_kafka_offsets_ahead_or_behind_the_database_change_nothing(kafka: str, pg_dsn: str, new_topic: Any,
-                                                                   produce: Any, workers: Any) -> None:
+                                                                   produce: Any, workers: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """The group's offsets in Kafka are tampered with (one partition back to 0, one far ahead):
     the next worker still starts every partition at the database's offset, and kafka-python
     never even looks Kafka's offsets up (its debug log says so when it does)."""
@@ -69,5 +72,27 @@ def test_kafka_offsets_ahead_or_behind_the_database_change_nothing(kafka: str, p
     wait_until(lambda: len(effects(pg_dsn)) >= len(first) + len(second), 60, what="the later messages")
     assert w2.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | second)
-    assert "to the committed offset" not in w2.log  # kafka-python: "Setting offset for partition ... to the
-    assert "Resetting offset for partition" not in w2.log  # committed offset" / its own auto reset
+    # kafka-python's debug log is in the worker's: it sought each partition to the database's offset ...
+    for (t, p), offset in stored.items():
+        assert f"Seeking to offset {offset} for partition TopicPartition(topic='{t}', partition={p})" in w2.log
+    # ... and never took a position from Kafka's offsets, which it logs thus (shown by a plain consumer).
+    committed, reset = plain_consumer_positions(kafka, group, topic, caplog)
+    assert committed == 0 and reset == 0
+    assert "to the committed offset" in caplog.text and "to the committed offset" not in w2.log
+    assert "Resetting offset for partition" in caplog.text and "Resetting offset for partition" not in w2.log
+
+
+def plain_consumer_positions(kafka: str, group: str, topic: str, caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
+    """Partition 0's position for a plain kafka-python consumer of ``group`` (Kafka's committed
+    offset) and of no group (its own reset to the earliest), with kafka-python's log captured."""
+    positions = []
+    with caplog.at_level(logging.DEBUG, logger="kafka"):
+        for group_id in (group, None):
+            consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=group_id, enable_auto_commit=False,
+                                     auto_offset_reset="earliest")
+            try:
+                consumer.assign([TopicPartition(topic, 0)])
+                positions.append(consumer.position(TopicPartition(topic, 0)))
+            finally:
+                consumer.close(autocommit=False)
+    return positions[0], positions[1]

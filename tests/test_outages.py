@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,20 +53,36 @@ def _send(producer: Any, topic: str, prefix: str, n: int) -> set[tuple[str, int,
     return {(m.topic, m.partition, m.offset) for m in (f.get(timeout=60) for f in futures)}
 
 
+def hold_a_batch(pause: Path, dsn: str, sent: int) -> int:
+    """Hold the worker's next batch before it writes (the Recorder's KSTORE_TEST_PAUSE_FILE) and
+    return how many of the ``sent`` messages are unprocessed; fails if no batch comes (the backlog
+    was drained already)."""
+    pause.touch()
+    wait_until(pause.with_name(pause.name + ".batch").exists, 30, what="a batch of the backlog held in flight")
+    return sent - len(effects(dsn))
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("own_cluster", [1], indirect=True)
-def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any) -> None:
+def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any, tmp_path: Path) -> None:
+    """The broker restarts while a batch is in flight and messages of the backlog are unprocessed:
+    the worker carries on after it, and every message (those sent after the restart too) lands once."""
     admin = KafkaAdminClient(bootstrap_servers=own_cluster.bootstrap_servers)
     admin.create_topics([NewTopic("restart", num_partitions=3, replication_factor=1)])
     admin.close()
     producer = _producer(own_cluster)
     sent = _send(producer, "restart", "a", 600)
-    w = workers(pg_dsn, "restart", "restart", env={"KSTORE_TEST_BATCH_SLEEP": "0.05"},
+    pause = tmp_path / "pause"
+    w = workers(pg_dsn, "restart", "restart",
+                env={"KSTORE_TEST_BATCH_SLEEP": "0.1", "KSTORE_TEST_PAUSE_FILE": str(pause)},
                 args=["--bootstrap-servers", own_cluster.bootstrap_servers, "--max-batch-size", "20"])
     wait_until(lambda: len(effects(pg_dsn)) >= 100, 60)
+    unprocessed = hold_a_batch(pause, pg_dsn, len(sent))
     own_cluster.stop_node(0)
     time.sleep(5)
     own_cluster.start_node(0)
+    assert len(sent) - len(effects(pg_dsn)) == unprocessed, "the restart came while these were unprocessed"
+    pause.unlink()  # the held batch and the rest of the backlog go on after the restart
     sent |= _send(producer, "restart", "b", 600)
     producer.close()
     wait_until(lambda: len(effects(pg_dsn)) >= 1200, 120, what="all 1,200 effects after the restart")
@@ -76,17 +93,22 @@ def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, worker
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("own_cluster", [3], indirect=True)
-def test_losing_one_broker_of_three_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any) -> None:
+def test_losing_one_broker_of_three_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any, tmp_path: Path) -> None:
+    """A broker of three is killed while a batch is in flight and messages of the backlog are
+    unprocessed: every message (those sent with the broker down too) lands once."""
     admin = KafkaAdminClient(bootstrap_servers=own_cluster.bootstrap_servers)
     admin.create_topics([NewTopic("ha", num_partitions=6, replication_factor=3,
                                   topic_configs={"min.insync.replicas": "2"})])
     admin.close()
     producer = _producer(own_cluster)
     sent = _send(producer, "ha", "a", 900)
-    w = workers(pg_dsn, "ha", "ha", env={"KSTORE_TEST_BATCH_SLEEP": "0.05"},
+    pause = tmp_path / "pause"
+    w = workers(pg_dsn, "ha", "ha", env={"KSTORE_TEST_BATCH_SLEEP": "0.1", "KSTORE_TEST_PAUSE_FILE": str(pause)},
                 args=["--bootstrap-servers", own_cluster.bootstrap_servers, "--max-batch-size", "20"])
     wait_until(lambda: len(effects(pg_dsn)) >= 150, 60)
+    hold_a_batch(pause, pg_dsn, len(sent))
     own_cluster.stop_node(1, kill=True)
+    pause.unlink()  # the held batch and the rest of the backlog go on with the broker down
     sent |= _send(producer, "ha", "b", 600)
     producer.close()
     wait_until(lambda: len(effects(pg_dsn)) >= 1500, 120, what="all 1,500 effects with a broker down")

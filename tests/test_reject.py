@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -28,6 +27,17 @@ def dead_letters(dsn: str, group: str) -> list[tuple[str, int, int, str]]:
             return [tuple(r) for r in conn.execute(sa.text(  # type: ignore[misc]
                 "SELECT topic, partition_id, \"offset\", error FROM kstore_dead_letters WHERE consumer_group = :g "
                 "ORDER BY topic, partition_id, \"offset\""), {"g": group})]
+    finally:
+        engine.dispose()
+
+
+def writers(dsn: str, table: str, column: str, value: str) -> list[str]:
+    """The id of the transaction that committed each row of ``table`` whose ``column`` is ``value``."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(sa.text(f"SELECT xmin::text FROM {table} WHERE {column} = :v"),
+                                     {"v": value}).scalars())
     finally:
         engine.dispose()
 
@@ -78,6 +88,10 @@ def test_rejected_messages_are_dead_lettered_in_the_batch_transaction(pg_dsn: st
     assert_exactly_once(effects(pg_dsn), good)
     assert [d[:3] for d in dead_letters(pg_dsn, group)] == sorted(bad)
     assert all(d[3].startswith("Reject: invalid value 'bad") for d in dead_letters(pg_dsn, group))
+    # Each dead letter was committed by a transaction that also wrote good messages' effects: its batch's.
+    letters = writers(pg_dsn, "kstore_dead_letters", "consumer_group", group)
+    batches = set(writers(pg_dsn, "effects", "topic", topic))
+    assert len(letters) == 5 and set(letters) <= batches, (letters, batches)
     assert w.log.count("at once: Reject") == 5
     assert "retrying" not in w.log and "failed (attempt" not in w.log  # no rollback, no isolation, no backoff
 
@@ -111,28 +125,27 @@ def test_errors_the_policy_gives_up_on_are_final(pg_dsn: str, new_topic: Any, pr
 
 
 def test_bad_messages_cost_little(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """Bad messages at the issue's rate (20 in 20,000; here 40 in 40,000, so a run lasts long enough to time)
-    drain within 1.3x the time of clean ones (same run, same worker code)."""
-    def drain(values: list[str], group: str) -> float:
+    """Bad messages at the issue's rate (20 in 20,000) cost no extra transaction: each is
+    dead-lettered in its batch's transaction, with no failed batch, no retry in smaller batches
+    and no backoff. Counted in committed transactions (not in time: the machine is shared)."""
+    def drain(values: list[str], group: str) -> tuple[int, str]:
         topic = new_topic(4)
         produce(topic, values)
-        # Batches of 500 (not 5,000): more transactions, so the run is long enough to time.
+        # Batches of 500 (not 5,000): enough transactions for a retry in smaller batches to show.
         w = workers(pg_dsn, topic, group, processor="processors:Validating", args=["--on-error", "dead_letter"],
                     env={"KSTORE_MAX_BATCH_SIZE": "500"})
-        w.wait_for_log(r"claimed ")
-        started = time.monotonic()
         expected = sum(1 for v in values if not v.startswith("bad"))
-        wait_until(lambda: count_effects(pg_dsn, topic) >= expected, 120, interval=0.05, what=f"{expected} effects")
-        took = time.monotonic() - started
+        wait_until(lambda: count_effects(pg_dsn, topic) >= expected, 120, interval=0.2, what=f"{expected} effects")
         assert w.terminate() == 0
-        return took
+        written = writers(pg_dsn, "effects", "topic", topic) + writers(pg_dsn, "kstore_dead_letters", "topic", topic)
+        return len(set(written)), w.log
 
-    n = 40_000
-    clean_values = [f"ok{i}" for i in range(n)]
-    dirty_values = [f"bad{i}" if i % 1000 == 500 else f"ok{i}" for i in range(n)]
-    # Interleaved, best of two each: a noisy neighbour slows one run, not the comparison.
-    runs = [(drain(clean_values, f"clean{k}"), drain(dirty_values, f"dirty{k}")) for k in range(2)]
-    clean, dirty = min(c for c, _ in runs), min(d for _, d in runs)
-    print(f"{n:,} clean: {clean:.2f}s; with {n // 1000} rejected: {dirty:.2f}s ({dirty / clean:.2f}x)")
-    assert len(dead_letters(pg_dsn, "dirty0")) == len(dead_letters(pg_dsn, "dirty1")) == n // 1000
-    assert dirty <= 1.3 * clean, f"{n // 1000} bad messages: {dirty:.2f}s against {clean:.2f}s clean"
+    n = 20_000
+    clean, _ = drain([f"ok{i}" for i in range(n)], "clean")
+    dirty, log = drain([f"bad{i}" if i % 1000 == 500 else f"ok{i}" for i in range(n)], "dirty")
+    print(f"{n:,} clean: {clean} transactions; with {n // 1000} rejected: {dirty}")
+    assert len(dead_letters(pg_dsn, "dirty")) == n // 1000 and log.count("at once: Reject") == n // 1000
+    assert "a batch of" not in log and "retrying" not in log, "a bad message failed its batch"
+    # Retrying a failed batch of 500 in halves commits ~11 more transactions per bad message (seen: 40 against 261);
+    # the bound leaves room for batches that the timing cut differently.
+    assert clean >= n // 500 and dirty <= 1.5 * clean + 10, (clean, dirty)

@@ -165,8 +165,10 @@ def test_reset_targets_offset_datetime_earliest_latest(pg_dsn: str, kafka: str, 
 
 
 def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
-    """Resets from another thread at random moments: after each one, deliveries run contiguously
-    from its target; a record fetched around a reset is neither skipped nor delivered out of place."""
+    """Resets from another thread at random moments, every fifth made to land while a poll() runs
+    (after the poller noted the generation, before the records come back): after each one,
+    deliveries run contiguously from its target; a record fetched around a reset is neither
+    skipped nor delivered out of place."""
     import random
 
     topic = new_topic(partitions=1)
@@ -185,10 +187,14 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
     targets: list[int] = []
     try:
         wait_until(lambda: proc.batches, 30)  # type: ignore[attr-defined]
-        for _ in range(25):
+        racer = PollRacer(w, tp)
+        for i in range(25):
             time.sleep(rng.uniform(0.0, 0.15))
             target = rng.randrange(0, 2900)
-            w.reset_offsets({tp: target})
+            if i % 5 == 0:  # and some certainly while a poll runs
+                racer.reset_mid_poll(target)
+            else:
+                w.reset_offsets({tp: target})
             targets.append(target)
         # And while idle: the worker is then inside a waiting poll() when the reset seeks.
         for _ in range(8):
@@ -201,6 +207,7 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
     finally:
         stop(w, t)
 
+    assert len(racer.raced) >= 5, f"resets landed in only {len(racer.raced)} polls that returned records"
     pending = list(targets)
     expected_next: int | None = None
     for batch in proc.batches:  # type: ignore[attr-defined]
@@ -212,6 +219,40 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
             del pending[: pending.index(batch[0]) + 1]
         expected_next = batch[-1] + 1
     assert expected_next == 3000
+
+
+class PollRacer:
+    """Wraps the poller's ``poll()`` to count the polls that returned records while a reset landed
+    (records kstore must drop, as fetched under the old generation, and seek the partition back to
+    the reset's target: kafka-python's position has moved past them). :meth:`reset_mid_poll` makes
+    the next poll wait, in the poller's thread after kstore noted the generation, until a reset
+    from the test's thread has landed."""
+
+    def __init__(self, w: Worker, tp: TopicPartitionKey) -> None:
+        self.w, self.tp = w, tp
+        self.raced: list[int] = []  # records returned by each poll a reset landed in
+        self._armed, self._lingering = threading.Event(), threading.Event()
+        self._real_poll = w.source.consumer.poll
+        w.source.consumer.poll = self._poll
+
+    def _poll(self, *args: Any, **kwargs: Any) -> Any:
+        before = self.w.source.generation(self.tp)  # kstore noted the generation just before this call
+        if self._armed.is_set():
+            self._armed.clear()
+            self._lingering.set()
+            deadline = time.monotonic() + 5
+            while self.w.source.generation(self.tp) == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+        records = self._real_poll(*args, **kwargs)
+        if records and self.w.source.generation(self.tp) != before:
+            self.raced.append(sum(len(r) for r in records.values()))
+        return records
+
+    def reset_mid_poll(self, target: int) -> None:
+        self._lingering.clear()
+        self._armed.set()
+        assert self._lingering.wait(30), "the poller never polled"
+        self.w.reset_offsets({self.tp: target})
 
 
 def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:

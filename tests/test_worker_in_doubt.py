@@ -78,6 +78,18 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
     if driver == "psycopg2":  # there the offsets' compare-and-set and COMMIT are one message (kstore/store.py)
         cut = [e for e in pg_proxy.events if "cut after COMMIT (after the statements before it" in e]
         assert len(cut) >= 6, pg_proxy.events[-20:]
+    # The cuts hit batches written the way this case is about (not only claims or other bookkeeping).
+    batches = [t for t in pg_proxy.cut_transactions if wrote_effects(t, write)]
+    assert len(batches) >= 6, pg_proxy.cut_transactions
+
+
+def wrote_effects(transaction: list[str], write: str) -> bool:
+    """Whether a transaction the proxy saw wrote effects rows ``write``'s way: for "copy", a
+    ``COPY effects ... FROM STDIN`` with its data; otherwise INSERTs."""
+    statements = [sql.strip().upper() for sql in transaction]
+    if write == "copy":
+        return any(s.startswith("COPY EFFECTS") for s in statements) and "<COPYDATA>" in statements
+    return any(re.search(r"(^|;\s*)INSERT INTO EFFECTS\b", s) for s in statements)
 
 
 def test_dead_letter_commit_in_doubt_writes_one_dead_letter(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
