@@ -190,9 +190,10 @@ def make_engine(settings: Settings) -> Engine:
     except (SQLAlchemyError, ImportError) as exc:
         raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
     if engine.dialect.driver == "psycopg":
-        guarded = dbapi.psycopg_connection_class(settings.db_timeout_s)
-        event.listen(engine, "do_connect",
-                     lambda _dialect, _record, cargs, cparams: guarded.connect(*cargs, **cparams))
+        # The class is looked up at each connect, so that a test can put a subclass of it in its place.
+        engine.dialect.kstore_connection_class = dbapi.psycopg_connection_class(settings.db_timeout_s)  # type: ignore[attr-defined]
+        event.listen(engine, "do_connect", lambda dialect, _record, cargs, cparams:
+                     dialect.kstore_connection_class.connect(*cargs, **cparams))
     if engine.dialect.driver == "psycopg2":
         event.listen(engine, "reset", _no_transaction_back_into_the_pool)
     if engine.dialect.name == "sqlite":

@@ -84,14 +84,9 @@ def lossy_engine(settings: Settings, faults: Faults) -> Engine:
 def _lossy_engine(settings: Settings, faults: Faults) -> Engine:
     if "+psycopg:" in settings.dsn:
         # psycopg 3: on top of kstore's own connection class (its deadline off: these tests are
-        # about the COMMIT, not a silence), made before kstore's own do_connect would make it.
+        # about the COMMIT, not a silence), in its place: kstore connects with the dialect's class.
         engine = make_engine(settings.replace(db_timeout_s=0))
-        lossy3 = _psycopg3_connection_class(faults)
-
-        @event.listens_for(engine, "do_connect", insert=True)
-        def _lossy3(_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
-            return lossy3.connect(*cargs, **cparams)
-
+        engine.dialect.kstore_connection_class = _psycopg3_connection_class(faults)  # type: ignore[attr-defined]
         return engine
     engine = make_engine(settings)
     classes: dict[type[Any], type[Any]] = {}
