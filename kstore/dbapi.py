@@ -74,11 +74,6 @@ def leave_batch(dbapi: Any) -> None:
         dbapi.kstore_in_batch = False
 
 
-def begin_pending(dbapi: Any) -> bool:
-    """Whether the batch's BEGIN has not been sent yet (nothing touched the database)."""
-    return getattr(dbapi, "kstore_begin", None) is not None
-
-
 def take_begin(dbapi: Any) -> str | None:
     """The BEGIN still to send, now to be sent by the caller (with its own message)."""
     begin = getattr(dbapi, "kstore_begin", None)
@@ -189,24 +184,18 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
             return super().copy_expert(sql, file, size)
 
 
-class _Psycopg2Connection(psycopg2.extensions.connection):  # type: ignore[misc]
+class _Psycopg2Connection(_RefusedInBatch, psycopg2.extensions.connection):  # type: ignore[misc]
     kstore_timeout_s = 0.0
-    kstore_ended = False
-    kstore_in_batch = False
-    kstore_refused: BatchTransactionError | None = None
-    kstore_begin: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cursor_factory = _Psycopg2Cursor
 
     def commit(self) -> None:
-        _refuse(self, "commit")
         with _deadline(self):
-            super().commit()
+            super().commit()  # refused inside a batch (_RefusedInBatch), else psycopg2's
 
     def rollback(self) -> None:
-        _refuse(self, "rollback")
         with _deadline(self):
             super().rollback()
 
