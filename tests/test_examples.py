@@ -149,7 +149,7 @@ def test_ledger_sums_to_zero_and_applies_each_transfer_once_across_sigkill_and_r
     assert len(letters) == n_bad + in_tail
     # Never retried with backoff: Reject is final, and so is a value that is not JSON (found by narrowing
     # its batch down, then dead-lettered after its one attempt).
-    assert "failed (attempt" not in w1.log + w2.log
+    assert "failed (attempt" not in w1.log + w2.log  # the retry's line, as test_failures counts it
     print(f"ledger: {n:,} transfers ({n_bad} bad), SIGKILL after {at_kill:,} applied, drained in {drained:.1f}s; "
           f"replayed 4x100 ({in_tail} bad among them); {len(balances)} balances sum to 0\n{plan}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -70,10 +71,17 @@ def one_error_line(code: int, err: str, *needles: str) -> None:
 
 def test_two_operators_replaying_one_letter_at_once_land_its_effect_once(pg_dsn: str) -> None:
     letter = add_letter(pg_dsn, "again", offset=5)
-    # The replay's batch sleeps 2 s after writing, before its commit: the two runs overlap.
+    # The replay's batch sleeps 5 s after writing, before it locks the letter and commits: both runs
+    # are seen in their transactions at the same moment (pg_stat_activity), so they really overlap.
     args = ("dead-letters", "replay", "processors:Recorder", "--group", "g", "--id", str(letter), "--dsn", pg_dsn)
-    runs = [kstore_cmd(*args, env={"KSTORE_TEST_BATCH_SLEEP": "2"}) for _ in range(2)]
+    runs = [kstore_cmd(*args, env={"KSTORE_TEST_BATCH_SLEEP": "5"}) for _ in range(2)]
+    overlapped = False
+    while not overlapped and any(p.poll() is None for p in runs):
+        overlapped = query(pg_dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND state = 'idle in transaction'")[0][0] >= 2
+        time.sleep(0.05)
     results = [(p.wait(120), *p.communicate()) for p in runs]
+    assert overlapped, "the two replays never overlapped: never both in a transaction at once"
     assert [code for code, _out, _err in results] == [0, 0], results
     assert query(pg_dsn, "SELECT kafka_offset, value FROM effects") == [(5, "again")]
     assert statuses(pg_dsn) == {letter: "replayed"}
