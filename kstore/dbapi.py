@@ -18,8 +18,10 @@ installed by :func:`kstore.store.make_engine`. It does three things:
   ``handle()``, the processor's whole Python time (its deferred INSERTs are only sent at the
   end) would count as "idle in transaction", and past ``idle_in_transaction_timeout_ms`` the
   server would end the session and the batch would fail. So the ``BEGIN`` rides in front of
-  the first statement's own message (one simple query: ``BEGIN; SET LOCAL ...; <statement>``;
-  a COPY, an executemany or a named cursor get it as a message of its own just before). A
+  the first statement's own message (one simple query: ``BEGIN; SET LOCAL ...; <statement>``,
+  a COPY by ``copy_expert`` as ``session.copy_rows`` sends it too; ``copy_from``, ``copy_to``,
+  an executemany, a stored procedure call or a named cursor get it as a message of its own just
+  before). A
   named (server-side) cursor is declared ``WITH HOLD``: psycopg2 refuses any other in
   autocommit mode, though the server is inside kstore's transaction.
 
@@ -178,10 +180,25 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
             return super().callproc(procname, parameters)
 
     def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
-        # session.copy_rows: a COPY is a round trip too (kstore/copy.py).
+        # session.copy_rows (kstore/copy.py): the BEGIN goes in front of the COPY, one message, as
+        # for execute; the server starts the COPY after it, and psycopg2 answers the COPY's count.
+        conn = self.connection
+        if conn.kstore_begin is not None:
+            sql = _prefixed(take_begin(conn) or "", sql, self)
+        with _deadline(conn):
+            return super().copy_expert(sql, file, size)
+
+    # copy_from and copy_to build their COPY in C, past copy_expert: their BEGIN goes alone.
+
+    def copy_from(self, *args: Any, **kwargs: Any) -> Any:
         self._begin_alone()
         with _deadline(self.connection):
-            return super().copy_expert(sql, file, size)
+            return super().copy_from(*args, **kwargs)
+
+    def copy_to(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_alone()
+        with _deadline(self.connection):
+            return super().copy_to(*args, **kwargs)
 
 
 class _Psycopg2Connection(_RefusedInBatch, psycopg2.extensions.connection):  # type: ignore[misc]

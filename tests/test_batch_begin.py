@@ -2,7 +2,7 @@
 
 A fast path, so tested against the plain path: whatever the first round trip of a batch is (a
 Core statement, a raw cursor's execute with or without parameters, bytes or a composed query, an
-executemany, a stored procedure call, a COPY, a named cursor), it runs inside the batch's
+executemany, a stored procedure call, a COPY of any of psycopg2's three kinds, a named cursor), it runs inside the batch's
 transaction exactly as it would after a BEGIN of its own: the same result, and undone by a
 rollback. Real PostgreSQL.
 """
@@ -77,6 +77,20 @@ def _copy(conn: sa.Connection, raw: Any) -> Any:
         return cur.rowcount
 
 
+def _copy_from(conn: sa.Connection, raw: Any) -> Any:
+    with raw.cursor() as cur:
+        cur.copy_from(io.StringIO("12\tfrom\n13\tfrom\n"), "firsts", columns=("a", "b"))
+        return cur.rowcount
+
+
+def _copy_to(conn: sa.Connection, raw: Any) -> Any:
+    with raw.cursor() as cur:
+        out = io.StringIO()
+        cur.copy_to(out, "firsts")  # reads (nothing yet), then a write: both in the transaction
+        cur.execute("INSERT INTO firsts VALUES (14, 'after copy_to')")
+        return out.getvalue()
+
+
 def _named_cursor(conn: sa.Connection, raw: Any) -> Any:
     with raw.cursor() as cur:
         cur.execute("INSERT INTO firsts VALUES (10, 'before the named cursor')")
@@ -93,7 +107,8 @@ def _comment_last(conn: sa.Connection, raw: Any) -> Any:
 
 FIRSTS: dict[str, Callable[[sa.Connection, Any], Any]] = {
     "core": _core, "execute_params": _execute_params, "execute_bytes": _execute_bytes, "composed": _composed,
-    "executemany": _executemany, "callproc": _callproc, "copy": _copy, "named_cursor": _named_cursor,
+    "executemany": _executemany, "callproc": _callproc, "copy": _copy, "copy_from": _copy_from,
+    "copy_to": _copy_to, "named_cursor": _named_cursor,
     "comment_last": _comment_last,
 }
 
