@@ -45,6 +45,14 @@ T = TypeVar("T")
 _ENCRYPTION_REQUESTS = {80877103: "SSLRequest", 80877104: "GSSENCRequest"}
 _COMMITS = {"COMMIT", "END"}
 _TRANSACTION_ENDS = _COMMITS | {"ROLLBACK", "ABORT"}
+
+
+def _commits(sql: str) -> bool:
+    """Whether a simple-query message commits: a COMMIT, or statements ending with one (kstore's
+    one-round-trip commit, kstore.store, is "<compare-and-set>; COMMIT")."""
+    words = sql.strip().rstrip(";").upper().split()
+    last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
+    return (bool(words) and words[0] in _COMMITS and words[1:2] != ["PREPARED"]) or last in _COMMITS
 #: Stop reading a socket while this much of its data waits in the proxy (backpressure).
 _MAX_HELD = 1 << 20
 
@@ -105,26 +113,19 @@ class PgWatcher:
         self._server.clear()
         self._log(f"stops following the protocol: {why}")
 
-    def client(self, data: bytes) -> None:
-        """See bytes on their way to the server (they are always forwarded as they are)."""
+    def client(self, data: bytes) -> str | None:
+        """See bytes on their way to the server: forwarded as they are, unless this returns why the
+        connection is cut now instead (a COMMIT that must never reach the server)."""
         if self.opaque:
-            return
+            return None
         self._client += data
         try:
             while not self.opaque and (msg := _frame(self._client, self._client_typed)) is not None:
                 kind, body, _ = msg
                 if not self._client_typed:
-                    (code,) = struct.unpack_from(">I", body) if len(body) >= 4 else (0,)
-                    if code in _ENCRYPTION_REQUESTS:
-                        self._owed_bytes += 1
-                        self._log(f"client sent {_ENCRYPTION_REQUESTS[code]}")
-                    else:
-                        self._client_typed = True
-                elif kind == b"Q":
-                    sql = body.rstrip(b"\0").decode(errors="replace")
-                    self._seen(sql)
-                    self.transaction.append(sql)
-                    self._pending.append(self._fault_for(sql))
+                    self._untyped(body)
+                elif kind == b"Q" and (cut := self._query(body.rstrip(b"\0").decode(errors="replace"))):
+                    return cut
                 elif kind == b"P":  # Parse: statement name, NUL, query text, NUL, parameter types
                     self.transaction.append(body.partition(b"\0")[2].partition(b"\0")[0].decode(errors="replace"))
                 elif kind == b"d" and self.transaction[-1:] != ["<CopyData>"]:
@@ -133,8 +134,29 @@ class PgWatcher:
                     self._pending.append(None)
         except ValueError as e:
             self._give_up(f"client: {e}")
+        return None
+
+    def _untyped(self, body: bytes) -> None:
+        """The StartupMessage, or an encryption request before it (answered by one untyped byte)."""
+        (code,) = struct.unpack_from(">I", body) if len(body) >= 4 else (0,)
+        if code in _ENCRYPTION_REQUESTS:
+            self._owed_bytes += 1
+            self._log(f"client sent {_ENCRYPTION_REQUESTS[code]}")
+        else:
+            self._client_typed = True
+
+    def _query(self, sql: str) -> str | None:
+        """A simple query on its way: why to cut before it reaches the server, or None (sent)."""
+        self._seen(sql)
+        self.transaction.append(sql)
+        if _commits(sql) and self._take("commit_refused"):
+            self.cut_transaction = list(self.transaction)
+            return f"cut before COMMIT: never sent ({sql[-40:]!r})"
+        self._pending.append(self._fault_for(sql))
+        return None
 
     def _fault_for(self, sql: str) -> str | None:
+        """What to do at the answer to ``sql``: nothing (None), or cut the connection, as an armed fault says."""
         words = sql.strip().rstrip(";").upper().split()
         first = words[0] if words else ""
         # kstore's one-round-trip commit (kstore.store) is one message: "<compare-and-set>; COMMIT".
@@ -231,6 +253,8 @@ class FaultProxy:
         self.protocol = protocol
         self.recv_size = recv_size  # small values split every message, to exercise the framing
         self.commits_cut = 0
+        #: COMMITs the proxy never let reach the server (``cut_before_commit``).
+        self.commits_refused = 0
         self.transactions_cut = 0
         self.cuts = 0  # connections closed by a fault, commit and mid-transaction cuts included
         self.connections_seen = 0
@@ -241,7 +265,9 @@ class FaultProxy:
         self.client_bytes = 0
         #: For each COMMIT cut, what its transaction sent (``PgWatcher.transaction``), in the order cut.
         self.cut_transactions: list[list[str]] = []
-        self._armed = {"commit": 0, "transaction": 0}
+        #: The same for each COMMIT refused (``cut_before_commit``).
+        self.refused_transactions: list[list[str]] = []
+        self._armed = {"commit": 0, "transaction": 0, "commit_refused": 0}
         self._latency = 0.0
         self._blackholed = False
         self._heal_at: float | None = None
@@ -311,6 +337,12 @@ class FaultProxy:
         """The next ``count`` COMMITs reach the server; once its answer is back, both sockets are reset
         and the answer is dropped: the client cannot know the commit landed (a commit in doubt)."""
         self._arm("commit", count)
+
+    def cut_before_commit(self, count: int = 1) -> None:
+        """The next ``count`` COMMITs never reach the server: the connection is reset instead of
+        sending them (with whatever else their chunk held), so the server rolls the transaction back
+        while the client's COMMIT fails as after a lost answer (a commit in doubt that did not land)."""
+        self._arm("commit_refused", count)
 
     def cut_mid_transaction(self, count: int = 1) -> None:
         """The next ``count`` statements sent inside a transaction reach the server and run; once their
@@ -510,16 +542,7 @@ class FaultProxy:
         """Move due chunks through the watcher into the output buffers; cut or close when it is time."""
         for half in (conn.up, conn.down):
             while half.delayed and half.delayed[0][0] <= now and not conn.closed:
-                chunk = half.delayed.popleft()[1]
-                cut = None
-                if conn.watcher is None:
-                    half.out += chunk
-                elif half is conn.up:
-                    conn.watcher.client(chunk)
-                    half.out += chunk
-                else:
-                    forward, cut = conn.watcher.server(chunk)
-                    half.out += forward
+                cut = self._through(conn, half, half.delayed.popleft()[1])
                 if cut is not None:
                     self._fault_cut(conn, cut)
                     return
@@ -535,12 +558,30 @@ class FaultProxy:
                 self._close(conn, "closed by the " + ("client" if half is conn.up else "server"), reset=False)
                 return
 
+    def _through(self, conn: _Conn, half: _Half, chunk: bytes) -> str | None:
+        """Pass ``chunk`` through the watcher into ``half``'s output; why to cut the connection, or None."""
+        if conn.watcher is None:
+            half.out += chunk
+            return None
+        if half is conn.up:
+            cut = conn.watcher.client(chunk)
+            if cut is None:
+                half.out += chunk
+            return cut
+        forward, cut = conn.watcher.server(chunk)
+        half.out += forward
+        return cut
+
     def _fault_cut(self, conn: _Conn, why: str) -> None:
         self.cuts += 1
         if why.startswith("cut after COMMIT"):
             self.commits_cut += 1
             if conn.watcher is not None:
                 self.cut_transactions.append(conn.watcher.cut_transaction)
+        elif why.startswith("cut before COMMIT"):
+            self.commits_refused += 1
+            if conn.watcher is not None:
+                self.refused_transactions.append(conn.watcher.cut_transaction)
         else:
             self.transactions_cut += 1
         self._close(conn, why, reset=True)

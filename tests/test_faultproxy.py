@@ -137,6 +137,34 @@ def test_cut_after_commit_leaves_a_commit_in_doubt(pg_dsn: str, direct: sa.Engin
         engine.dispose()
 
 
+@pytest.mark.parametrize("recv_size", [65536, 1], ids=["whole", "byte-by-byte"])
+def test_cut_before_commit_leaves_a_commit_in_doubt_that_did_not_land(
+        pg_dsn: str, direct: sa.Engine, make_proxy: Callable[..., FaultProxy], recv_size: int) -> None:
+    """The client's commit() fails as after a lost answer, and the row is not there: the COMMIT never
+    reached the server, which rolled the transaction back. A one-message "...; COMMIT" is refused too."""
+    proxy = make_proxy(recv_size=recv_size)
+    engine = sa.create_engine(proxy.dsn_through(pg_dsn), connect_args={"sslmode": "disable"})
+    try:
+        proxy.cut_before_commit(2)
+        conn = engine.connect()
+        conn.execute(INSERT, {"id": 1})
+        with pytest.raises(sa.exc.OperationalError):
+            conn.commit()
+        conn.close()
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn, \
+                pytest.raises(sa.exc.OperationalError):
+            conn.exec_driver_sql("BEGIN; INSERT INTO fp_rows (id) VALUES (2); COMMIT")
+        assert rows(direct) == set(), "a refused COMMIT reached the server"
+        assert (proxy.commits_refused, proxy.commits_cut, proxy.cuts) == (2, 0, 2)
+        assert any("INSERT" in sql for sql in proxy.refused_transactions[0])
+
+        with engine.begin() as conn:  # armed for two commits only
+            conn.execute(INSERT, {"id": 3})
+        assert rows(direct) == {3}
+    finally:
+        engine.dispose()
+
+
 def test_cut_mid_transaction_runs_the_statement_then_rolls_back(proxied: sa.Engine, proxy: FaultProxy,
                                                                  direct: sa.Engine) -> None:
     proxy.cut_mid_transaction()
