@@ -3,8 +3,8 @@
 A fast path, so tested against the plain path: whatever the first round trip of a batch is (a
 Core statement, a raw cursor's execute with or without parameters, bytes or a composed query, an
 executemany, a stored procedure call, a COPY of each of psycopg2's three kinds, a named cursor), it
-runs inside the batch's transaction exactly as it would after a BEGIN of its own: the same result, and undone by a
-rollback. Real PostgreSQL.
+runs inside the batch's transaction exactly as it would after a BEGIN of its own: the same result,
+and undone by a rollback. Real PostgreSQL.
 """
 
 from __future__ import annotations
