@@ -9,9 +9,11 @@ exactly once and that the worker says what happened.
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -21,8 +23,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+import kstore.worker
+from kstore import Message, Processor, Settings, Worker
+
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from .lossy import Faults, lossy_engine
+from .processors import effects as effects_table
 
 pytestmark = pytest.mark.integration
 
@@ -269,3 +276,55 @@ def test_exactly_once_through_cut_commits_blackholes_poison_and_online_resets(
     extra = set(counts) - set(expected)
     assert not wrong, f"{len(wrong)} messages with the wrong number of effects (got, want): {sorted(wrong.items())[:5]}"
     assert not extra, f"effects of messages never sent: {sorted(extra)[:5]}"
+
+
+class CountingRecorder(Processor):
+    """Writes one effect per message and counts the messages handed to it."""
+
+    value_format = "str"
+
+    def __init__(self) -> None:
+        self.handled = 0
+
+    def handle(self, msg: Message) -> None:
+        self.handled += 1
+        self.session.execute(effects_table.insert().values(
+            topic=msg.topic, partition_id=msg.partition, kafka_offset=msg.offset, value=msg.value))
+
+
+def test_until_a_lost_commits_rows_can_be_read_nothing_else_is_processed(
+        pg_dsn: str, kafka: str, new_topic: Any, produce: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """docs/failures.md: after a batch's COMMIT lost its answer the worker reads its rows back, and
+    "until the rows can be read, nothing else is processed". The COMMIT lands, its answer is lost,
+    and the database refuses every connection for a while (psycopg 3, tests/lossy.py): no message is
+    handed to the processor meanwhile, though a backlog waits; then the batch counts as landed."""
+    caplog.set_level(logging.INFO, logger="kstore")
+    faults = Faults(down_after_fault=True)
+    monkeypatch.setattr(kstore.worker, "make_engine", lambda s: lossy_engine(s, faults))
+    topic = new_topic(2)
+    expected = set(produce(topic, [f"a{i}" for i in range(20)]))
+    proc = CountingRecorder()
+    worker = Worker(proc, Settings(dsn=with_driver(pg_dsn, "psycopg"), bootstrap_servers=kafka, group="held",
+                                   topics=(topic,), max_batch_size=20, session_timeout_ms=6000,
+                                   heartbeat_interval_ms=1000))
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 60, what="the first messages")
+        faults.commits.append("lost")
+        expected |= set(produce(topic, [f"b{i}" for i in range(200)]))
+        wait_until(lambda: faults.cut and faults.refused_connections >= 3, 60,
+                   what="the lost COMMIT, then read backs refused")
+        handled, refused = proc.handled, faults.refused_connections
+        wait_until(lambda: faults.refused_connections >= refused + 3, 60, what="more read backs refused")
+        assert proc.handled == handled, "messages were processed while the lost COMMIT was unresolved"
+        assert faults.cut[0].wrote("effects"), faults.cut  # the fault took a batch's COMMIT
+        faults.down = False
+        wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 90, what="every message processed")
+    finally:
+        faults.down = False
+        worker.request_stop()
+        runner.join(60)
+    assert_exactly_once(effects(pg_dsn), expected)
+    assert "lost its answer" in caplog.text and "but landed: not processing it again" in caplog.text
