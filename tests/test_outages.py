@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from kafka.admin import NewTopic
 from kstore.devbroker import Cluster
 
 from .harness import assert_exactly_once, effects, wait_until
+from .test_top import Terminal
 
 
 def test_handler_slower_than_max_poll_interval_is_not_evicted(pg_dsn: str, new_topic: Any, produce: Any,
@@ -66,7 +68,9 @@ def hold_a_batch(pause: Path, dsn: str, sent: int) -> int:
 @pytest.mark.parametrize("own_cluster", [1], indirect=True)
 def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any, tmp_path: Path) -> None:
     """The broker restarts while a batch is in flight and messages of the backlog are unprocessed:
-    the worker carries on after it, and every message (those sent after the restart too) lands once."""
+    the worker carries on after it, and every message (those sent after the restart too) lands once.
+    `kstore top` watches it: while the broker is down a line says so above the last table read, and
+    once it answers again the line goes."""
     admin = KafkaAdminClient(bootstrap_servers=own_cluster.bootstrap_servers)
     admin.create_topics([NewTopic("restart", num_partitions=3, replication_factor=1)])
     admin.close()
@@ -78,9 +82,18 @@ def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, worker
                 args=["--bootstrap-servers", own_cluster.bootstrap_servers, "--max-batch-size", "20"])
     wait_until(lambda: len(effects(pg_dsn)) >= 100, 60)
     unprocessed = hold_a_batch(pause, pg_dsn, len(sent))
-    own_cluster.stop_node(0)
-    time.sleep(5)
-    own_cluster.start_node(0)
+    top = Terminal(["--group", "restart", "--dsn", pg_dsn, "--bootstrap-servers", own_cluster.bootstrap_servers,
+                    "--interval", "0.5"])
+    try:
+        top.wait_for(r"\nrestart +0 ", timeout=60)
+        own_cluster.stop_node(0)
+        down = top.wait_for(r"cannot read the Kafka brokers", timeout=90)
+        assert re.search(r"cannot read the Kafka brokers.*\n(.*\n)*restart +0 ", down), down  # above the table
+        own_cluster.start_node(0)
+        wait_until(lambda: "cannot read" not in top.frame() and re.search(r"\nrestart +0 ", top.frame()), 90,
+                   what="top's outage line gone once the broker answers")
+    finally:
+        top.close()
     assert len(sent) - len(effects(pg_dsn)) == unprocessed, "the restart came while these were unprocessed"
     pause.unlink()  # the held batch and the rest of the backlog go on after the restart
     sent |= _send(producer, "restart", "b", 600)
