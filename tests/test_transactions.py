@@ -11,12 +11,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from kstore import Settings
 from kstore.lag import LagReader
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .test_metrics import by_partition, port_of, scrape
 
 PARTITIONS = 3
@@ -68,8 +69,9 @@ def past_every_record(stored: dict[tuple[str, int], int | None], records: Offset
     return all((stored.get(tp) or 0) > offset for tp, offset in last.items())
 
 
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_aborted_transactions_are_never_processed_and_offsets_reach_the_log_end(
-        kafka: str, new_topic: Any, pg_dsn: str, workers: Any) -> None:
+        kafka: str, new_topic: Any, pg_dsn: str, workers: Any, driver: str) -> None:
     """Every committed record's effect exactly once, no aborted record's; the stored offsets end at
     the log end (past the abort markers), and the lag is 0 for the worker and for `kstore top`'s reader."""
     topic = new_topic(PARTITIONS)
@@ -77,7 +79,7 @@ def test_aborted_transactions_are_never_processed_and_offsets_reach_the_log_end(
     ends = log_ends(kafka, topic)
     assert all(end > max(o for t, p, o in aborted if p == tp[1]) for tp, end in ends.items())
     group = f"g-{topic}"
-    w = workers(pg_dsn, topic, group, args=["--metrics-port", "0"])
+    w = workers(with_driver(pg_dsn, driver), topic, group, args=["--metrics-port", "0"])
     port = port_of(w)
     wait_until(lambda: past_every_record(stored_offsets(pg_dsn, group), committed | aborted), 60,
                what="stored offsets past every record")
