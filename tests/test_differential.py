@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.dialects import postgresql as pg
 
@@ -123,7 +123,8 @@ def other_text(draw: Any) -> tuple[str, list[str]]:
     sql, params = draw(st.sampled_from([
         ("INSERT INTO diff_t (k, s) SELECT :k, :s WHERE NOT EXISTS (SELECT 1 FROM diff_t WHERE k = :k)", ["k", "s"]),
         ("WITH x AS (SELECT CAST(:k AS int) AS k) INSERT INTO diff_t (k, s) SELECT k, :s FROM x", ["k", "s"]),
-        ("INSERT INTO diff_t (k, s) VALUES (:k, :s) RETURNING id", ["k", "s"]),
+        # RETURNING, but not the id: as for contents(), rows sent together (a COPY) draw their ids first.
+        ("INSERT INTO diff_t (k, s) VALUES (:k, :s) RETURNING k, s", ["k", "s"]),
         ("insert into diff_t (k, n) values (:k, :n) on conflict (k) do update set n = excluded.n returning k, n",
          ["k", "n"]),
         ("INSERT INTO diff_t (k, s) VALUES (:k, ';') ; -- RETURNING", ["k"]),
@@ -332,5 +333,10 @@ DIFF_SETTINGS = settings(
 
 @DIFF_SETTINGS
 @given(ops=st.lists(op(), min_size=2, max_size=10), kstore_begin=st.booleans())
+# Found by a run of 2,000 examples: a COPY that fails on a duplicate draws every row's id first, so
+# ids read after it differ from the plain path's (the test compared them; it no longer reads ids).
+@example(ops=[Op("savepoint", inner=[Op("copy", params=[{"k": 0, "s": None}] * 3)]),
+              Op("other", "INSERT INTO diff_t (k, s) VALUES (:k, :s) RETURNING k, s", {"k": 0, "s": None}, read=True)],
+         kstore_begin=False)
 def test_the_fast_paths_write_and_fail_as_the_plain_path(engines: Engines, ops: list[Op], kstore_begin: bool) -> None:
     check(engines, ops, kstore_begin)
