@@ -270,9 +270,9 @@ class Ledger:
         """Partitions Kafka assigns here that no assignment event announced go to pending.
 
         Every assigned partition is owned, held, pending or fenced, unless an assignment was
-        never announced to the listener; nobody would consume it then. (Seen rarely under load:
-        a worker that heard of an assignment and its revoke in one poll waited for partitions
-        for good.) Adopted only when two checks in a row, in one stable
+        never announced to the listener (seen rarely under load: kafka-python reported an
+        assignment and its revoke in one poll, and then assigned the partitions again without
+        a word); nobody would consume them. Adopted only when two checks in a row, in one stable
         generation with no event waiting, find the same partitions unknown: a rebalance in
         progress, or an event not yet applied, never looks like that. Claiming is safe even
         then: the claim bumps the epoch, and the fencing settles who owns what.
