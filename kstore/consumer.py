@@ -486,17 +486,7 @@ class KafkaSource:
 
     def group_stable(self) -> bool:
         """Whether the consumer has joined its group and is heartbeating (kafka-python's own view)."""
-        return self.membership()[1]
-
-    def membership(self) -> tuple[int, bool]:
-        """kafka-python's view of the group: the generation this member joined, and whether it is stable."""
-        meta = self.consumer.group_metadata()
-        return int(meta.generation_id), bool(meta.state == MemberState.STABLE)
-
-    def events_waiting(self) -> bool:
-        """Whether rebalance events were recorded that the fetch thread has not taken yet."""
-        with self._events_lock:
-            return bool(self._events)
+        return bool(self.consumer.group_metadata().state == MemberState.STABLE)
 
     def buffered(self) -> tuple[int, int, bool]:
         """Records and bytes waiting in kstore's queues, and whether fetching is paused for them."""

@@ -82,9 +82,6 @@ class Ledger:
         #: Dropped because another worker claimed them, and when. If Kafka still assigns one
         #: to this worker a session timeout later, that claimer was a zombie: claim it again.
         self.fenced_at: dict[TP, float] = {}
-        #: Assigned by Kafka, yet unknown to the ledger at the last check, and the group's
-        #: generation then (see adopt_unannounced).
-        self._unannounced: tuple[int, frozenset[TP]] | None = None
 
     # -- claiming ---------------------------------------------------------------
 
@@ -265,35 +262,6 @@ class Ledger:
             for tp in due:
                 del self.fenced_at[tp]
         return orphans
-
-    def adopt_unannounced(self) -> list[TP]:
-        """Partitions Kafka assigns here that no assignment event announced go to pending.
-
-        Every assigned partition is owned, held, pending or fenced, unless an assignment was
-        never announced to the listener (seen rarely under load: kafka-python reported an
-        assignment and its revoke in one poll, and then assigned the partitions again without
-        a word); nobody would consume them. Adopted only when two checks in a row, in one stable
-        generation with no event waiting, find the same partitions unknown: a rebalance in
-        progress, or an event not yet applied, never looks like that. Claiming is safe even
-        then: the claim bumps the epoch, and the fencing settles who owns what.
-        """
-        generation, stable = self.source.membership()
-        assigned = self.source.assignment()
-        with self.source.lock:
-            unknown = frozenset(tp for tp in assigned if tp not in self.owned and tp not in self.held
-                                and tp not in self.pending and tp not in self.fenced_at)
-        if not stable or not unknown or self.source.events_waiting():
-            self._unannounced = None
-            return []
-        seen, self._unannounced = self._unannounced, (generation, unknown)
-        if seen is None or seen[0] != generation:
-            return []
-        with self.source.lock:
-            adopted = sorted(tp for tp in unknown & seen[1] if tp not in self.owned and tp not in self.held
-                             and tp not in self.pending and tp not in self.fenced_at)
-            self.pending.update(adopted)
-        self._unannounced = None
-        return adopted
 
     # -- explicit resets --------------------------------------------------------
 

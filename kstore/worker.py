@@ -442,10 +442,6 @@ class Worker:
         orphans = self.ledger.reclaim_orphans()
         if orphans:
             log.warning("%s still assigned here a session timeout after being fenced: claiming again", fmt(orphans))
-        unannounced = self.ledger.adopt_unannounced()
-        if unannounced:
-            log.warning("%s assigned here by Kafka, but the assignment was never announced: claiming them",
-                        fmt(unannounced))
         try:
             stale = self.ledger.stale()
             if stale:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
-from kafka.structs import ConsumerGroupMetadata, MemberState, OffsetAndTimestamp
+from kafka.structs import OffsetAndTimestamp
 from sqlalchemy.exc import OperationalError
 
 from kstore import Processor, Settings, migrate
@@ -45,8 +45,6 @@ class StubConsumer:
         self.assigned: set[tuple[str, int]] = set()
         self.positions: dict[tuple[str, int], int] = {}
         self.log_start = 0
-        self.generation = 1
-        self.state = MemberState.STABLE
 
     def _check(self, ktp: TopicPartition, error: type[Exception]) -> tuple[str, int]:
         tp = (ktp.topic, ktp.partition)
@@ -67,9 +65,6 @@ class StubConsumer:
 
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(*tp) for tp in self.assigned}
-
-    def group_metadata(self) -> ConsumerGroupMetadata:
-        return ConsumerGroupMetadata(group_id="g", generation_id=self.generation, state=self.state)
 
     def beginning_offsets(self, ktps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         return {k: self.log_start for k in ktps}
@@ -205,42 +200,3 @@ def test_an_operators_reset_below_the_log_start_adopts_a_time_start_policy_at_it
     store.reset("g", TP, 10, expected_epoch=None, reason="operator")
     assert ledger.recheck([TP])[0] == [TP]
     assert ledger.offsets() == {TP: 70} and source.consumer.positions[TP] == 70
-
-
-def test_a_partition_assigned_without_an_announcement_is_claimed_after_two_checks(
-        parts: tuple[Store, StubSource, Ledger]) -> None:
-    """Kafka assigns a partition here and no assignment event ever says so: two checks in a row in
-    one stable generation find it unknown, and it goes to pending, so it is claimed and consumed."""
-    _store, source, ledger = parts
-    other = (TOPIC, 1)
-    source.consumer.assigned.add(other)
-    assert ledger.adopt_unannounced() == []  # seen once: it may be an event not applied yet
-    assert ledger.adopt_unannounced() == [other]
-    assert ledger.pending == {other}
-    assert ledger.claim_pending() == [other]
-    assert set(ledger.offsets()) == {TP, other}
-    assert ledger.adopt_unannounced() == [] and ledger.adopt_unannounced() == []
-
-
-def test_an_unannounced_partition_is_not_adopted_mid_rebalance_across_generations_or_before_events(
-        parts: tuple[Store, StubSource, Ledger]) -> None:
-    _store, source, ledger = parts
-    other, fenced = (TOPIC, 1), (TOPIC, 2)
-    source.consumer.assigned |= {other, fenced}
-    ledger.fenced_at[fenced] = 0.0  # fenced here: left to reclaim_orphans, a session timeout later
-
-    source.consumer.state = MemberState.REBALANCING
-    assert ledger.adopt_unannounced() == [] and ledger.adopt_unannounced() == []
-    source.consumer.state = MemberState.STABLE
-
-    assert ledger.adopt_unannounced() == []
-    source.consumer.generation += 1  # a rebalance completed between the checks
-    assert ledger.adopt_unannounced() == []
-
-    source._push_event("assigned", [TopicPartition(*other)])  # recorded, not applied yet
-    assert ledger.adopt_unannounced() == [] and ledger.adopt_unannounced() == []
-    source.take_events()
-
-    assert ledger.adopt_unannounced() == []
-    assert ledger.adopt_unannounced() == [other]
-    assert fenced not in ledger.pending

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import IllegalStateError
-from kafka.structs import ConsumerGroupMetadata, MemberState, OffsetAndTimestamp
+from kafka.structs import OffsetAndTimestamp
 
 from .clock import SimClock
 
@@ -176,8 +176,6 @@ class SimConsumer:
         self.pending: list[TopicPartition] | None = None
         #: Listener calls so far.
         self.callbacks = 0
-        #: The generation of the assignment this member took last (-1: none yet).
-        self.generation = -1
 
     # -- group membership (called by Group inside poll) ---------------------------
 
@@ -206,7 +204,6 @@ class SimConsumer:
         for state in kept.values():
             state.revoking = False
         self._assignment = {tp: kept.get(tp) or _PartitionState() for tp in sorted(new)}
-        self.generation = self.group.generation
         self._call("on_partitions_assigned", sorted(new))
 
     def _call(self, method: str, tps: list[TopicPartition]) -> None:
@@ -220,11 +217,6 @@ class SimConsumer:
             self._in_listener = False
 
     # -- the KafkaConsumer API ----------------------------------------------------
-
-    def group_metadata(self) -> ConsumerGroupMetadata:
-        stable = self in self.group.members and not self.group.rebalancing and self.pending is None
-        return ConsumerGroupMetadata(group_id="sim", generation_id=self.generation,
-                                     state=MemberState.STABLE if stable else MemberState.REBALANCING)
 
     def subscribe(self, topics: Sequence[str] = (), pattern: Any = None, listener: Any = None) -> None:
         self._topics = list(topics)
