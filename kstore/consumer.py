@@ -126,6 +126,56 @@ class _Queue:
     generation: int = 0
 
 
+#: How long kafka-python may sit mid-rebalance with nothing left in flight before kstore asks it to
+#: join again (see StalledRebalance).
+STALLED_REBALANCE_S = 2.0
+
+
+class StalledRebalance:
+    """Unsticks kafka-python 3 when a rebalance stalls for good, on the thread that polls.
+
+    When ``poll()``'s timeout expires while the group's leader waits for its SyncGroup answer,
+    the join goes on in the background; but the leader's assignment also satisfies the check
+    (``need_rejoin()``) that the next ``poll()`` uses to decide whether a join is still to be
+    finished. So nothing ever applies the answer: the member stays REBALANCING, its heartbeats
+    off, and the listener never hears of the assignment (seen under load, where a worker
+    waited for partitions for good after a revoke). That state, held for
+    :data:`STALLED_REBALANCE_S` with no join in flight, is asked to rejoin: one rebalance more,
+    after which the assignment reaches the listener as usual.
+    """
+
+    def __init__(self, consumer: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self._consumer = consumer
+        self._clock = clock
+        self._since: float | None = None
+        #: Rejoins requested so far.
+        self.rejoins = 0
+
+    def check(self) -> bool:
+        """After each ``poll()``: True if a stalled rebalance was just asked to rejoin."""
+        # kafka-python's private state: without it (another version), nothing is done.
+        coordinator: Any = getattr(self._consumer, "_coordinator", None)
+        missing = object()
+        task: Any = getattr(coordinator, "_join_task", missing)
+        stalled = (task is not missing and getattr(coordinator, "state", None) is MemberState.REBALANCING
+                   and (task is None or task.is_done) and not coordinator.need_rejoin())
+        now = self._clock()
+        if not stalled:
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = now
+            return False
+        if now - self._since < STALLED_REBALANCE_S:
+            return False
+        log.warning("the Kafka client stalled mid-rebalance (it never applied its join's answer): joining the "
+                    "group again")
+        coordinator.request_rejoin()
+        self._since = None
+        self.rejoins += 1
+        return True
+
+
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Runs on kafka-python's IO thread: pause and record, nothing that blocks."""
 
@@ -188,6 +238,7 @@ class KafkaSource:
         #: if the log was truncated below it, what it said (the worker places them again).
         self._unfetchable: dict[TP, tuple[int, str | None]] = {}
         self.consumer = self._connect()
+        self._stalled = StalledRebalance(self.consumer)
 
     def _connect(self) -> Any:
         s = self.settings
@@ -254,6 +305,8 @@ class KafkaSource:
         except (OffsetOutOfRangeError, LogTruncationError, NoOffsetForPartitionError) as exc:
             self._cannot_fetch(exc)
             return 0
+        finally:
+            self._stalled.check()
         queued = 0
         with self.lock:
             for ktp, krecords in batches.items():
