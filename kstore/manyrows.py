@@ -48,6 +48,7 @@ rows are quoted and read before any is inserted); the batch fails either way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import repeat
@@ -179,7 +180,7 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
         import psycopg
 
         with psycopg.ClientCursor(dbapi) as cur, _as_sqlalchemy_errors(conn, template):
-            sql = head + ",".join(map(cur.mogrify, repeat(template), rows)) + tail
+            sql = head + ",".join(map(cur.mogrify, repeat(_cast_whole(template)), rows)) + tail
         with _never_prepared(dbapi):
             result = conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
     else:
@@ -192,6 +193,18 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
             f"a multi-row INSERT of {len(rows)} rows ({_start(head)}) reported {result.rowcount} rows written: "
             f"the batch fails and nothing of it commits. {COUNT_HINT}")
     return result
+
+
+#: A parameter followed by a cast, ``%(n)s::BIGINT`` (SQLAlchemy renders one for every psycopg 3 bind).
+_CAST_PARAMETER = re.compile(r"(?<!%)(%\(\w+\)s)::")
+
+
+def _cast_whole(template: str) -> str:
+    """``(%(n)s)::BIGINT``: a cast binds tighter than a minus sign, so a quoted ``-9223372036854775808``
+    followed by ``::BIGINT`` is read ``-(9223372036854775808::BIGINT)``, out of range, where the same
+    value bound on the server (psycopg 3's plain path) is not. (psycopg2 always quotes on the
+    client, its plain path included, so its templates are left as they are.)"""
+    return _CAST_PARAMETER.sub(r"(\1)::", template)
 
 
 #: What a count mismatch may mean, in every WriteCountError kstore raises.
