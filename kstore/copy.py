@@ -106,12 +106,19 @@ def _text_column(col: list[Any]) -> Iterable[str]:
     return map(_text_field, col)
 
 
-def _text_copy(rows: Sequence[Sequence[Any]], encoding: str) -> io.BytesIO:
-    """The rows in COPY's text format, built column by column, encoded once for the connection."""
+def _text_copy(rows: Sequence[Sequence[Any]], encoding: str) -> bytes:
+    """The rows in COPY's text format, built column by column, encoded once for the connection.
+
+    A text value with a NUL character raises ValueError, as psycopg2 refuses it in an INSERT (the
+    server would refuse it in a COPY, with another error than the INSERT's): no other value's
+    encoding has a NUL byte (bytes go as hex, JSON escapes it)."""
     columns = [_text_column(list(col)) for col in zip(*rows, strict=True)]
     lines = list(map("\t".join, zip(*columns, strict=True)))
     lines.append("")
-    return io.BytesIO("\n".join(lines).encode(encoding))
+    data = "\n".join(lines).encode(encoding)
+    if b"\x00" in data:
+        raise ValueError("A string literal cannot contain NUL (0x00) characters.")
+    return data
 
 
 def copy_rows(
@@ -138,7 +145,7 @@ def copy_rows(
         if dialect.driver == "psycopg":
             copied = _psycopg_copy(dbapi, sql, values, connection_encoding(conn))
         else:
-            data = _text_copy(values, connection_encoding(conn))
+            data = io.BytesIO(_text_copy(values, connection_encoding(conn)))
             with dbapi.cursor() as cur:
                 # Bytes, in large pieces: psycopg2 reads a file 8 KiB at a time by default.
                 cur.copy_expert(sql, data, size=COPY_CHUNK)
@@ -163,7 +170,11 @@ def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encodin
     """psycopg 3: kstore's text encoding when it knows every value's type (whole columns by C
     loops, faster than a ``write_row`` per row); otherwise psycopg's own adaptation, row by row."""
     try:
-        data: bytes | None = _text_copy(values, encoding).getvalue()
+        data: bytes | None = _text_copy(values, encoding)
+    except ValueError:  # a NUL in a text value: psycopg 3's own error for it in an INSERT
+        import psycopg
+
+        raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes") from None
     except TypeError:
         data = None
         if any(type(v) in _JSON for row in values for v in row):
