@@ -842,7 +842,10 @@ class Cluster:
                     bootstrap_timeout_ms=5000,
                 )
             info = admin.describe_cluster()
-        except (KafkaError, OSError):
+        except (KafkaError, OSError, IndexError):
+            # IndexError: kafka-python 3's bootstrap, after a failed attempt, can pick from an empty
+            # list of brokers (seen when something else listens on a node's port, taken before
+            # Kafka could bind it: that node's exit is noticed next, by _check_progress).
             return admin, set()
         return admin, {b["broker_id"] for b in info["brokers"] if not b.get("is_fenced")}
 
