@@ -5,7 +5,7 @@
   its ``KSTORE_*`` variable, and its ``kstore worker`` flag found by walking the click command.
 - ``cli.md``: the ``--help`` of every ``kstore`` command.
 
-And links from a page to a file of the repository outside docs/ (``../kstore/session.py``),
+And links from a page to a file of the repository outside docs/ (``../kstore/db/session.py``),
 which the site does not hold, are shown as the file's path; a link to a file that does not
 exist is left alone, so that the strict build fails on it.
 """
@@ -35,7 +35,7 @@ LINK = re.compile(r"\[([^\]\n]+)\]\(([^)\s#]+)(#[^)\s]*)?\)")
 #: What the ``KSTORE_*`` variables that are not settings are for (_FOREIGN_ENV in settings.py).
 FOREIGN_ENV = {
     "KSTORE_DEBUG": "any value but empty or `0` is `kstore --debug`: tracebacks and debug logs",
-    "KSTORE_CACHE_DIR": "where `kstore.devbroker` keeps the Apache Kafka jars (default `~/.cache/kstore`)",
+    "KSTORE_CACHE_DIR": "where `kstore.dev.broker` keeps the Apache Kafka jars (default `~/.cache/kstore`)",
     "KSTORE_TEST_": "kstore's own test suite (e.g. `KSTORE_TEST_BOOTSTRAP=host:port` for an external broker)",
     "KSTORE_SIM_": "kstore's own simulation tests",
 }

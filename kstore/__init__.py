@@ -4,9 +4,12 @@ Offsets live in the database, in the same transaction as the processing's
 own writes; a claimed epoch per partition fences zombie workers.
 """
 
-from .dbapi import BatchTransactionError
-from .deadletters import DeadLetterStateError
-from .errors import (
+from kstore.db.dbapi import BatchTransactionError
+from kstore.db.deadletters import DeadLetterStateError
+from kstore.db.migration import migrate
+from kstore.db.session import BatchRollbackError, DeferredInsertError
+from kstore.engine.worker import Worker, load_processor
+from kstore.errors import (
     BrokerError,
     CommitInDoubtError,
     ConfigurationError,
@@ -18,13 +21,10 @@ from .errors import (
     ProcessorContractError,
     ProcessorError,
 )
-from .migration import migrate
-from .processor import Message, Processor
-from .retry import Reject, Retry, RetryPolicy
-from .session import BatchRollbackError, DeferredInsertError
-from .settings import Settings
-from .targets import EARLIEST, LATEST
-from .worker import Worker, load_processor
+from kstore.processor import Message, Processor
+from kstore.retry import Reject, Retry, RetryPolicy
+from kstore.settings import Settings
+from kstore.targets import EARLIEST, LATEST
 
 __all__ = [
     # writing a pipeline

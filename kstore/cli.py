@@ -19,12 +19,13 @@ from typing import Any, NoReturn
 
 import click
 
-from . import admin, deadletters
-from .errors import KstoreError
-from .kafkaconnect import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
-from .migration import migrate as migrate_db
-from .settings import Settings
-from .worker import Worker, load_processor
+from kstore.db import deadletters
+from kstore.db.migration import migrate as migrate_db
+from kstore.engine.worker import Worker, load_processor
+from kstore.errors import KstoreError
+from kstore.kafka.connect import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.ops import offsets as offsets_admin
+from kstore.settings import Settings
 
 log = logging.getLogger("kstore.cli")
 
@@ -239,7 +240,7 @@ def _kafka_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.pass_context
 def offsets_show(ctx: click.Context, /, group: str, topic: str | None, as_json: bool, **opts: Any) -> None:
     """Stored offset, log start and end, lag, epoch, last update and live owner of each partition."""
-    rows = _run(ctx, lambda: Settings.from_env(**opts), lambda s: admin.show_offsets(s, group, topic))
+    rows = _run(ctx, lambda: Settings.from_env(**opts), lambda s: offsets_admin.show_offsets(s, group, topic))
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return
@@ -268,7 +269,7 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
     names = ("to_offset", "to_datetime", "to_earliest", "to_latest", "shift_by", "clamp", "reason", "execute")
     params = {k: opts.pop(k) for k in names}
     plan = _run(ctx, lambda: Settings.from_env(**opts),
-                lambda s: admin.set_offsets(s, group, topic, partitions or None, **params))
+                lambda s: offsets_admin.set_offsets(s, group, topic, partitions or None, **params))
     click.echo(_table(["TOPIC", "PARTITION", "FROM", "TO", "NOTE"],
                       [[p.topic, p.partition, p.from_offset, p.to_offset, p.note] for p in plan]))
     if params["execute"]:
@@ -287,7 +288,7 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
 def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit: int, as_json: bool,
                     **db: Any) -> None:
     """Every reset of a group, newest first: when, who, from, to, why, and the request id that wrote it."""
-    rows = _run(ctx, lambda: Settings.from_env(**db), lambda s: admin.offset_history(s, group, topic, limit))
+    rows = _run(ctx, lambda: Settings.from_env(**db), lambda s: offsets_admin.offset_history(s, group, topic, limit))
     if as_json:
         click.echo(json.dumps([{**dataclasses.asdict(r), "at": r.at.isoformat()} for r in rows], indent=2))
         return
@@ -418,7 +419,7 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
 @click.pass_context
 def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address: str, **opts: Any) -> None:
     """Serve the lag of groups as Prometheus metrics on /metrics, no worker needed, until SIGTERM/SIGINT."""
-    from .exporter import Exporter
+    from kstore.ops.exporter import Exporter
 
     def serve(settings: Settings) -> None:
         server = Exporter(settings, groups, port, address)
@@ -436,7 +437,7 @@ def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address:
 @click.pass_context
 def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: Any) -> None:
     """A live view of a group's partitions: offsets, lag, owner, epoch, throughput, dead letters."""
-    from .top import Top
+    from kstore.ops.top import Top
 
     def watch(settings: Settings) -> None:
         view = Top(settings, group, interval)

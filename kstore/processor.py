@@ -14,11 +14,11 @@ from sqlalchemy import Connection
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from .tracing import Tracing
+    from kstore.telemetry.tracing import Tracing
 
-from .errors import ConfigurationError, KstoreError, ProcessorContractError
-from .retry import RetryPolicy
-from .session import BatchSession, batch_session
+from kstore.db.session import BatchSession, batch_session
+from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
+from kstore.retry import RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -99,7 +99,7 @@ class Processor:
     #: ``"dead_letter"`` it (into kstore_dead_letters, in the transaction that moves past it).
     on_error: ClassVar[OnError] = "stop"
     #: Send one-row INSERTs executed through :attr:`session` together, as multi-row
-    #: INSERTs, when anything else needs the database (see :mod:`kstore.session`).
+    #: INSERTs, when anything else needs the database (see :mod:`kstore.db.session`).
     defer_inserts: ClassVar[bool] = True
 
     #: The SQLAlchemy session of the batch in flight; set by the worker for the length of

@@ -137,7 +137,7 @@ class PgWatcher:
     def _fault_for(self, sql: str) -> str | None:
         words = sql.strip().rstrip(";").upper().split()
         first = words[0] if words else ""
-        # kstore's one-round-trip commit (kstore.store) is one message: "<compare-and-set>; COMMIT".
+        # kstore's one-round-trip commit (kstore.db.store) is one message: "<compare-and-set>; COMMIT".
         last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
         if first in _COMMITS and words[1:2] != ["PREPARED"] and self._take("commit"):
             return "COMMIT"

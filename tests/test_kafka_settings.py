@@ -11,7 +11,7 @@ import pytest
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore import ConfigurationError, Settings
-from kstore.kafkaconnect import check_kafka_options, client_config, load_token_provider
+from kstore.kafka.connect import check_kafka_options, client_config, load_token_provider
 
 SECRET = "pa55-w0rd-SECRET"
 

@@ -63,7 +63,7 @@ from .sim.world import FAULT_KINDS
 #:
 #: ``late_read_back``: after a COMMIT whose answer was lost, the worker reads the rows back
 #: with a plain read, which does not wait for the locks of a COMMIT still in flight (unlike
-#: kstore.indoubt.wait_for_locks); it sees the rows as they were, logs "did not land:
+#: kstore.db.indoubt.wait_for_locks); it sees the rows as they were, logs "did not land:
 #: processing it again" and hands the batch to the processor again under the same epoch,
 #: below the offset that COMMIT stored a moment later. The re-run cannot commit (the
 #: compare-and-set's position check fences it, and the journal checks that nothing lands

@@ -14,7 +14,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from kstore import Settings
-from kstore.lag import LagReader
+from kstore.ops.lag import LagReader
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .test_metrics import by_partition, port_of, scrape

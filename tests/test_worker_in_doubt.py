@@ -57,7 +57,7 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
                                                   produce: Any, workers: Any, driver: str, write: str) -> None:
     """The defect the fault check found: 6 cut COMMITs made 800 duplicate effects on the old code.
     On both drivers, and for each way the rows go in: a Core INSERT, COPY (session.copy_rows) and
-    text() INSERTs deferred by the session (kstore's multi-row statements, kstore/manyrows.py)."""
+    text() INSERTs deferred by the session (kstore's multi-row statements, kstore/db/manyrows.py)."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))
     w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "indoubt",
@@ -75,7 +75,7 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
     assert w.log.count("lost its answer") >= 6, w.log[-3000:]
     assert "but landed: not processing it again" in w.log
     assert sum(stored_offsets(pg_dsn, "indoubt").values()) == len(expected)
-    if driver == "psycopg2":  # there the offsets' compare-and-set and COMMIT are one message (kstore/store.py)
+    if driver == "psycopg2":  # there the offsets' compare-and-set and COMMIT are one message (kstore/db/store.py)
         cut = [e for e in pg_proxy.events if "cut after COMMIT (after the statements before it" in e]
         assert len(cut) >= 6, pg_proxy.events[-20:]
     # The cuts hit batches written the way this case is about (not only claims or other bookkeeping).

@@ -32,7 +32,7 @@ from typing import Any
 
 from kafka.net.sasl import get_sasl_mechanism
 
-from .errors import BrokerError
+from kstore.errors import BrokerError
 
 _API_VERSIONS, _METADATA, _SASL_HANDSHAKE, _SASL_AUTHENTICATE = 18, 3, 17, 36
 #: Mechanisms the probe logs in with (kafka-python's own implementation); GSSAPI and

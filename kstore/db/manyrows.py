@@ -25,7 +25,7 @@ latter, from SQLAlchemy's own compilation of the statement:
 
 A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
 its one ``VALUES (...)`` row of parameters, constants and casts, found by the text's tokens
-(:mod:`kstore.sqltext`: comments, literals and dollar quotes cannot fool it); what follows the
+(:mod:`kstore.db.sqltext`: comments, literals and dollar quotes cannot fool it); what follows the
 row (a comment, a ``;``) is dropped, so a trailing ``-- note`` cannot swallow the rows after
 it. Any other one-INSERT text (``ON CONFLICT``, ``INSERT ... SELECT``) goes on psycopg2 as
 kstore's pages. (psycopg2's own ``execute_batch`` is never used: it joins statements with
@@ -56,8 +56,9 @@ from typing import Any
 from sqlalchemy import Connection, CursorResult, Insert, LargeBinary, TextClause
 from sqlalchemy.exc import DBAPIError
 
+from kstore.errors import WriteCountError
+
 from . import sqltext
-from .errors import WriteCountError
 
 #: (statement cache key, parameter names) -> (SQL before the rows, one row's template, SQL after), or None.
 _Plan = tuple[str, str, str, dict[str, Callable[[Any], Any]]]
@@ -114,7 +115,7 @@ def execute_many_text(conn: Connection, statement: TextClause,
                       rows: Sequence[dict[str, Any]]) -> CursorResult[Any] | None:
     """The same for a ``text("INSERT INTO t (...) VALUES (:a, :b, ...)")`` that ends with its one
     VALUES row (parameters, constants and casts in it, every parameter in it; comments or a ``;``
-    after it are dropped), judged by its tokens (:mod:`kstore.sqltext`). On psycopg2, any other
+    after it are dropped), judged by its tokens (:mod:`kstore.db.sqltext`). On psycopg2, any other
     text of one statement (``ON CONFLICT``, ``INSERT ... SELECT``) goes as pages of statements
     (:func:`_run_pages`). Else None: nothing was sent."""
     if conn.dialect.driver not in _DRIVERS or not rows:

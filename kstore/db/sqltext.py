@@ -1,7 +1,7 @@
 """PostgreSQL SQL text as tokens: what a ``text()`` statement is, judged by its tokens, not its words.
 
 The batch session defers a ``text("INSERT ...")`` and sends many of them together
-(:mod:`kstore.manyrows`); whether a text qualifies, and where its one ``VALUES`` row is,
+(:mod:`kstore.db.manyrows`); whether a text qualifies, and where its one ``VALUES`` row is,
 must not be fooled by a comment, a string literal holding ``;`` or ``--``, a quoted
 identifier or a dollar-quoted body. This lexer knows PostgreSQL's rules for those:
 

@@ -1,5 +1,5 @@
 """The worker: a fetch thread that polls Kafka, and a main loop that claims
-partitions, checks epochs, handles resets and shutdown, and has :mod:`kstore.batches`
+partitions, checks epochs, handles resets and shutdown, and has :mod:`kstore.engine.batches`
 process one batch at a time (one transaction with its offsets).
 
 The worker is a plain object: ``run()``, ``request_stop()``, ``close()``. It
@@ -14,8 +14,8 @@ Threads, and who may call what:
   events it brings (revoked and lost partitions are dropped and flushed at once,
   assigned ones become pending). It never touches the database.
 - **kafka-python's IO thread**: runs the rebalance listener, which only pauses
-  and records (see :mod:`kstore.consumer`).
-- **the deadline watchdog** (:mod:`kstore.deadline`): only cuts sockets.
+  and records (see :mod:`kstore.kafka.consumer`).
+- **the deadline watchdog** (:mod:`kstore.db.deadline`): only cuts sockets.
 
 Locks: :attr:`KafkaSource.lock` guards the queues and the ledger's maps. It is
 held across local consumer calls (seek, pause, resume) and, in
@@ -42,18 +42,19 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from kstore.db.migration import check_migrated
+from kstore.db.store import Store, make_engine
+from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
+from kstore.kafka.consumer import TP, KafkaSource
+from kstore.processor import Processor, call_hook, check_processor
+from kstore.settings import Settings
+from kstore.targets import Target
+from kstore.telemetry.health import HealthServer, app
+from kstore.telemetry.metrics import Metrics, PartitionLag
+
 from . import positions
 from .batches import Batches
-from .consumer import TP, KafkaSource
-from .errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
-from .health import HealthServer, app
-from .metrics import Metrics, PartitionLag
-from .migration import check_migrated
 from .ownership import Backoff, Ledger, fmt
-from .processor import Processor, call_hook, check_processor
-from .settings import Settings
-from .store import Store, make_engine
-from .targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Worker:
         self._closing = threading.Event()
         self._fetch_error: BaseException | None = None
         self._revoked_notices: list[list[TP]] = []
-        #: Counters and histograms of this worker, on its own registry (see kstore.metrics).
+        #: Counters and histograms of this worker, on its own registry (see kstore.telemetry.metrics).
         self.metrics = Metrics(self.group)
         self.metrics.watch(self._lags, self._gauges)
         self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY, on_failure=self.metrics.database_error)
@@ -270,7 +271,7 @@ class Worker:
         return None if self._http is None else self._http.port
 
     def liveness(self) -> tuple[bool, str]:
-        """Healthy while the batch loop and the fetch thread keep turning (see kstore.health)."""
+        """Healthy while the batch loop and the fetch thread keep turning (see kstore.telemetry.health)."""
         now, limit = time.monotonic(), self.settings.liveness_timeout_s
         for what, last in (("the batch loop", self._last_turn), ("the fetch thread", self._last_poll)):
             idle = now - max(last, self._started_at)
@@ -417,7 +418,7 @@ class Worker:
             call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
 
     def _follow_positions(self) -> bool:
-        """Where the consumer moved, or could not fetch, by itself (see kstore.positions): move
+        """Where the consumer moved, or could not fetch, by itself (see kstore.engine.positions): move
         stored offsets past transaction markers, place again partitions whose position left the
         log. Before any batch, so one whose answer was lost is settled first. False while the
         database fails."""

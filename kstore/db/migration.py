@@ -12,18 +12,20 @@ from alembic.util import CommandError
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from .errors import ConfigurationError, DatabaseError, NotMigratedError
-from .settings import Settings
+from kstore.errors import ConfigurationError, DatabaseError, NotMigratedError
+from kstore.settings import Settings
+
 from .store import first_line, make_engine
 
 
 def script_location() -> str:
     """Where kstore's Alembic scripts are: inside the installed package (a wheel ships the
     top-level ``migrations/`` as ``kstore/migrations``), or at the top of a checkout."""
-    installed = Path(__file__).resolve().parent / "migrations"
+    package = Path(__file__).resolve().parent.parent  # kstore/, this module being kstore/db/migration.py
+    installed = package / "migrations"
     if (installed / "env.py").is_file():
         return str(installed)
-    return str(Path(__file__).resolve().parent.parent / "migrations")
+    return str(package.parent / "migrations")
 
 
 def alembic_config(settings: Settings) -> Config:

@@ -20,16 +20,27 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import dbapi, deadletters
-from .consumer import TP, KafkaSource, Record
-from .errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
-from .metrics import Metrics
+from kstore.db import dbapi, deadletters
+from kstore.db.store import (
+    WRITES,
+    FencedCommit,
+    Position,
+    Row,
+    Store,
+    TransactionEnded,
+    database_state,
+    first_line,
+    transient,
+)
+from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
+from kstore.kafka.consumer import TP, KafkaSource, Record
+from kstore.processor import Message, Processor, call_hook, run_handler
+from kstore.retry import Failure, Failures, MessageKey
+from kstore.settings import Settings
+from kstore.telemetry.metrics import Metrics
+from kstore.telemetry.tracing import Tracing
+
 from .ownership import Backoff, Ledger, fmt
-from .processor import Message, Processor, call_hook, run_handler
-from .retry import Failure, Failures, MessageKey
-from .settings import Settings
-from .store import WRITES, FencedCommit, Position, Row, Store, TransactionEnded, database_state, first_line, transient
-from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +459,7 @@ class Batches:
             raise
         try:
             if one_trip:
-                # The compare-and-set and COMMIT in one round trip (kstore.store): a fenced one
+                # The compare-and-set and COMMIT in one round trip (kstore.db.store): a fenced one
                 # raises in the server before its COMMIT; any other error may have come after it.
                 # (If nothing of the batch touched the database, its BEGIN rides in this message too.)
                 self.store.commit_in_one_round_trip(conn, self.group, positions)
@@ -474,7 +485,7 @@ class Batches:
         """The batch's own writes, inside its transaction ``trans``."""
         raw = conn.connection.dbapi_connection
         # psycopg2 is in autocommit mode on this connection: the transaction is kstore's own,
-        # begun with the batch's first round trip (kstore.dbapi), so the processor's Python
+        # begun with the batch's first round trip (kstore.db.dbapi), so the processor's Python
         # before it never counts as idle in transaction. Inside the block the processor's own
         # commit() or rollback() on the DBAPI connection is refused.
         with dbapi.in_batch(raw, dbapi.BEGIN_BATCH if one_trip else None):
@@ -525,7 +536,7 @@ class Batches:
         if conn is not None:
             try:
                 # Rolls back anything open (kstore's own BEGIN included: see
-                # kstore.store._no_transaction_back_into_the_pool) and returns it to the pool.
+                # kstore.db.store._no_transaction_back_into_the_pool) and returns it to the pool.
                 conn.close()
             except SQLAlchemyError as exc:
                 log.debug("closing the batch connection failed: %s", exc)

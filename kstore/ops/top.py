@@ -1,7 +1,7 @@
 """``kstore top``: a live terminal view of one group, refreshed every second.
 
 Per partition: the stored offset, the log end, the lag in messages and in seconds
-(:mod:`kstore.lag`), the live owner and epoch, the throughput over the last minute
+(:mod:`kstore.ops.lag`), the live owner and epoch, the throughput over the last minute
 (from the stored offset's movement between refreshes) and the dead letters
 waiting. Workers may come and go (a partition nobody holds has a blank owner);
 while the database or the brokers cannot be read, a line says so above the last
@@ -23,10 +23,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .consumer import TP
-from .errors import BrokerError, DatabaseError, KstoreError
+from kstore.errors import BrokerError, DatabaseError, KstoreError
+from kstore.kafka.consumer import TP
+from kstore.settings import Settings
+
 from .lag import GroupReading, LagReader
-from .settings import Settings
 
 #: Throughput is the stored offsets' movement over this many seconds.
 THROUGHPUT_WINDOW_S = 60.0

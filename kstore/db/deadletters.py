@@ -10,7 +10,7 @@ request id; a replay's processor effects commit in that same transaction, so a
 dead letter's effect lands exactly once even if two operators act on it at once.
 
 If a change's COMMIT loses its answer, the request id is looked up on a fresh
-connection (:mod:`kstore.indoubt`): found, it landed; not found, it did not;
+connection (:mod:`kstore.db.indoubt`): found, it landed; not found, it did not;
 unreadable, :class:`~kstore.errors.CommitInDoubtError`. Doing the same thing
 twice is a no-op (an already discarded letter stays as it was discarded); a
 different change of a letter that already left ``dead`` is refused with
@@ -46,13 +46,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
+from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
+from kstore.kafka.consumer import Record, ms_to_datetime
+from kstore.processor import Message, Processor, call_hook, run_handler, to_ms
+from kstore.retry import Failure
+from kstore.settings import Settings
+
 from . import indoubt
-from .consumer import Record, ms_to_datetime
-from .errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from .migration import check_migrated
-from .processor import Message, Processor, call_hook, run_handler, to_ms
-from .retry import Failure
-from .settings import Settings
 from .store import WRITES, actor, first_line, make_engine, now
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,10 @@
 """``kstore exporter``: the lag of groups as Prometheus metrics, with or without a worker running.
 
-Each scrape of ``/metrics`` reads every group afresh (:class:`~kstore.lag.LagReader`):
+Each scrape of ``/metrics`` reads every group afresh (:class:`~kstore.ops.lag.LagReader`):
 
-- ``kstore_lag_messages``, ``kstore_lag_seconds`` (the names a worker uses, :func:`kstore.metrics.lag_families`),
-  ``kstore_stored_offset``, ``kstore_log_start_offset``, ``kstore_log_end_offset`` per group, topic, partition;
+- ``kstore_lag_messages``, ``kstore_lag_seconds`` (the names a worker uses,
+  :func:`kstore.telemetry.metrics.lag_families`), ``kstore_stored_offset``, ``kstore_log_start_offset``,
+  ``kstore_log_end_offset`` per group, topic, partition;
 - ``kstore_dead_letters_waiting`` per group;
 - ``kstore_exporter_up`` per group: 1 if this scrape read the group, 0 if the database or the brokers
   failed it (its partition metrics are then left out rather than repeated stale), and
@@ -24,10 +25,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .errors import ConfigurationError, DatabaseError, KstoreError
+from kstore.errors import ConfigurationError, DatabaseError, KstoreError
+from kstore.settings import Settings
+from kstore.telemetry.metrics import lag_families
+
 from .lag import GroupReading, LagReader
-from .metrics import lag_families
-from .settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ them together, as multi-row INSERTs, when anything else needs the database:
 
 - Only a plain INSERT with one dict of parameters is deferred: no RETURNING or
   ``return_defaults()``, no multi-row ``values([...])``, not inside a savepoint. A
-  ``text()`` is deferred when its tokens (:mod:`kstore.sqltext`: comments, string
+  ``text()`` is deferred when its tokens (:mod:`kstore.db.sqltext`: comments, string
   literals, quoted identifiers and dollar quotes read as PostgreSQL reads them) make it
   exactly one INSERT with no RETURNING, followed by nothing but comments and one ``;``
   (``WITH ... INSERT`` runs at once: its CTEs may write).
@@ -18,7 +18,7 @@ them together, as multi-row INSERTs, when anything else needs the database:
   ``begin_nested()`` and the end of the batch first send what was deferred,
   in the order it was executed; consecutive INSERTs of the same statement and
   the same parameter names are sent together: as one multi-row ``INSERT ... VALUES``
-  on PostgreSQL (:mod:`kstore.manyrows`) when that means the same as one by one; an upsert
+  on PostgreSQL (:mod:`kstore.db.manyrows`) when that means the same as one by one; an upsert
   (``ON CONFLICT``) or ``INSERT ... SELECT`` as one statement per row, in pages of 500 per
   round trip on psycopg2; else as SQLAlchemy's ``executemany``. Every rewritten write's
   row count is checked (:class:`~kstore.errors.WriteCountError` fails the batch); a table
@@ -145,7 +145,7 @@ def _deferrable(statement: Executable, params: Any) -> bool:
 
 def _execute_rows(conn: Connection, statement: Insert | TextClause, rows: list[Any]) -> CursorResult[Any]:
     """Many rows of an INSERT: one multi-row statement on PostgreSQL where it qualifies
-    (kstore.manyrows, about half SQLAlchemy's CPU per row), else SQLAlchemy's executemany."""
+    (kstore.db.manyrows, about half SQLAlchemy's CPU per row), else SQLAlchemy's executemany."""
     sent = (execute_many(conn, statement, rows) if isinstance(statement, Insert)
             else execute_many_text(conn, statement, rows))
     if sent is not None:

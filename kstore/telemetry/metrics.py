@@ -1,9 +1,9 @@
 """What a worker counts and measures, in Prometheus terms (``prometheus_client``).
 
-Every :class:`~kstore.worker.Worker` has its own :class:`Metrics` on its own
+Every :class:`~kstore.engine.worker.Worker` has its own :class:`Metrics` on its own
 registry (so several workers in one process never mix), always recording: it
 costs a few counter increments per batch, not per message. ``--metrics-port``
-serves it (:mod:`kstore.health`); ``kstore exporter`` serves the lag metrics of
+serves it (:mod:`kstore.telemetry.health`); ``kstore exporter`` serves the lag metrics of
 groups with no worker running, under the same names.
 
 Names follow Prometheus conventions: base units (seconds, messages, bytes),
@@ -37,7 +37,7 @@ LAG_SECONDS_HELP = "Age of the oldest message not yet committed (0 when caught u
 #: Why a batch's transaction was rolled back (the ``reason`` label).
 ROLLBACK_REASONS = ("error", "fenced", "database", "in_doubt", "shutdown")
 #: Why kstore placed a partition again because its position left the log (the ``reason`` label;
-#: see kstore.positions): moved to start_from, or held for an operator.
+#: see kstore.engine.positions): moved to start_from, or held for an operator.
 POSITION_RESET_REASONS = ("below_log_start", "past_log_end", "truncated")
 
 _SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)

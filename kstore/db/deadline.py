@@ -4,7 +4,7 @@ A database that stops answering without closing the connection (a network
 partition, a failover that leaves the old address silent, a hung PgBouncer or
 load balancer) would otherwise hang a worker forever inside ``recv()``. Two
 layers bound that, and the worker then resolves what was in flight (a COMMIT
-without an answer is read back, see :mod:`kstore.batches`):
+without an answer is read back, see :mod:`kstore.engine.batches`):
 
 - **TCP keepalives and ``tcp_user_timeout``** (libpq parameters set by
   :func:`connect_args`): the kernel gives up on a peer that stops acknowledging.
@@ -15,7 +15,7 @@ without an answer is read back, see :mod:`kstore.batches`):
   connection is armed with ``db_timeout_s``; if no answer came by then, the
   watchdog shuts the socket down under libpq, whose blocked ``recv()`` returns
   and the driver raises "server closed the connection unexpectedly" (armed by kstore's
-  connection classes, :mod:`kstore.dbapi`: psycopg2's cursors, ``copy_expert`` included;
+  connection classes, :mod:`kstore.db.dbapi`: psycopg2's cursors, ``copy_expert`` included;
   psycopg 3's ``Connection.wait``, which every round trip, COPY included, goes through). That catches
   every silence, whatever the network does, at the cost of capping how long one
   statement may run (raise ``db_timeout_s`` for processors that run long ones).
@@ -120,7 +120,7 @@ WATCHDOG = Watchdog()
 def connect_args(timeout_s: float, given: dict[str, Any]) -> dict[str, Any]:
     """libpq connection arguments for silent-network detection; ``given`` (the DSN's query
     string) wins, so a user can tune or turn off any of them. (The deadline per round trip is
-    armed by kstore's connection classes: :mod:`kstore.dbapi`.)"""
+    armed by kstore's connection classes: :mod:`kstore.db.dbapi`.)"""
     args: dict[str, Any] = {
         "keepalives": 1,
         "keepalives_idle": KEEPALIVE_IDLE_S,

@@ -32,7 +32,8 @@ from sqlalchemy import table as table_clause
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import JSON, DateTime, TypeDecorator
 
-from .errors import WriteCountError
+from kstore.errors import WriteCountError
+
 from .manyrows import COUNT_HINT, connection_encoding
 
 #: Bytes psycopg2 reads from the COPY data per call (its default is 8 KiB).

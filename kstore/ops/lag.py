@@ -24,14 +24,14 @@ from kafka.errors import KafkaError
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import deadletters
-from .consumer import TP, KafkaInspector, log_bounds
-from .errors import BrokerError, DatabaseError
-from .kafkaconnect import client_config, open_consumer
-from .metrics import PartitionLag
-from .migration import check_migrated
-from .settings import Settings
-from .store import Row, Store, first_line, make_engine
+from kstore.db import deadletters
+from kstore.db.migration import check_migrated
+from kstore.db.store import Row, Store, first_line, make_engine
+from kstore.errors import BrokerError, DatabaseError
+from kstore.kafka.connect import client_config, open_consumer
+from kstore.kafka.consumer import TP, KafkaInspector, log_bounds
+from kstore.settings import Settings
+from kstore.telemetry.metrics import PartitionLag
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .consumer import TP, KafkaInspector
-from .errors import ConfigurationError, DatabaseError, InvalidOffsetError
-from .migration import check_migrated
-from .resets import move
-from .settings import Settings
-from .store import HistoryEntry, Store, first_line, make_engine
-from .targets import EARLIEST, LATEST, Target, check_target
+from kstore.db.migration import check_migrated
+from kstore.db.resets import move
+from kstore.db.store import HistoryEntry, Store, first_line, make_engine
+from kstore.errors import ConfigurationError, DatabaseError, InvalidOffsetError
+from kstore.kafka.consumer import TP, KafkaInspector
+from kstore.settings import Settings
+from kstore.targets import EARLIEST, LATEST, Target, check_target
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the partition since the operator looked is shifted from where it really is, neve
 moved back to a stale position.
 
 Every move carries a request id (in its history rows), so that a COMMIT whose answer
-was lost can be looked up: see :mod:`kstore.indoubt`.
+was lost can be looked up: see :mod:`kstore.db.indoubt`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, select, tuple_
 
+from kstore.errors import FencedError
+
 from . import indoubt
-from .errors import FencedError
 from .store import WRITES, Store, TopicPartition, now
 
 #: The new offset of a partition, given its stored offset as read under the row's lock

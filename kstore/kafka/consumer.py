@@ -1,4 +1,4 @@
-"""The Kafka side of kstore (with :mod:`kstore.kafkaconnect`, which makes its clients).
+"""The Kafka side of kstore (with :mod:`kstore.kafka.connect`, which makes its clients).
 
 :class:`KafkaSource` owns the consumer, the rebalance listener, per-partition
 queues of records already returned by ``poll()`` and the lock that makes
@@ -57,9 +57,10 @@ from kafka.errors import (
 )
 from kafka.structs import MemberState
 
-from .errors import BrokerError, ConfigurationError
-from .kafkaconnect import open_admin, open_consumer
-from .settings import Settings
+from kstore.errors import BrokerError, ConfigurationError
+from kstore.settings import Settings
+
+from .connect import open_admin, open_consumer
 
 log = logging.getLogger(__name__)
 

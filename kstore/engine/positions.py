@@ -1,7 +1,7 @@
 """Where the consumer's position moved, or could not go, by itself: kstore follows it loudly.
 
 Two cases, both handled on the worker's main thread between batches, for partitions the
-:class:`~kstore.ownership.Ledger` owns:
+:class:`~kstore.engine.ownership.Ledger` owns:
 
 - **Nothing to deliver** (:func:`advance`): kafka-python moves past transaction markers
   and records of aborted transactions without returning anything. The stored offset is
@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import time
 
-from .consumer import TP
-from .errors import FencedError
-from .ownership import Ledger, _Plan
-from .store import WRITES, Position
-from .targets import policy_offset
+from kstore.db.store import WRITES, Position
+from kstore.errors import FencedError
+from kstore.kafka.consumer import TP
+from kstore.targets import policy_offset
 
-log = logging.getLogger("kstore.worker")
+from .ownership import Ledger, _Plan
+
+log = logging.getLogger("kstore.engine.worker")
 
 #: The ``reason`` label of ``kstore_position_resets_total``.
 BELOW_LOG_START, PAST_LOG_END, TRUNCATED = "below_log_start", "past_log_end", "truncated"

@@ -28,13 +28,13 @@ from datetime import datetime
 
 from sqlalchemy import Connection
 
-from .consumer import TP, KafkaSource
-from .errors import FencedError, InvalidOffsetError, KstoreError
-from .settings import Settings, parse_start_policy
-from .store import Claim, Position, Row, Store, first_line
-from .targets import Target, check_target, policy_offset
+from kstore.db.store import Claim, Position, Row, Store, first_line
+from kstore.errors import FencedError, InvalidOffsetError, KstoreError
+from kstore.kafka.consumer import TP, KafkaSource
+from kstore.settings import Settings, parse_start_policy
+from kstore.targets import Target, check_target, policy_offset
 
-log = logging.getLogger("kstore.worker")
+log = logging.getLogger("kstore.engine.worker")
 
 
 @dataclass

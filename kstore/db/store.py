@@ -11,12 +11,12 @@ make a retried commit safe: after a COMMIT whose answer was lost, the same
 batch re-run under the same epoch would match again and its effects would land
 twice. With the start position in the predicate the second attempt matches
 nothing; and the worker reads the row back before retrying anyway (see
-:mod:`kstore.batches`).
+:mod:`kstore.engine.batches`).
 
 On PostgreSQL through psycopg2 the compare-and-set and the COMMIT travel in one
 round trip (:meth:`Store.commit_in_one_round_trip`): the batch connection runs in
 psycopg2's autocommit mode, kstore sends its own ``BEGIN`` (with the batch's first
-statement: :mod:`kstore.dbapi`), and the last message of a batch is
+statement: :mod:`kstore.db.dbapi`), and the last message of a batch is
 ``<compare-and-set>; COMMIT``. A compare-and-set that
 matched fewer rows than the batch's partitions raises inside the server, so the
 ``COMMIT`` after it never runs: a fenced batch cannot land. One round trip fewer
@@ -62,9 +62,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
+from kstore.errors import ConfigurationError, DatabaseError, FencedError
+from kstore.settings import Settings
+
 from . import dbapi, deadline
-from .errors import ConfigurationError, DatabaseError, FencedError
-from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ Position = tuple[int, int, int]
 #: for type integer" error, SQLSTATE 22P02, which quotes it whatever the server's language).
 FENCED_MARK = "kstore: fenced, not committed"
 #: The same for a batch whose transaction is not the one kstore began (the processor ended it
-#: with a COMMIT or ROLLBACK of its own through SQL): see kstore.dbapi.BEGIN_BATCH.
+#: with a COMMIT or ROLLBACK of its own through SQL): see kstore.db.dbapi.BEGIN_BATCH.
 ENDED_MARK = "kstore: transaction ended inside the batch, not committed"
 _INVALID_TEXT_REPRESENTATION = "22P02"
 
@@ -171,16 +172,16 @@ def make_engine(settings: Settings) -> Engine:
         parsed = make_url(url)
         kwargs["connect_args"] = {
             "options": _server_options(settings, parsed.query.get("options")),
-            # A database that goes silent must not hang the worker (see kstore/deadline.py).
+            # A database that goes silent must not hang the worker (see kstore/db/deadline.py).
             **deadline.connect_args(settings.db_timeout_s, dict(parsed.query)),
         }
         if parsed.get_driver_name() == "psycopg2":
             # The deadline per round trip, the batch's BEGIN and the refusal of a processor's own
-            # commit()/rollback() inside a batch (kstore/dbapi.py).
+            # commit()/rollback() inside a batch (kstore/db/dbapi.py).
             kwargs["connect_args"]["connection_factory"] = dbapi.psycopg2_connection_class(settings.db_timeout_s)
             # Never psycopg2's execute_batch: it joins a page of statements with ";" on one line,
             # so a statement ending with a "--" comment swallows the rest of its page, silently.
-            # Many rows of an INSERT kstore.manyrows does not send as one statement go as its own
+            # Many rows of an INSERT kstore.db.manyrows does not send as one statement go as its own
             # checked pages; any other executemany is psycopg2's, a statement per row.
             kwargs["executemany_mode"] = "values_only"
     elif url.startswith("sqlite"):
@@ -391,7 +392,7 @@ class Store:
         """The compare-and-set of :meth:`commit_offsets`, then COMMIT, in one round trip.
 
         Only for a psycopg2 connection in autocommit mode whose transaction kstore began
-        with :data:`kstore.dbapi.BEGIN_BATCH` (:attr:`one_round_trip_commit`). Raises
+        with :data:`kstore.db.dbapi.BEGIN_BATCH` (:attr:`one_round_trip_commit`). Raises
         :class:`FencedCommit` if any partition did not match, and :class:`TransactionEnded` if
         the transaction is not the one kstore began: in both the server raised before the
         COMMIT and nothing of it was committed. Any other error may have come after the
@@ -417,7 +418,7 @@ class Store:
         transaction any more (the processor committed or rolled back through SQL: kstore began it
         with the batch, and nothing else begins one). psycopg2's batches check it in the server
         (:meth:`commit_in_one_round_trip`), and both psycopg drivers after every round trip
-        (:mod:`kstore.dbapi`)."""
+        (:mod:`kstore.db.dbapi`)."""
         if conn.dialect.name == "sqlite" and not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
             raise TransactionEnded("the batch's transaction was ended inside the batch (a COMMIT or ROLLBACK)")
 
@@ -473,9 +474,9 @@ class Store:
 
         On SQLite it waits for a worker's write instead of failing, and a COMMIT
         whose answer is lost is resolved by reading the history back: see
-        :func:`kstore.resets.move`.
+        :func:`kstore.db.resets.move`.
         """
-        from .resets import move  # here, not at the top: kstore.resets builds on this module
+        from .resets import move  # here, not at the top: kstore.db.resets builds on this module
 
         fence = {} if expected_epoch is None else {tp: expected_epoch}
         (moved,) = move(self, group, [tp], lambda _tp, _stored: to_offset, reason=reason, expected_epochs=fence)
@@ -505,7 +506,7 @@ class Store:
 
         ``wait_for_locks``: read them as a commit in doubt is read back, waiting (within a bound) for
         a transaction that still holds their locks, such as a COMMIT the server is still applying
-        (:func:`kstore.indoubt.wait_for_locks`): a plain read would not see it yet."""
+        (:func:`kstore.db.indoubt.wait_for_locks`): a plain read would not see it yet."""
         o = self.offsets
         stmt = select(o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch, o.c.owner, o.c.updated_at).where(
             o.c.consumer_group == group
@@ -519,7 +520,7 @@ class Store:
             stmt = stmt.where(tuple_(o.c.topic, o.c.partition_id).in_(keys))
         with self.engine.connect() as conn:
             if wait_for_locks:
-                from .indoubt import wait_for_locks as waiting  # kstore.indoubt builds on this module
+                from .indoubt import wait_for_locks as waiting  # kstore.db.indoubt builds on this module
 
                 # Rolled back when the connection closes: the locks are only waited for (on SQLite,
                 # BEGIN IMMEDIATE waits, within the busy timeout, for a writer still committing).
@@ -553,7 +554,7 @@ class Store:
 #: (55P03), a read-only transaction (25006: the address now leads to a replica, as after a
 #: failover) and a session ended for idling in a transaction (25P03). A failover is an outage,
 #: never a bad message. A batch that keeps failing with one of these while the database answers
-#: in between is shrunk all the same (kstore.batches), so none of them can stall a pipeline.
+#: in between is shrunk all the same (kstore.engine.batches), so none of them can stall a pipeline.
 _TRANSIENT_SQLSTATES = ("08", "40", "53", "57", "58", "55P03", "25006", "25P03")
 #: SQLite's messages for a database that is busy or failing, rather than a bad statement.
 _TRANSIENT_SQLITE = ("database is locked", "database table is locked", "disk i/o error", "unable to open")
@@ -583,7 +584,7 @@ def sqlstate(exc: BaseException) -> str | None:
 
 def database_state(exc: BaseException) -> bool:
     """True for a transient error that describes the database's state or its other sessions' rather
-    than anything a batch did (see :data:`_STATE_SQLSTATES`): kstore.batches never takes it for the
+    than anything a batch did (see :data:`_STATE_SQLSTATES`): kstore.engine.batches never takes it for the
     batch's failure."""
     code = sqlstate(exc)
     return code is not None and code.startswith(_STATE_SQLSTATES)

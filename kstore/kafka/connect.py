@@ -9,7 +9,7 @@ TLS: kstore builds the :class:`ssl.SSLContext` itself (from ``ssl_cafile``,
 ``ssl_certfile``, ``ssl_keyfile``, ``ssl_key_password``, ``ssl_check_hostname`` and the
 ``ssl_crlfile``/``ssl_ciphers`` options) and hands it to kafka-python, so a file that
 cannot be read or a wrong key password is a clear error before anything connects, and
-the probe (:mod:`kstore.brokerprobe`) checks the brokers with the very same context.
+the probe (:mod:`kstore.kafka.probe`) checks the brokers with the very same context.
 
 Other kafka-python options are accepted by name (``kafka_options``), checked against
 kafka-python's own list; the ones kstore must control (group, offset commits, the
@@ -37,8 +37,9 @@ from kafka.errors import (
 from kafka.net.sasl import SASL_MECHANISMS
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
-from .brokerprobe import probe
-from .errors import BrokerError, ConfigurationError
+from kstore.errors import BrokerError, ConfigurationError
+
+from .probe import probe
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection, text
 
-from .errors import CommitInDoubtError
+from kstore.errors import CommitInDoubtError
+
 from .store import first_line
 
 log = logging.getLogger(__name__)

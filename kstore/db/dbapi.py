@@ -1,9 +1,9 @@
 """kstore's DBAPI connection classes: what every kstore connection does below SQLAlchemy.
 
 Each driver (psycopg2, psycopg 3, sqlite3) gets a connection class of kstore's own,
-installed by :func:`kstore.store.make_engine`. It does three things:
+installed by :func:`kstore.db.store.make_engine`. It does three things:
 
-- **A deadline per round trip** (:mod:`kstore.deadline`), when ``db_timeout_s`` > 0
+- **A deadline per round trip** (:mod:`kstore.db.deadline`), when ``db_timeout_s`` > 0
   (PostgreSQL only).
 - **Inside a batch, the connection's own ``commit()`` and ``rollback()`` are refused.**
   A processor (or a library it calls) that reaches the raw DBAPI connection
@@ -14,7 +14,7 @@ installed by :func:`kstore.store.make_engine`. It does three things:
   if the processor catches it (see :func:`refusal`).
 - **psycopg2's batch transaction begins with the batch's first round trip**, not before the
   processor runs (:func:`enter_batch`). The batch connection is in autocommit mode and kstore
-  sends its own ``BEGIN`` (:meth:`kstore.store.Store.commit_in_one_round_trip`). Sent before
+  sends its own ``BEGIN`` (:meth:`kstore.db.store.Store.commit_in_one_round_trip`). Sent before
   ``handle()``, the processor's whole Python time (its deferred INSERTs are only sent at the
   end) would count as "idle in transaction", and past ``idle_in_transaction_timeout_ms`` the
   server would end the session and the batch would fail. So the ``BEGIN`` rides in front of
@@ -40,7 +40,7 @@ from .deadline import WATCHDOG
 _IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
 
 #: What begins a batch's transaction on a psycopg2 batch connection. The setting marks the
-#: transaction as the batch's own: the batch's last message checks it (kstore.store), so a
+#: transaction as the batch's own: the batch's last message checks it (kstore.db.store), so a
 #: transaction the processor ended and began again through SQL is never committed as the batch.
 BEGIN_BATCH = "BEGIN; SET LOCAL kstore.batch = 'on'"
 
@@ -178,7 +178,7 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
             return super().callproc(procname, parameters)
 
     def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
-        # session.copy_rows: a COPY is a round trip too (kstore/copy.py).
+        # session.copy_rows: a COPY is a round trip too (kstore/db/copy.py).
         self._begin_alone()
         with _deadline(self.connection):
             return super().copy_expert(sql, file, size)
@@ -229,7 +229,7 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
 
 class SQLiteConnection(_RefusedInBatch, sqlite3.Connection):
     """The same for SQLite (no deadline: there is no network). A COMMIT through SQL is seen at the
-    batch's end: statements after it run outside any transaction (kstore.store.check_own_transaction)."""
+    batch's end: statements after it run outside any transaction (kstore.db.store.check_own_transaction)."""
 
 
 @contextmanager
