@@ -23,7 +23,8 @@ from sqlalchemy.dialects import postgresql as pg
 
 from kstore import Settings
 from kstore.db.session import batch_session
-from kstore.db.store import make_engine, transient
+from kstore.db.sqlerrors import transient
+from kstore.db.store import make_engine
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .test_failures import dead_letter_rows

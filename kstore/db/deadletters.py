@@ -47,14 +47,16 @@ from sqlalchemy import (
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.consumer import Record, ms_to_datetime
 from kstore.processor import Message, Processor, call_hook, run_handler, to_ms
+from kstore.records import Record, ms_to_datetime
 from kstore.retry import Failure
 from kstore.settings import Settings
 
 from . import indoubt
 from .migration import check_migrated
-from .store import WRITES, actor, first_line, make_engine, now
+from .sqlerrors import first_line
+from .store import make_engine
+from .writes import WRITES, actor, now
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, text
 
 from kstore.errors import CommitInDoubtError
 
-from .store import first_line
+from .sqlerrors import first_line
 
 log = logging.getLogger(__name__)
 

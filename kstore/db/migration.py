@@ -15,7 +15,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore.errors import ConfigurationError, DatabaseError, NotMigratedError
 from kstore.settings import Settings
 
-from .store import first_line, make_engine
+from .sqlerrors import first_line
+from .store import make_engine
 
 
 def script_location() -> str:

@@ -16,13 +16,31 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from sqlalchemy import Connection, select, tuple_
+from sqlalchemy import Connection, Engine, Table, select, tuple_
 
 from kstore.errors import FencedError
+from kstore.records import TopicPartition
 
 from . import indoubt
-from .store import WRITES, Store, TopicPartition, now
+from .writes import WRITES, actor, now
+
+
+class OffsetTables(Protocol):
+    """What a move needs of a :class:`~kstore.db.store.Store`: its engine and its two tables.
+
+    A protocol rather than the class: the store's own :meth:`~kstore.db.store.Store.reset` is a
+    move, so this module sits below :mod:`kstore.db.store` and never imports it.
+    """
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def offsets(self) -> Table: ...
+    @property
+    def history(self) -> Table: ...
+
 
 #: The new offset of a partition, given its stored offset as read under the row's lock
 #: (None: nothing stored). Raising refuses the whole move: nothing is written.
@@ -41,7 +59,7 @@ class Moved:
     request_id: str
 
 
-def move(store: Store, group: str, partitions: Iterable[TopicPartition], decide: Decide, *, reason: str,
+def move(store: OffsetTables, group: str, partitions: Iterable[TopicPartition], decide: Decide, *, reason: str,
          expected_epochs: Mapping[TopicPartition, int] | None = None) -> list[Moved]:
     """Move ``group``'s partitions in one transaction, each to ``decide(tp, stored)``; returns what was written.
 
@@ -67,7 +85,7 @@ def move(store: Store, group: str, partitions: Iterable[TopicPartition], decide:
     return moved
 
 
-def _move_one(store: Store, conn: Connection, group: str, tp: TopicPartition, decide: Decide,
+def _move_one(store: OffsetTables, conn: Connection, group: str, tp: TopicPartition, decide: Decide,
               expected_epoch: int | None, reason: str, request_id: str) -> Moved:
     o = store.offsets
     where = [o.c.consumer_group == group, o.c.topic == tp[0], o.c.partition_id == tp[1]]
@@ -87,11 +105,11 @@ def _move_one(store: Store, conn: Connection, group: str, tp: TopicPartition, de
             o.update().where(*where).values(next_offset=to_offset, epoch=o.c.epoch + 1, updated_at=now())
             .returning(o.c.epoch)
         ).scalar_one())
-    store._record(conn, group, tp, stored, to_offset, epoch, reason, request_id=request_id)
+    record(conn, store.history, group, tp, stored, to_offset, epoch, reason, request_id=request_id)
     return Moved(tp[0], tp[1], stored, to_offset, epoch, request_id)
 
 
-def _landed(store: Store, group: str, keys: list[TopicPartition], request_id: str) -> bool:
+def _landed(store: OffsetTables, group: str, keys: list[TopicPartition], request_id: str) -> bool:
     """On a fresh connection: is the move ``request_id`` in the history? (After its COMMIT's answer was lost.)"""
     o, h = store.offsets, store.history
     with store.engine.connect() as conn:
@@ -102,3 +120,14 @@ def _landed(store: Store, group: str, keys: list[TopicPartition], request_id: st
             o.c.consumer_group == group, tuple_(o.c.topic, o.c.partition_id).in_(keys),
         ).with_for_update()).all()
         return conn.execute(select(h.c.id).where(h.c.request_id == request_id).limit(1)).first() is not None
+
+
+def record(conn: Connection, history: Table, group: str, tp: TopicPartition, from_offset: int | None,
+           to_offset: int | None, epoch: int, reason: str, *, request_id: str | None = None) -> None:
+    """Add a row to the reset history in ``conn``'s transaction: who moved ``tp``, when, from where to where, why."""
+    user, host = actor()
+    conn.execute(history.insert().values(
+        consumer_group=group, topic=tp[0], partition_id=tp[1], from_offset=from_offset,
+        to_offset=to_offset, epoch=epoch, at=now(), by_user=user, by_host=host, reason=reason,
+        request_id=request_id,
+    ))

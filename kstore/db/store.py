@@ -26,14 +26,12 @@ per batch: one network round trip of latency against a remote database, and abou
 
 from __future__ import annotations
 
-import getpass
 import logging
 import os
-import socket
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 import psycopg2.extensions
@@ -59,17 +57,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
 from kstore.errors import ConfigurationError, DatabaseError, FencedError
+from kstore.records import TopicPartition
 from kstore.settings import Settings
 
-from . import dbapi, deadline
+from . import dbapi, deadline, indoubt, resets
+from .sqlerrors import first_line
+from .writes import WRITES, now
 
 log = logging.getLogger(__name__)
 
-TopicPartition = tuple[str, int]
 #: What an offset commit writes for one partition: (expected next_offset, new next_offset, epoch).
 Position = tuple[int, int, int]
 
@@ -258,30 +258,9 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-#: Execution option for connections that write kstore's rows: on SQLite their
-#: transactions start with BEGIN IMMEDIATE. A deferred transaction that reads first
-#: and writes later cannot wait for another writer (SQLite answers "database is
-#: locked" at once, busy_timeout or not); an immediate one takes the write lock
-#: up front and waits for it. PostgreSQL ignores it.
-WRITES = {"kstore_sqlite_begin": "IMMEDIATE"}
-
-
 def _sqlite_begin(conn: Connection) -> None:
     mode = conn.get_execution_options().get("kstore_sqlite_begin", "")
     conn.exec_driver_sql(f"BEGIN {mode}".rstrip())
-
-
-def actor() -> tuple[str, str]:
-    """Who is acting, for the reset history: (user, host)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return user, socket.gethostname()
-
-
-def now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 class Store:
@@ -476,10 +455,9 @@ class Store:
         whose answer is lost is resolved by reading the history back: see
         :func:`kstore.db.resets.move`.
         """
-        from .resets import move  # here, not at the top: kstore.db.resets builds on this module
-
         fence = {} if expected_epoch is None else {tp: expected_epoch}
-        (moved,) = move(self, group, [tp], lambda _tp, _stored: to_offset, reason=reason, expected_epochs=fence)
+        (moved,) = resets.move(self, group, [tp], lambda _tp, _stored: to_offset, reason=reason,
+                               expected_epochs=fence)
         return moved.epoch
 
     def note(self, group: str, tp: TopicPartition, offset: int | None, epoch: int, reason: str) -> None:
@@ -491,12 +469,7 @@ class Store:
         self, conn: Connection, group: str, tp: TopicPartition,
         from_offset: int | None, to_offset: int | None, epoch: int, reason: str, *, request_id: str | None = None,
     ) -> None:
-        user, host = actor()
-        conn.execute(self.history.insert().values(
-            consumer_group=group, topic=tp[0], partition_id=tp[1], from_offset=from_offset,
-            to_offset=to_offset, epoch=epoch, at=now(), by_user=user, by_host=host, reason=reason,
-            request_id=request_id,
-        ))
+        resets.record(conn, self.history, group, tp, from_offset, to_offset, epoch, reason, request_id=request_id)
 
     def rows(
         self, group: str, topic: str | None = None, partitions: Iterable[TopicPartition] | None = None,
@@ -520,13 +493,11 @@ class Store:
             stmt = stmt.where(tuple_(o.c.topic, o.c.partition_id).in_(keys))
         with self.engine.connect() as conn:
             if wait_for_locks:
-                from .indoubt import wait_for_locks as waiting  # kstore.db.indoubt builds on this module
-
                 # Rolled back when the connection closes: the locks are only waited for (on SQLite,
                 # BEGIN IMMEDIATE waits, within the busy timeout, for a writer still committing).
                 conn = conn.execution_options(**WRITES)
                 conn.begin()
-                waiting(conn)
+                indoubt.wait_for_locks(conn)
                 stmt = stmt.with_for_update(read=True)
             return {
                 (r.topic, r.partition_id): Row(r.next_offset, r.epoch, r.owner, r.updated_at)
@@ -547,74 +518,9 @@ class Store:
             ]
 
 
-#: SQLSTATE classes and codes that say "the database, not this batch": connection
-#: exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
-#: resources (53), operator intervention (57: shutdown, a cancelled statement, a database that
-#: cannot take connections yet), system errors (58: an I/O error), a lock that could not be had
-#: (55P03), a read-only transaction (25006: the address now leads to a replica, as after a
-#: failover) and a session ended for idling in a transaction (25P03). A failover is an outage,
-#: never a bad message. A batch that keeps failing with one of these while the database answers
-#: in between is shrunk all the same (kstore.engine.batches), so none of them can stall a pipeline.
-_TRANSIENT_SQLSTATES = ("08", "40", "53", "57", "58", "55P03", "25006", "25P03")
-#: SQLite's messages for a database that is busy or failing, rather than a bad statement.
-_TRANSIENT_SQLITE = ("database is locked", "database table is locked", "disk i/o error", "unable to open")
-
-
 def _commit_params(group: str, positions: Mapping[TopicPartition, Position]) -> dict[str, Any]:
     params: dict[str, Any] = {"g": group, "u": now()}
     for i, ((t, p), (start, nxt, epoch)) in enumerate(positions.items()):
         params[f"t{i}"], params[f"p{i}"], params[f"n{i}"], params[f"e{i}"] = t, p, nxt, epoch
         params[f"s{i}"] = start
     return params
-
-
-#: Of those, the ones that describe the database or its other sessions whatever a batch does:
-#: a read-only replica, a full disk or too many connections, and contention with another
-#: transaction (a serialization failure, a deadlock, a lock not had in time). The database answers
-#: a probe meanwhile, yet no batch is to blame: they are retried as they are for as long as they last.
-_STATE_SQLSTATES = ("25006", "53", "40", "55P03")
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a database error (psycopg2 or psycopg 3), if it has one."""
-    orig = getattr(exc, "orig", None)
-    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
-    return str(code) if code else None
-
-
-def database_state(exc: BaseException) -> bool:
-    """True for a transient error that describes the database's state or its other sessions' rather
-    than anything a batch did (see :data:`_STATE_SQLSTATES`): kstore.engine.batches never takes it for the
-    batch's failure."""
-    code = sqlstate(exc)
-    return code is not None and code.startswith(_STATE_SQLSTATES)
-
-
-def transient(exc: BaseException) -> bool:
-    """True if ``exc`` says the database is unavailable (retry the same batch later),
-    False if it is about what the batch did (a constraint, a missing table, a bad
-    statement: the batch's failure, isolated and retried like a processor error).
-
-    Retrying a batch error forever at full size would stall the pipeline; counting a
-    database outage against a message would dead-letter good messages.
-    """
-    if not isinstance(exc, DBAPIError):
-        return False
-    if exc.connection_invalidated:
-        return True
-    orig = exc.orig
-    code = sqlstate(exc)
-    if code:
-        return code.startswith(_TRANSIENT_SQLSTATES)
-    if type(orig).__module__.startswith("sqlite3"):
-        return any(m in str(orig).lower() for m in _TRANSIENT_SQLITE)
-    # A psycopg2 OperationalError without a SQLSTATE comes from the client side: the
-    # connection failed or was cut (the server never answered).
-    return isinstance(exc, OperationalError)
-
-
-def first_line(exc: BaseException) -> str:
-    """The driver's own message, first line only (SQLAlchemy appends SQL and a URL)."""
-    orig = getattr(exc, "orig", None) or exc
-    lines = str(orig).strip().splitlines()
-    return lines[0] if lines else type(orig).__name__

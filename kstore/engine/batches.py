@@ -21,20 +21,13 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import dbapi, deadletters
-from kstore.db.store import (
-    WRITES,
-    FencedCommit,
-    Position,
-    Row,
-    Store,
-    TransactionEnded,
-    database_state,
-    first_line,
-    transient,
-)
+from kstore.db.sqlerrors import database_state, first_line, transient
+from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
+from kstore.db.writes import WRITES
 from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
-from kstore.kafka.consumer import TP, KafkaSource, Record
+from kstore.kafka.consumer import TP, KafkaSource
 from kstore.processor import Message, Processor, call_hook, run_handler
+from kstore.records import Record
 from kstore.retry import Failure, Failures, MessageKey
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics

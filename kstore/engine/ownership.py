@@ -28,7 +28,8 @@ from datetime import datetime
 
 from sqlalchemy import Connection
 
-from kstore.db.store import Claim, Position, Row, Store, first_line
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import Claim, Position, Row, Store
 from kstore.errors import FencedError, InvalidOffsetError, KstoreError
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.settings import Settings, parse_start_policy

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import time
 
-from kstore.db.store import WRITES, Position
+from kstore.db.store import Position
+from kstore.db.writes import WRITES
 from kstore.errors import FencedError
 from kstore.kafka.consumer import TP
 from kstore.targets import policy_offset

@@ -42,8 +42,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Literal, Protocol
+from datetime import datetime
+from typing import Any, Literal
 
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
@@ -58,6 +58,7 @@ from kafka.errors import (
 from kafka.structs import MemberState
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.records import Record
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
@@ -66,33 +67,6 @@ log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 EventKind = Literal["assigned", "revoked", "lost"]
-
-
-class Record(Protocol):
-    """A record as fetched (kafka-python's ConsumerRecord), before the processor deserializes it.
-
-    kstore queues kafka-python's own record objects rather than copying each one:
-    per-record work in the fetcher is what bounds throughput.
-    """
-
-    @property
-    def topic(self) -> str: ...
-    @property
-    def partition(self) -> int: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def timestamp(self) -> int: ...
-    @property
-    def key(self) -> bytes | None: ...
-    @property
-    def value(self) -> bytes | None: ...
-    @property
-    def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
-    @property
-    def serialized_key_size(self) -> int: ...
-    @property
-    def serialized_value_size(self) -> int: ...
 
 
 #: Bookkeeping bytes counted per queued record, besides its key and value.
@@ -746,8 +720,3 @@ class KafkaInspector:
     def close(self) -> None:
         self.consumer.close(autocommit=False)
         self.admin.close()
-
-
-def ms_to_datetime(ms: int | None) -> datetime | None:
-    """A record's timestamp (milliseconds; -1 or None when it has none) as an aware datetime."""
-    return None if ms is None or ms < 0 else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)

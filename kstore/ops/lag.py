@@ -26,7 +26,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
 from kstore.db.migration import check_migrated
-from kstore.db.store import Row, Store, first_line, make_engine
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
 from kstore.kafka.connect import client_config, open_consumer
 from kstore.kafka.consumer import TP, KafkaInspector, log_bounds

@@ -20,7 +20,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
 from kstore.db.resets import move
-from kstore.db.store import HistoryEntry, Store, first_line, make_engine
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import HistoryEntry, Store, make_engine
 from kstore.errors import ConfigurationError, DatabaseError, InvalidOffsetError
 from kstore.kafka.consumer import TP, KafkaInspector
 from kstore.settings import Settings
