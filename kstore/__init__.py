@@ -8,7 +8,7 @@ from kstore.db.dbapi import BatchTransactionError
 from kstore.db.deadletters import DeadLetterStateError
 from kstore.db.migration import migrate
 from kstore.db.session import BatchRollbackError, DeferredInsertError
-from kstore.engine.worker import Worker, load_processor
+from kstore.engine.worker import Worker
 from kstore.errors import (
     BrokerError,
     CommitInDoubtError,
@@ -21,7 +21,7 @@ from kstore.errors import (
     ProcessorContractError,
     ProcessorError,
 )
-from kstore.processor import Message, Processor
+from kstore.processor import Message, Processor, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST

@@ -21,10 +21,11 @@ import click
 
 from kstore.db import deadletters
 from kstore.db.migration import migrate as migrate_db
-from kstore.engine.worker import Worker, load_processor
+from kstore.engine.worker import Worker
 from kstore.errors import KstoreError
 from kstore.kafka.connect import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.ops import offsets as offsets_admin
+from kstore.processor import load_processor
 from kstore.settings import Settings
 
 log = logging.getLogger("kstore.cli")

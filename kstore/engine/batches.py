@@ -28,11 +28,12 @@ from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractErro
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.processor import Message, Processor, call_hook, run_handler
 from kstore.records import Record
-from kstore.retry import Failure, Failures, MessageKey
+from kstore.retry import Failure
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
 
+from .failures import Failures, MessageKey
 from .ownership import Backoff, Ledger, fmt
 
 log = logging.getLogger(__name__)

@@ -28,17 +28,14 @@ under the lock, do their I/O without it, and re-check under it before acting.
 from __future__ import annotations
 
 import gc
-import importlib
-import importlib.util
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -497,39 +494,3 @@ def _connected(part: _T | None) -> _T:
     if part is None:
         raise KstoreError("worker is not connected: call run() or connect() first")
     return part
-
-
-def _import_file(path: str) -> Any:
-    """Import a processor's ``.py`` file by its path; its folder goes on ``sys.path`` first, so the
-    modules beside it import as they do when it is run from there."""
-    file = os.path.abspath(path)
-    if not os.path.isfile(file):
-        raise ImportError(f"no such file: {path}")
-    folder, name = os.path.split(file)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(name[:-3], file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_processor(path: str) -> Processor:
-    """Import ``MODULE:CLASS`` and instantiate it; a clear error if it is not a Processor."""
-    module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(f"processor must be MODULE:CLASS or path/to/file.py:CLASS, got {path!r}")
-    try:
-        module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc}") from None
-    cls: Any = getattr(module, attr, None)
-    if cls is None:
-        raise ConfigurationError(f"module {module_name!r} has no {attr!r}")
-    if not (isinstance(cls, type) and issubclass(cls, Processor)):
-        raise ConfigurationError(f"{path} is not a kstore.Processor subclass")
-    instance: Processor = cls()
-    return instance
