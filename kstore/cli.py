@@ -23,7 +23,7 @@ from kstore.db import deadletters
 from kstore.db.migration import migrate as migrate_db
 from kstore.engine.worker import Worker
 from kstore.errors import KstoreError
-from kstore.kafka.connect import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.kafkaoptions import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.ops import offsets as offsets_admin
 from kstore.processor import load_processor
 from kstore.settings import Settings

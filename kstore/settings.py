@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from kstore.errors import ConfigurationError
-from kstore.kafka.connect import check_kafka_options, check_security
+from kstore.kafkaoptions import check_kafka_options, check_security
 
 ENV_PREFIX = "KSTORE_"
 #: ``KSTORE_KAFKA_<NAME>`` sets kafka-python's option ``<name>`` (see ``kafka_options``).

@@ -11,10 +11,9 @@ TLS: kstore builds the :class:`ssl.SSLContext` itself (from ``ssl_cafile``,
 cannot be read or a wrong key password is a clear error before anything connects, and
 the probe (:mod:`kstore.kafka.probe`) checks the brokers with the very same context.
 
-Other kafka-python options are accepted by name (``kafka_options``), checked against
-kafka-python's own list; the ones kstore must control (group, offset commits, the
-offset reset, deserializers, the assignment strategy, static membership) or has its own
-setting for are refused with a one-line reason.
+Other kafka-python options are accepted by name (``kafka_options``); which ones, and the
+security settings that go together, :class:`~kstore.settings.Settings` has already checked
+(:mod:`kstore.kafkaoptions`, which needs no kafka-python).
 """
 
 from __future__ import annotations
@@ -34,161 +33,17 @@ from kafka.errors import (
     SaslAuthenticationFailedError,
     UnsupportedSaslMechanismError,
 )
-from kafka.net.sasl import SASL_MECHANISMS
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 
 from .probe import probe
 
 log = logging.getLogger(__name__)
 
-SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-#: The SASL mechanisms the installed kafka-python implements (PLAIN, SCRAM-SHA-256/512,
-#: OAUTHBEARER, AWS_MSK_IAM, GSSAPI).
-SASL_MECHANISM_NAMES = tuple(sorted(SASL_MECHANISMS))
-_USER_PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-
-#: kafka-python options that have a kstore setting of their own: name -> that setting.
-_OWN_SETTING = {
-    "bootstrap_servers": "bootstrap_servers",
-    "client_id": "client_id",
-    "bootstrap_timeout_ms": "connect_timeout_s",
-    "max_poll_records": "max_poll_records",
-    "session_timeout_ms": "session_timeout_ms",
-    "heartbeat_interval_ms": "heartbeat_interval_ms",
-    "max_poll_interval_ms": "max_poll_interval_ms",
-    "security_protocol": "security_protocol",
-    "sasl_mechanism": "sasl_mechanism",
-    "sasl_plain_username": "sasl_username",
-    "sasl_plain_password": "sasl_password",
-    "sasl_oauth_token_provider": "sasl_oauth_token_provider",
-    "ssl_cafile": "ssl_cafile",
-    "ssl_certfile": "ssl_certfile",
-    "ssl_keyfile": "ssl_keyfile",
-    "ssl_password": "ssl_key_password",
-    "ssl_check_hostname": "ssl_check_hostname",
-}
-#: kafka-python options kstore must control itself: name -> why.
-_KSTORE_CONTROLS = {
-    "group_id": "the group is the processor's (--group)",
-    "enable_auto_commit": "offsets live in the database, never in Kafka",
-    "auto_commit_interval_ms": "offsets live in the database, never in Kafka",
-    "default_offset_commit_callback": "offsets live in the database, never in Kafka",
-    "auto_offset_reset": "a partition with no stored offset starts at start_from",
-    "allow_auto_create_topics": "kstore never creates topics",
-    "consumer_timeout_ms": "the worker polls until it is stopped",
-    "key_deserializer": "messages reach the processor as bytes",
-    "value_deserializer": "messages reach the processor as bytes",
-    "partition_assignment_strategy": "kstore's rebalance handling is built for the eager protocol",
-    "kafka_client": "kstore relies on kafka-python's own network client",
-    "group_instance_id": "static membership lets a restarted worker take back its partitions without a "
-                         "rebalance, so the group's leader never checks which database it writes to "
-                         "(one pipeline, one database)",
-}
-#: Options whose default is None: the type their text form converts to.
-_TEXT_TYPES: dict[str, Callable[[str], Any]] = {
-    "api_version": lambda raw: tuple(int(part) for part in raw.split(".")),
-    "proxy_url": str,
-    "socks5_proxy": str,
-    "receive_buffer_bytes": int,
-    "send_buffer_bytes": int,
-    "sasl_kerberos_domain_name": str,
-    "sasl_kerberos_name": str,
-    "ssl_crlfile": str,
-    "ssl_ciphers": str,
-}
-#: Every consumer kstore makes reads only committed records of upstream transactions (records of
-#: aborted ones are skipped; the log end it sees is the last stable offset). ``isolation_level``
-#: among the Kafka options overrides it: ``read_uncommitted`` also delivers aborted records.
-DEFAULT_ISOLATION_LEVEL = "read_committed"
-ISOLATION_LEVELS = ("read_committed", "read_uncommitted")
 #: Options kstore folds into the SSL context it builds (kafka-python ignores them once given a context).
 _SSL_CONTEXT_OPTIONS = ("ssl_crlfile", "ssl_ciphers")
-
-
-def check_kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate ``kafka_options`` by name and convert text values to the option's type.
-
-    Raises :class:`ConfigurationError` for an unknown name, one kstore controls or has
-    its own setting for, or text that does not parse.
-    """
-    known = KafkaConsumer.DEFAULT_CONFIG
-    checked: dict[str, Any] = {}
-    for raw_name, value in options.items():
-        name = raw_name.strip().lower().replace(".", "_").replace("-", "_")
-        if name in _OWN_SETTING:
-            setting = _OWN_SETTING[name]
-            raise ConfigurationError(
-                f"Kafka option {raw_name!r} has a kstore setting of its own: use {setting} (KSTORE_{setting.upper()})"
-            )
-        if name in _KSTORE_CONTROLS:
-            raise ConfigurationError(f"Kafka option {raw_name!r} is kstore's to set: {_KSTORE_CONTROLS[name]}")
-        if name not in known:
-            raise ConfigurationError(f"unknown Kafka option {raw_name!r} (not a kafka-python consumer option)")
-        checked[name] = _from_text(name, value, known[name]) if isinstance(value, str) else value
-    level = checked.get("isolation_level")
-    if level is not None and level not in ISOLATION_LEVELS:
-        raise ConfigurationError(f"Kafka option isolation_level must be {' or '.join(ISOLATION_LEVELS)}, got {level!r}")
-    return checked
-
-
-def _from_text(name: str, raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        convert: Callable[[str], Any] = _parse_bool
-    elif isinstance(default, (int, float, str)):
-        convert = type(default)
-    elif default is None and name in _TEXT_TYPES:
-        convert = _TEXT_TYPES[name]
-    else:
-        raise ConfigurationError(
-            f"Kafka option {name!r} cannot be given as text: set it in Settings(kafka_options=...) from Python"
-        )
-    try:
-        return convert(raw.strip())
-    except ValueError:
-        raise ConfigurationError(f"Kafka option {name}={raw!r} is not a valid {convert.__name__}") from None
-
-
-def _parse_bool(raw: str) -> bool:
-    lowered = raw.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
-
-
-_parse_bool.__name__ = "boolean"
-
-
-def check_security(settings: Any) -> None:
-    """The security settings agree with each other (no file or network access here)."""
-    protocol, mechanism = settings.security_protocol, settings.sasl_mechanism
-    if protocol not in SECURITY_PROTOCOLS:
-        raise ConfigurationError(f"security_protocol must be one of {', '.join(SECURITY_PROTOCOLS)}, got {protocol!r}")
-    sasl = protocol.startswith("SASL_")
-    if sasl and mechanism is None:
-        raise ConfigurationError(f"security_protocol {protocol} needs a sasl_mechanism "
-                                 f"({', '.join(SASL_MECHANISM_NAMES)})")
-    if mechanism is not None:
-        if not sasl:
-            raise ConfigurationError(f"sasl_mechanism {mechanism} needs security_protocol SASL_SSL or SASL_PLAINTEXT, "
-                                     f"not {protocol}")
-        if mechanism not in SASL_MECHANISMS:
-            raise ConfigurationError(f"unknown sasl_mechanism {mechanism!r}: kstore supports "
-                                     f"{', '.join(SASL_MECHANISM_NAMES)}")
-        if mechanism in _USER_PASSWORD_MECHANISMS and (not settings.sasl_username or settings.sasl_password is None):
-            raise ConfigurationError(f"sasl_mechanism {mechanism} needs sasl_username and sasl_password "
-                                     "(KSTORE_SASL_PASSWORD_FILE reads the password from a file)")
-        if mechanism == "OAUTHBEARER" and not settings.sasl_oauth_token_provider:
-            raise ConfigurationError("sasl_mechanism OAUTHBEARER needs sasl_oauth_token_provider (MODULE:CALLABLE)")
-    tls_files = [name for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(settings, name)]
-    if tls_files and protocol not in ("SSL", "SASL_SSL"):
-        raise ConfigurationError(f"{tls_files[0]} is set but security_protocol is {protocol}: TLS is off "
-                                 "(use SSL or SASL_SSL)")
-    if settings.ssl_keyfile and not settings.ssl_certfile:
-        raise ConfigurationError("ssl_keyfile needs ssl_certfile (the client certificate)")
 
 
 def ssl_context(settings: Any, options: Mapping[str, Any]) -> ssl.SSLContext | None:
