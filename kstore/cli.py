@@ -25,6 +25,7 @@ from kstore.engine.worker import Worker
 from kstore.errors import KstoreError
 from kstore.kafkaoptions import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.ops import offsets as offsets_admin
+from kstore.ops import replay as replays
 from kstore.processor import load_processor
 from kstore.settings import Settings
 
@@ -358,10 +359,10 @@ def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: 
     With --value, --value-file or --key the processor gets the edited message; the dead letter
     keeps the original, and its history the edited one.
     """
-    def replay(s: Settings) -> deadletters.ReplayResult:
-        edits = deadletters.edits_from_options(ids, key, value, value_file)
+    def replay(s: Settings) -> replays.ReplayResult:
+        edits = replays.edits_from_options(ids, key, value, value_file)
         sys.path.insert(0, os.getcwd())
-        return deadletters.replay_dead_letters(s, load_processor(processor), group, ids or None, edits, reason)
+        return replays.replay_dead_letters(s, load_processor(processor), group, ids or None, edits, reason)
 
     result = _run(ctx, lambda: Settings.from_env(**db), replay)
     click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "

@@ -26,8 +26,8 @@ from kstore.db.deadletters import (
     Edit,
     build_table,
     list_dead_letters,
-    replay_dead_letters,
 )
+from kstore.ops.replay import replay_dead_letters
 
 from .faultproxy import FaultProxy
 from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt

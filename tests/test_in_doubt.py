@@ -23,9 +23,10 @@ import sqlalchemy as sa
 import kstore.db.deadletters
 import kstore.ops.offsets
 from kstore import CommitInDoubtError, DatabaseError, Settings
-from kstore.db.deadletters import build_table, replay_dead_letters
+from kstore.db.deadletters import build_table
 from kstore.db.store import Store, make_engine
 from kstore.ops.offsets import set_offsets
+from kstore.ops.replay import replay_dead_letters
 
 from .faultproxy import FaultProxy
 from .harness import REPO_DIR, TESTS_DIR, effects, stored_offsets

@@ -1,4 +1,4 @@
-"""Dead letters: writing them (inside the batch's transaction), listing, showing, replaying and closing them.
+"""Dead letters: writing them (inside the batch's transaction), listing, showing, marking them replayed, closing them.
 
 A dead letter starts ``dead`` (waiting) and leaves that status once, for good:
 ``replayed`` (its message ran through the processor again, as written or with
@@ -23,10 +23,9 @@ import base64
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -46,8 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
-from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.processor import Message, Processor, call_hook, run_handler, to_ms
+from kstore.errors import ConfigurationError, DatabaseError, KstoreError
 from kstore.records import Record, ms_to_datetime
 from kstore.retry import Failure
 from kstore.settings import Settings
@@ -368,26 +366,24 @@ class DeadLetters:
             self._lock(conn, ids)  # waits for the lost transaction, if it still holds the rows
             return conn.execute(select(h.c.id).where(h.c.request_id == request_id).limit(1)).first() is not None
 
-    def replay(self, processor: Processor, letter: DeadLetter, edit: Edit | None = None,
-               reason: str | None = None) -> bool:
-        """Run one dead letter (``edit`` replacing its key or value) through ``processor``.
+    def replay(self, letter: DeadLetter, run: Callable[[Connection], None], *,
+               edited: tuple[bytes | None, bytes | None] | None = None, reason: str | None = None) -> bool:
+        """Mark one dead letter replayed in the transaction of its effects: ``run(conn)`` writes them
+        (the processor's, see :func:`kstore.ops.replay.replay`).
 
         True if its effects and its 'replayed' mark committed; False if it was already replayed.
-        Raises what the processor raises (nothing is committed then), and :class:`DeadLetterStateError`
-        if it was discarded or resolved. An edit is recorded in the history with the replay; the
-        letter keeps the original message. If the COMMIT's answer is lost, the replay is looked up by
-        its request id: found, it landed (True); not found, the COMMIT's error is raised (it may be
-        replayed again); unreadable, :class:`CommitInDoubtError`.
+        Raises what ``run`` raises (nothing is committed then), and :class:`DeadLetterStateError`
+        if it was discarded or resolved. ``edited``, the key and value the processor got instead of
+        the letter's own, is recorded in the history with the replay; the letter keeps the original
+        message. If the COMMIT's answer is lost, the replay is looked up by its request id: found, it
+        landed (True); not found, the COMMIT's error is raised (it may be replayed again);
+        unreadable, :class:`CommitInDoubtError`.
         """
-        raw = edit.apply(letter) if edit else (letter.key, letter.value)
-        key, value = processor.deserialize(*raw)
-        msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
-                      to_ms(letter.timestamp))
         request_id = uuid.uuid4().hex
         with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
             # On SQLite, BEGIN IMMEDIATE: wait for a running worker's batch instead of failing.
             conn.execution_options(**WRITES).begin()
-            run_handler(processor, conn, [msg])
+            run(conn)
             # The processor ran unlocked: the letter may have changed meanwhile. Marked here, or nothing lands.
             rows = self._lock(conn, [letter.id])
             if letter.id not in rows:
@@ -400,7 +396,7 @@ class DeadLetters:
                                            "(meanwhile); this replay's effects were rolled back")
             self._mark(conn, [letter.id], REPLAYED)
             self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], REPLAYED, reason, request_id,
-                         edited=raw if edit else None)
+                         edited=edited)
             # The mark, the history row and the effects commit together: the row read back tells whether all landed.
             indoubt.commit(
                 conn, lambda: self._landed([letter.id], request_id),
@@ -431,73 +427,6 @@ def _change(r: Any) -> Change:
         by_user=r.by_user, by_host=r.by_host, reason=r.reason, request_id=r.request_id, edited=bool(r.edited),
         replayed_key=r.replayed_key, replayed_value=r.replayed_value,
     )
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    replayed: list[int]
-    skipped: list[int]
-    failed: dict[int, str]
-
-
-def replay_dead_letters(settings: Settings, processor: Processor, group: str, ids: Sequence[int] | None = None,
-                        edits: Mapping[int, Edit] | None = None, reason: str | None = None) -> ReplayResult:
-    """Replay a group's dead letters (or the given ids) through ``processor``, each exactly once.
-
-    ``edits`` maps ids (which must be among ``ids``) to a replacement key or value. Letters of
-    another group, or already replayed, are skipped; a discarded or resolved one among ``ids``
-    raises :class:`DeadLetterStateError` before anything runs. ``reason`` goes to the history.
-    """
-    edits = dict(edits or {})
-    stray = sorted(set(edits) - set(ids or ()))
-    if stray:
-        raise ConfigurationError(f"an edit for dead letter(s) {_ids(stray)} needs their --id")
-    with DeadLetters(settings) as letters:
-        todo = [letters.get(i) for i in ids] if ids else letters.find(group)
-        closed = [d for d in todo if d.consumer_group == group and d.status not in (DEAD, REPLAYED)]
-        if closed:
-            with letters.engine.connect() as conn:
-                why = "; ".join(letters.state_note(conn, d.id, d.status) for d in closed)
-            raise DeadLetterStateError(f"cannot replay {why}; nothing was replayed")
-        processor.engine = letters.engine
-        call_hook(processor, "setup")
-        result = ReplayResult([], [], {})
-        for letter in todo:
-            if letter.consumer_group != group or letter.status != DEAD:
-                result.skipped.append(letter.id)
-                continue
-            _replay_one(letters, processor, letter, edits.get(letter.id), reason, result)
-        call_hook(processor, "teardown")
-        return result
-
-
-def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None,
-                reason: str | None, result: ReplayResult) -> None:
-    try:
-        (result.replayed if letters.replay(processor, letter, edit, reason) else result.skipped).append(letter.id)
-    except (CommitInDoubtError, DeadLetterStateError):
-        raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
-    except Exception as exc:
-        letters.note_failure(letter, exc)
-        result.failed[letter.id] = f"{type(exc).__name__}: {exc}"
-
-
-def edits_from_options(ids: Sequence[int], key: str | None, value: str | None,
-                       value_file: str | None) -> dict[int, Edit]:
-    """``kstore dead-letters replay --key/--value/--value-file``: one edit, for exactly one ``--id``."""
-    if key is None and value is None and value_file is None:
-        return {}
-    if value is not None and value_file is not None:
-        raise ConfigurationError("give --value or --value-file, not both")
-    if len(ids) != 1:
-        raise ConfigurationError("an edited replay (--key, --value, --value-file) needs exactly one --id")
-    try:
-        new_value = Path(value_file).read_bytes() if value_file is not None else None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read --value-file {value_file}: {exc.strerror}") from None
-    if value is not None:
-        new_value = value.encode()
-    return {ids[0]: Edit(key=None if key is None else key.encode(), value=new_value)}
 
 
 def discard_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
