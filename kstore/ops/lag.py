@@ -17,10 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from kafka import TopicPartition
-from kafka.errors import KafkaError
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -29,8 +26,8 @@ from kstore.db.migration import check_migrated
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
-from kstore.kafka.connect import client_config, open_consumer
-from kstore.kafka.consumer import TP, KafkaInspector, log_bounds
+from kstore.kafka.logreader import LogReader
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
 
@@ -40,10 +37,6 @@ log = logging.getLogger(__name__)
 #: that stops answering fails it instead of holding it for kafka-python's default 30 s. A
 #: ``request_timeout_ms`` Kafka option given by the user wins.
 REQUEST_TIMEOUT_MS = 5000
-#: The reader's consumer fetches one record per partition: small fetches (the broker still
-#: returns the whole first record batch, whatever its size).
-_FETCH_CONFIG = {"max_poll_records": 1, "max_partition_fetch_bytes": 16384, "fetch_max_bytes": 65536,
-                 "fetch_max_wait_ms": 100}
 #: How long one reading waits for the records whose timestamps it needs.
 FETCH_TIMEOUT_S = 2.0
 
@@ -91,15 +84,13 @@ class LagReader:
     def __init__(self, settings: Settings, *, owners: bool = False, fetch_timeout_s: float = FETCH_TIMEOUT_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
-        client_config(settings)  # TLS files, a token provider: a mistake is named now, not at the first reading
-        self._request_timeout_ms = settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS)
+        # A mistake in the Kafka settings (TLS files, a token provider) is named now, not at the first reading.
+        self._kafka = LogReader(settings, settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS))
         self.owners, self.fetch_timeout_s, self.clock = owners, fetch_timeout_s, clock
         self.engine = make_engine(self.settings)
         self.store = Store(self.engine, self.settings)
         self.dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
         self._migrated = False
-        self._consumer: Any = None  # partitions, log bounds, timestamps
-        self._inspector: KafkaInspector | None = None  # the group's live members (only with owners)
         #: (topic, partition) -> (offset, its record's timestamp in ms, or None if it has none)
         self._stamp_cache: dict[TP, tuple[int, int | None]] = {}
 
@@ -108,10 +99,7 @@ class LagReader:
         rows, dead = self._read_database(group)
         try:
             return self._read_brokers(group, rows, dead)
-        except KafkaError as exc:
-            self._close_kafka()
-            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers}: {first_line(exc)}") from None
-        except BrokerError:
+        except BrokerError:  # every error of the brokers' (kstore.kafka.logreader)
             self._close_kafka()
             raise
 
@@ -150,10 +138,9 @@ class LagReader:
     # -- the brokers ---------------------------------------------------------------------------
 
     def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int]) -> GroupReading:
-        consumer = self._kafka_consumer()
-        tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._partitions(consumer, topic)]
-        bounds = log_bounds(consumer, tps)
-        owners = self._live_owners(group) if self.owners else {}
+        tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
+        bounds = self._kafka.log_bounds(tps)
+        owners = self._kafka.live_owners(group, self.store.database_id()) if self.owners else {}
         nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
         # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
         waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}
@@ -172,28 +159,6 @@ class LagReader:
             ))
         return GroupReading(group, now, out, sum(dead.values()))
 
-    def _partitions(self, consumer: Any, topic: str) -> list[int]:
-        found = consumer.partitions_for_topic(topic)
-        if not found:
-            # Offsets stored for a topic deleted since: nothing to measure, and no reason to fail the group.
-            log.debug("topic %r has stored offsets but is not in the cluster: left out", topic)
-        return sorted(found or ())
-
-    def _live_owners(self, group: str) -> dict[TP, str]:
-        if self._inspector is None:
-            self._inspector = KafkaInspector(self.settings)
-        return self._inspector.live_owners(group, self.store.database_id())
-
-    def _kafka_consumer(self) -> Any:
-        if self._consumer is None:
-            # Assigned partitions, no group. An offset deleted by retention since it was
-            # asked for reads from the log start.
-            self._consumer = open_consumer(
-                self.settings, group_id=None, enable_auto_commit=False, allow_auto_create_topics=False,
-                auto_offset_reset="earliest", request_timeout_ms=self._request_timeout_ms, **_FETCH_CONFIG,
-            )
-        return self._consumer
-
     def _oldest_timestamps(self, wanted: Mapping[TP, int]) -> dict[TP, int]:
         """The timestamp (ms) of the record at each partition's next offset, from the cache or the brokers."""
         for tp in set(self._stamp_cache) - set(wanted):
@@ -209,38 +174,11 @@ class LagReader:
 
         A partition whose record did not arrive within ``fetch_timeout_s`` is left out (asked again next time).
         """
-        consumer = self._kafka_consumer()
-        ktps = {TopicPartition(*tp): offset for tp, offset in offsets.items()}
-        consumer.assign(list(ktps))
-        for ktp, offset in ktps.items():
-            consumer.seek(ktp, offset)
-        found: dict[TP, int | None] = {}
-        deadline = time.monotonic() + self.fetch_timeout_s
-        try:
-            while len(found) < len(ktps) and (left := deadline - time.monotonic()) > 0:
-                for ktp, records in consumer.poll(timeout_ms=max(1, int(left * 1000))).items():
-                    if records and (ktp.topic, ktp.partition) not in found:
-                        stamp = records[0].timestamp
-                        found[(ktp.topic, ktp.partition)] = stamp if stamp is not None and stamp >= 0 else None
-                    consumer.pause(ktp)  # one record is all it needs: fetch no more of this partition
-        finally:
-            consumer.unsubscribe()
-        return found
+        return self._kafka.first_timestamps(offsets, self.fetch_timeout_s)
 
     def _close_kafka(self) -> None:
-        consumer, inspector = self._consumer, self._inspector
-        self._consumer, self._inspector = None, None
+        self._kafka.close()
         self._stamp_cache.clear()
-        closers: list[Callable[[], None]] = []
-        if consumer is not None:
-            closers.append(lambda: consumer.close(autocommit=False))
-        if inspector is not None:
-            closers.append(inspector.close)
-        for close in closers:
-            try:
-                close()
-            except Exception:  # closing after an outage: nothing to save
-                log.debug("closing a Kafka client failed", exc_info=True)
 
 
 def _next_offset(row: Row | None, log_start: int) -> int:
