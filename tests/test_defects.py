@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
-from kstore import cli as kstore_cli
+from kstore.engine import commands as kstore_cli
 from kstore.kafka.consumer import KafkaSource
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
