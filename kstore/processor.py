@@ -1,4 +1,6 @@
-"""What users touch: the :class:`Processor` base class and :class:`Message`."""
+"""What users touch: the :class:`Processor` base class and :class:`Message`; and how kstore calls a
+processor (:func:`run_handler`, the checks of what its hooks return) and finds one by name
+(:func:`load_processor`), the same for a worker, a dead letter's replay and :mod:`kstore.testing`."""
 
 from __future__ import annotations
 
