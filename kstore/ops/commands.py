@@ -74,7 +74,7 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
     names = ("to_offset", "to_datetime", "to_earliest", "to_latest", "shift_by", "clamp", "reason", "execute")
     params = {k: opts.pop(k) for k in names}
     plan = run(ctx, lambda: Settings.from_env(**opts),
-                lambda s: offsets_admin.set_offsets(s, group, topic, partitions or None, **params))
+               lambda s: offsets_admin.set_offsets(s, group, topic, partitions or None, **params))
     click.echo(table(["TOPIC", "PARTITION", "FROM", "TO", "NOTE"],
                       [[p.topic, p.partition, p.from_offset, p.to_offset, p.note] for p in plan]))
     if params["execute"]:
@@ -197,7 +197,7 @@ def _echo_closed(done: deadletters.StatusChange) -> None:
 def dead_letters_discard(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
     """Drop waiting dead letters on purpose (status discarded), all or none, recording who, when and why."""
     _echo_closed(run(ctx, lambda: Settings.from_env(**db),
-                      lambda s: deadletters.discard_dead_letters(s, group, ids, reason)))
+                     lambda s: deadletters.discard_dead_letters(s, group, ids, reason)))
 
 
 @dead_letters.command("resolve")
@@ -206,7 +206,7 @@ def dead_letters_discard(ctx: click.Context, /, group: str, ids: tuple[int, ...]
 def dead_letters_resolve(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
     """Mark waiting dead letters fixed by hand elsewhere (status resolved), all or none, with who, when and why."""
     _echo_closed(run(ctx, lambda: Settings.from_env(**db),
-                      lambda s: deadletters.resolve_dead_letters(s, group, ids, reason)))
+                     lambda s: deadletters.resolve_dead_letters(s, group, ids, reason)))
 
 
 @click.command()
@@ -218,7 +218,7 @@ def dead_letters_resolve(ctx: click.Context, /, group: str, ids: tuple[int, ...]
 @click.pass_context
 def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address: str, **opts: Any) -> None:
     """Serve the lag of groups as Prometheus metrics on /metrics, no worker needed, until SIGTERM/SIGINT."""
-    from .exporter import Exporter  # when the command runs: the other commands never load its server
+    from .exporter import Exporter  # when the command runs, as before: the other commands never import it
 
     def serve(settings: Settings) -> None:
         server = Exporter(settings, groups, port, address)
