@@ -3,7 +3,7 @@
 No worker is needed: the stored offsets come from ``kstore_offsets``, the log
 bounds and live owners from the brokers, and the age of the oldest message not
 yet committed from the record at the stored offset itself, fetched by a consumer
-that is assigned the partition (no group) and reads one record. That timestamp is
+that is assigned the partition (no group) and reads one record (:mod:`kstore.kafka.logreader`). That timestamp is
 cached per (topic, partition, offset), so a steady scrape of a partition whose
 offset has not moved asks the brokers only for the log bounds.
 
