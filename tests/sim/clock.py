@@ -100,8 +100,9 @@ def _kstore_modules() -> list[ModuleType]:
     if _modules[0] != len(sys.modules):
         import kstore
 
+        # Every subpackage's modules too; not the CLI's __main__, not the migrations (a wheel ships them inside).
         for info in pkgutil.walk_packages(kstore.__path__, "kstore."):
-            if not info.ispkg and info.name != "kstore.__main__":  # not the CLI, not the migrations
+            if not info.ispkg and info.name != "kstore.__main__" and not info.name.startswith("kstore.migrations."):
                 importlib.import_module(info.name)
         found = [m for name, m in list(sys.modules.items())
                  if m is not None and (name == "kstore" or name.startswith("kstore."))]
