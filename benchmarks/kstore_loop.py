@@ -23,8 +23,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Settings, Worker
-from kstore.metrics import Metrics
 from kstore.settings import SECRETS
+from kstore.telemetry.metrics import Metrics
 
 from .meter import Meter, signal_ready
 

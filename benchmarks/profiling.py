@@ -43,7 +43,7 @@ WRAPPERS = ("<frozen runpy>", "benchmarks/child.py")
 
 
 def _function(frame: str) -> str:
-    """``handle_batch (kstore/worker.py:123)`` -> ``handle_batch (kstore/worker.py)``."""
+    """``handle_batch (kstore/engine/worker.py:123)`` -> ``handle_batch (kstore/engine/worker.py)``."""
     name, _, where = frame.partition(" (")
     file = where.rsplit(":", 1)[0].rstrip(")")
     for marker in ("site-packages/", REPO, "lib/python3.11/", "lib/python3.12/", "lib/python3.10/"):

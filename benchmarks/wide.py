@@ -27,7 +27,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
 from kstore import Processor, Settings, Worker, migrate
-from kstore.admin import set_offsets
+from kstore.ops.offsets import set_offsets
 
 from .services import local_kafka, local_postgres
 
@@ -74,8 +74,8 @@ def measure(bootstrap: str, dsn: str, partitions: int) -> dict[str, float]:
     processor = _FirstMessage(partitions)
     worker = Worker(processor, settings)
     clock = _AssignedAt()
-    logging.getLogger("kstore.worker").addHandler(clock)
-    logging.getLogger("kstore.worker").setLevel(logging.INFO)
+    logging.getLogger("kstore.engine.worker").addHandler(clock)
+    logging.getLogger("kstore.engine.worker").setLevel(logging.INFO)
 
     def stop_when_done() -> None:
         deadline = time.monotonic() + 120
@@ -87,7 +87,7 @@ def measure(bootstrap: str, dsn: str, partitions: int) -> dict[str, float]:
     try:
         worker.run()
     finally:
-        logging.getLogger("kstore.worker").removeHandler(clock)
+        logging.getLogger("kstore.engine.worker").removeHandler(clock)
     if clock.at is None or processor.claimed_at is None or processor.first_at is None:
         raise RuntimeError("the worker never got its partitions or a message")
     return {"partitions": partitions, "claimed_s": processor.claimed_at - clock.at,

@@ -1,6 +1,6 @@
 """The kstore demo: a real pipeline on the embedded SQLite default, crash included.
 
-1. starts a local Apache Kafka broker (real jars, see kstore.devbroker),
+1. starts a local Apache Kafka broker (real jars, see kstore.dev.broker),
 2. produces page-view events to a 3-partition topic,
 3. runs ``kstore migrate`` and ``kstore worker pageviews:PageViewCounter`` with the default
    DSN (sqlite:///kstore.db, in .kstore-dev/demo/),
@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
-from kstore.devbroker import Cluster
+from kstore.dev.broker import Cluster
 
 EXAMPLES = Path(__file__).resolve().parent
 WORKDIR = EXAMPLES.parent / ".kstore-dev" / "demo"

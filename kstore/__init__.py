@@ -2,11 +2,29 @@
 
 Offsets live in the database, in the same transaction as the processing's
 own writes; a claimed epoch per partition fences zombie workers.
+
+What users touch sits at the top: this package's names (``__all__``), :mod:`kstore.processor`,
+:mod:`kstore.settings`, :mod:`kstore.errors`, :mod:`kstore.targets`, :mod:`kstore.retry`,
+:mod:`kstore.testing` and the ``kstore`` command (:mod:`kstore.cli`). The rest is grouped by role,
+each subpackage's docstring saying what it owns, what it may import and the invariants it keeps:
+
+- :mod:`kstore.engine`: a running worker, the partitions it holds, its batches;
+- :mod:`kstore.db`: kstore's tables and every statement on them, the batch's session;
+- :mod:`kstore.kafka`: the consumer and its queues, every Kafka client (the only kafka-python user);
+- :mod:`kstore.telemetry`: what a running worker reports (metrics, health probes, traces);
+- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top);
+- :mod:`kstore.dev`: a real Kafka broker and throwaway certificates, for tests and local use.
+
+Imports run one way, down that list (the engine and the operator's tools never import each
+other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.
 """
 
-from .dbapi import BatchTransactionError
-from .deadletters import DeadLetterStateError
-from .errors import (
+from kstore.db.dbapi import BatchTransactionError
+from kstore.db.deadletters import DeadLetterStateError
+from kstore.db.migration import migrate
+from kstore.db.session import BatchRollbackError, DeferredInsertError
+from kstore.engine.worker import Worker
+from kstore.errors import (
     BrokerError,
     CommitInDoubtError,
     ConfigurationError,
@@ -18,13 +36,10 @@ from .errors import (
     ProcessorContractError,
     ProcessorError,
 )
-from .migration import migrate
-from .processor import Message, Processor
-from .retry import Reject, Retry, RetryPolicy
-from .session import BatchRollbackError, DeferredInsertError
-from .settings import Settings
-from .targets import EARLIEST, LATEST
-from .worker import Worker, load_processor
+from kstore.processor import Message, Processor, load_processor
+from kstore.retry import Reject, Retry, RetryPolicy
+from kstore.settings import Settings
+from kstore.targets import EARLIEST, LATEST
 
 __all__ = [
     # writing a pipeline

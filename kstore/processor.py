@@ -1,24 +1,29 @@
-"""What users touch: the :class:`Processor` base class and :class:`Message`."""
+"""What users touch: the :class:`Processor` base class and :class:`Message`; and how kstore calls a
+processor (:func:`run_handler`, the checks of what its hooks return) and finds one by name
+(:func:`load_processor`), the same for a worker, a dead letter's replay and :mod:`kstore.testing`."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import inspect
 import json
+import os
+import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, cast
 
 from sqlalchemy import Connection
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from .tracing import Tracing
-
-from .errors import ConfigurationError, KstoreError, ProcessorContractError
-from .retry import RetryPolicy
-from .session import BatchSession, batch_session
+from kstore.db.session import BatchSession, batch_session
+from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
+from kstore.retry import RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -99,7 +104,7 @@ class Processor:
     #: ``"dead_letter"`` it (into kstore_dead_letters, in the transaction that moves past it).
     on_error: ClassVar[OnError] = "stop"
     #: Send one-row INSERTs executed through :attr:`session` together, as multi-row
-    #: INSERTs, when anything else needs the database (see :mod:`kstore.session`).
+    #: INSERTs, when anything else needs the database (see :mod:`kstore.db.session`).
     defer_inserts: ClassVar[bool] = True
 
     #: The SQLAlchemy session of the batch in flight; set by the worker for the length of
@@ -186,8 +191,21 @@ def check_processor(processor: Processor) -> None:
                 "coroutine would never run and the messages would be committed with no effect; use `def`")
 
 
+class Spans(Protocol):
+    """What :func:`run_handler` needs of a tracer: a span around a batch and one around a message.
+
+    :class:`kstore.telemetry.tracing.Tracing` is one. Named here, so that calling a processor
+    depends on no tracer (the tracer builds on :class:`Message`, not the other way round).
+    """
+
+    @property
+    def enabled(self) -> bool: ...
+    def batch(self, msgs: Sequence[Message]) -> AbstractContextManager[None]: ...
+    def message(self, msg: Message) -> AbstractContextManager[None]: ...
+
+
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
-                tracing: Tracing | None = None, rejects: list[tuple[int, Exception]] | None = None) -> None:
+                tracing: Spans | None = None, rejects: list[tuple[int, Exception]] | None = None) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
     The session joins the caller's transaction as ``rollback_only``: a
@@ -222,7 +240,7 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
         vars(processor).pop("session", None)
 
 
-def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Tracing | None,
+def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Spans | None,
                  rejects: list[tuple[int, Exception]] | None) -> None:
     """The default ``handle_batch`` (``handle`` per message), with a span per message and
     final errors that touched nothing set aside in ``rejects`` (see :func:`run_handler`)."""
@@ -243,3 +261,39 @@ def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Mes
             if rejects is None or not processor.retry.gives_up_on(exc) or not session.untouched(mark):
                 raise
             rejects.append((index, exc))
+
+
+def _import_file(path: str) -> Any:
+    """Import a processor's ``.py`` file by its path; its folder goes on ``sys.path`` first, so the
+    modules beside it import as they do when it is run from there."""
+    file = os.path.abspath(path)
+    if not os.path.isfile(file):
+        raise ImportError(f"no such file: {path}")
+    folder, name = os.path.split(file)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name[:-3], file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_processor(path: str) -> Processor:
+    """Import ``MODULE:CLASS`` and instantiate it; a clear error if it is not a Processor."""
+    module_name, _, attr = path.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"processor must be MODULE:CLASS or path/to/file.py:CLASS, got {path!r}")
+    try:
+        module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc}") from None
+    cls: Any = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigurationError(f"module {module_name!r} has no {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Processor)):
+        raise ConfigurationError(f"{path} is not a kstore.Processor subclass")
+    instance: Processor = cls()
+    return instance

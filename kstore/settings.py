@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from .errors import ConfigurationError
-from .kafkaconnect import check_kafka_options, check_security
+from kstore.errors import ConfigurationError
+from kstore.kafkaoptions import check_kafka_options, check_security
 
 ENV_PREFIX = "KSTORE_"
 #: ``KSTORE_KAFKA_<NAME>`` sets kafka-python's option ``<name>`` (see ``kafka_options``).

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from .processor import Message, Processor, call_hook, check_processor, run_handler, to_ms
+from kstore.processor import Message, Processor, call_hook, check_processor, run_handler, to_ms
 
 
 def make_message(

@@ -1,7 +1,7 @@
 """Alembic environment for kstore's own tables.
 
 The table prefix and schema come from the Alembic config's attributes (set by
-:func:`kstore.migration.alembic_config`), or from ``kstore_table_prefix`` /
+:func:`kstore.db.migration.alembic_config`), or from ``kstore_table_prefix`` /
 ``kstore_schema`` main options when run through ``alembic.ini``.
 """
 

@@ -49,7 +49,7 @@ _TRANSACTION_ENDS = _COMMITS | {"ROLLBACK", "ABORT"}
 
 def _commits(sql: str) -> bool:
     """Whether a simple-query message commits: a COMMIT, or statements ending with one (kstore's
-    one-round-trip commit, kstore.store, is "<compare-and-set>; COMMIT")."""
+    one-round-trip commit, kstore.db.store, is "<compare-and-set>; COMMIT")."""
     words = sql.strip().rstrip(";").upper().split()
     last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
     return (bool(words) and words[0] in _COMMITS and words[1:2] != ["PREPARED"]) or last in _COMMITS
@@ -159,7 +159,7 @@ class PgWatcher:
         """What to do at the answer to ``sql``: nothing (None), or cut the connection, as an armed fault says."""
         words = sql.strip().rstrip(";").upper().split()
         first = words[0] if words else ""
-        # kstore's one-round-trip commit (kstore.store) is one message: "<compare-and-set>; COMMIT".
+        # kstore's one-round-trip commit (kstore.db.store) is one message: "<compare-and-set>; COMMIT".
         last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
         if first in _COMMITS and words[1:2] != ["PREPARED"] and self._take("commit"):
             return "COMMIT"

@@ -32,7 +32,7 @@ import psycopg2.extensions
 from sqlalchemy import Engine, event
 
 from kstore import Settings
-from kstore.store import make_engine
+from kstore.db.store import make_engine
 
 CUT = "server closed the connection unexpectedly"
 
@@ -106,7 +106,7 @@ def _psycopg3_connection_class(faults: Faults) -> type[Any]:
     """The same faults on a psycopg 3 connection (``postgresql+psycopg://``)."""
     import psycopg
 
-    from kstore.dbapi import psycopg_connection_class
+    from kstore.db.dbapi import psycopg_connection_class
 
     class LossyConnection3(psycopg_connection_class(0)):  # type: ignore[misc]
         @classmethod

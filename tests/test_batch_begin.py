@@ -1,4 +1,4 @@
-"""The psycopg2 batch connection's BEGIN, sent with the batch's first round trip (kstore/dbapi.py).
+"""The psycopg2 batch connection's BEGIN, sent with the batch's first round trip (kstore/db/dbapi.py).
 
 A fast path, so tested against the plain path: whatever the first round trip of a batch is (a
 Core statement, a raw cursor's execute with or without parameters, bytes or a composed query, an
@@ -19,8 +19,8 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.dbapi import BEGIN_BATCH, in_batch
-from kstore.store import make_engine
+from kstore.db.dbapi import BEGIN_BATCH, in_batch
+from kstore.db.store import make_engine
 
 from .harness import with_driver
 

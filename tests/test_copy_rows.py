@@ -1,4 +1,4 @@
-"""``session.copy_rows``: PostgreSQL's COPY inside the batch's transaction (kstore/copy.py).
+"""``session.copy_rows``: PostgreSQL's COPY inside the batch's transaction (kstore/db/copy.py).
 
 Every value type it promises, read back as written, on psycopg2 (kstore's own COPY
 text encoding) and psycopg 3 (the driver's copy), and on SQLite (a multi-row INSERT);
@@ -22,8 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
 from kstore import Settings
-from kstore.session import batch_session
-from kstore.store import make_engine, transient
+from kstore.db.session import batch_session
+from kstore.db.sqlerrors import transient
+from kstore.db.store import make_engine
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .test_failures import dead_letter_rows

@@ -12,8 +12,9 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
 from kstore import Settings
-from kstore.deadline import Watchdog
-from kstore.store import Store, database_state, make_engine, transient
+from kstore.db.deadline import Watchdog
+from kstore.db.sqlerrors import database_state, transient
+from kstore.db.store import Store, make_engine
 
 from .harness import stored_offsets, wait_until, with_driver
 

@@ -19,15 +19,15 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import DatabaseError, Message, Settings
-from kstore import deadletters as dl
-from kstore.deadletters import (
+from kstore.db import deadletters as dl
+from kstore.db.deadletters import (
     DeadLetters,
     DeadLetterStateError,
     Edit,
     build_table,
     list_dead_letters,
-    replay_dead_letters,
 )
+from kstore.ops.replay import replay_dead_letters
 
 from .faultproxy import FaultProxy
 from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
@@ -265,7 +265,8 @@ def test_a_cli_change_that_cannot_be_read_back_is_one_line_and_exit_3(pg_dsn: st
     a = add_letter(pg_dsn, "a")
     args: Sequence[str] = (["resolve", "--reason", "done by hand"] if command == "resolve"
                            else ["replay", "processors:Recorder", "--value", "edited"])
-    r = run_cli_in_doubt("kstore.deadletters", "dead-letters", *args, "--group", "g", "--id", str(a), "--dsn", pg_dsn)
+    r = run_cli_in_doubt("kstore.db.deadletters", "dead-letters", *args, "--group", "g", "--id", str(a),
+                         "--dsn", pg_dsn)
     assert r.returncode == 3, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("kstore: error: ") and "may or may not have landed" in line, line

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
-from kstore import cli as kstore_cli
-from kstore.consumer import KafkaSource
+from kstore.engine import commands as kstore_cli
+from kstore.kafka.consumer import KafkaSource
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import Recorder

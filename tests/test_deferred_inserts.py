@@ -1,4 +1,4 @@
-"""The processor's session defers one-row INSERTs and sends them together (kstore.session).
+"""The processor's session defers one-row INSERTs and sends them together (kstore.db.session).
 
 Unit tests on SQLite for the session's contract (order, reading your writes,
 results, savepoints, the ORM, a failed send), tests that pin the SQLAlchemy
@@ -21,8 +21,8 @@ from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kstore import Message, Processor, RetryPolicy, Settings, Worker
-from kstore.session import BatchSession, DeferredInsertError, DeferredResult, _deferrable, batch_session
-from kstore.store import make_engine
+from kstore.db.session import BatchSession, DeferredInsertError, DeferredResult, _deferrable, batch_session
+from kstore.db.store import make_engine
 from kstore.testing import make_message, run_batch
 
 from .harness import assert_exactly_once, effects, with_driver
@@ -155,7 +155,7 @@ def test_text_that_returns_rows_or_is_not_one_insert_runs_at_once(
 
 def test_psycopg2_sends_many_rows_of_a_text_statement_in_pages(pg_dsn: str) -> None:
     """Deferred text() INSERTs go together: on psycopg2 as one multi-row statement when the text
-    ends with its VALUES row (kstore.manyrows), else as kstore's pages of statements (one round
+    ends with its VALUES row (kstore.db.manyrows), else as kstore's pages of statements (one round
     trip each): never a round trip per row."""
     engine = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
     sent: list[int] = []
@@ -506,7 +506,7 @@ def test_a_deferred_insert_that_fails_when_a_savepoint_sends_it_is_pinned_to_its
     assert checked == 299, "every other message's savepoint wrote its row"
 
 
-# What the session relies on in SQLAlchemy (see the list at the top of kstore/session.py):
+# What the session relies on in SQLAlchemy (see the list at the top of kstore/db/session.py):
 # these tests fail if an upgrade changes it.
 
 

@@ -16,7 +16,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 
-from kstore.devbroker import Broker, Cluster
+from kstore.dev.broker import Broker, Cluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -171,7 +171,7 @@ def test_a_port_taken_before_kafka_binds_it_is_replaced(monkeypatch: pytest.Monk
     """The ports are picked free, then released for Kafka to bind: another process may take one
     in between (on a shared machine, another test run). The node then fails to bind, and the
     broker is started again on other ports instead of failing the test session."""
-    import kstore.devbroker as devbroker
+    import kstore.dev.broker as devbroker
 
     real = devbroker._free_ports
     picked: list[list[int]] = []

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from sqlalchemy.dialects import postgresql as pg
 
 from kstore import Settings
-from kstore.session import batch_session
-from kstore.store import make_engine
+from kstore.db.session import batch_session
+from kstore.db.store import make_engine
 
 from .harness import with_driver
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kstore import Settings
-from kstore.lag import LagReader
+from kstore.ops.lag import LagReader
 
 from .faultproxy import FaultProxy
 from .harness import TESTS_DIR, WorkerProcess, stored_offsets, wait_until

@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-import kstore.admin
-import kstore.deadletters
+import kstore.db.deadletters
+import kstore.ops.offsets
 from kstore import CommitInDoubtError, DatabaseError, Settings
-from kstore.admin import set_offsets
-from kstore.deadletters import build_table, replay_dead_letters
-from kstore.store import Store, make_engine
+from kstore.db.deadletters import build_table
+from kstore.db.store import Store, make_engine
+from kstore.ops.offsets import set_offsets
+from kstore.ops.replay import replay_dead_letters
 
 from .faultproxy import FaultProxy
 from .harness import REPO_DIR, TESTS_DIR, effects, stored_offsets
@@ -95,8 +96,8 @@ def test_reset_that_cannot_be_read_back_is_in_doubt(pg_dsn: str, lossy_store: St
 @pytest.fixture
 def lossy_admin(monkeypatch: pytest.MonkeyPatch, faults: Faults) -> Faults:
     """``kstore offsets set`` and ``kstore dead-letters replay`` (in this process) on lossy engines."""
-    monkeypatch.setattr(kstore.admin, "make_engine", lambda s: lossy_engine(s, faults))
-    monkeypatch.setattr(kstore.deadletters, "make_engine", lambda s: lossy_engine(s, faults))
+    monkeypatch.setattr(kstore.ops.offsets, "make_engine", lambda s: lossy_engine(s, faults))
+    monkeypatch.setattr(kstore.db.deadletters, "make_engine", lambda s: lossy_engine(s, faults))
     return faults
 
 
@@ -142,7 +143,7 @@ def test_cli_reset_in_doubt_is_one_line_and_history_shows_its_request_id(
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(100)))
     set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "g", topic, to_offset=60, execute=True)
-    r = run_cli_in_doubt("kstore.admin", "offsets", "set", "--group", "g", "--topic", topic, "--shift-by", "-10",
+    r = run_cli_in_doubt("kstore.ops.offsets", "offsets", "set", "--group", "g", "--topic", topic, "--shift-by", "-10",
                 "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--execute")
     print(r.stdout + r.stderr)
     assert r.returncode == 3, r.stdout + r.stderr

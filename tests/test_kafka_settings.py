@@ -8,10 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka import KafkaConsumer
+from kafka.net.sasl import SASL_MECHANISMS
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore import ConfigurationError, Settings
-from kstore.kafkaconnect import check_kafka_options, client_config, load_token_provider
+from kstore.kafka.connect import client_config, load_token_provider
+from kstore.kafkaoptions import CONSUMER_OPTIONS, SASL_MECHANISM_NAMES, check_kafka_options
 
 SECRET = "pa55-w0rd-SECRET"
 
@@ -24,6 +27,19 @@ def token() -> str:
 class Provider(AbstractTokenProvider):  # type: ignore[misc]
     def token(self) -> str:
         return "from-a-class"
+
+
+def test_the_options_settings_check_are_the_installed_kafka_pythons() -> None:
+    """Settings checks Kafka options without importing kafka-python, from a copy of its lists:
+    the copy is the installed kafka-python's, every name with the type of its default."""
+    def kind(default: Any) -> type | None:
+        if default is None:
+            return None
+        return type(default) if isinstance(default, (bool, int, float, str)) else object
+
+    installed = {name: kind(v) for name, v in KafkaConsumer.DEFAULT_CONFIG.items()}
+    assert installed == CONSUMER_OPTIONS
+    assert sorted(SASL_MECHANISM_NAMES) == sorted(SASL_MECHANISMS)
 
 
 @pytest.mark.parametrize(("options", "expected"), [

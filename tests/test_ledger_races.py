@@ -16,10 +16,10 @@ from kafka.structs import OffsetAndTimestamp
 from sqlalchemy.exc import OperationalError
 
 from kstore import Processor, Settings, migrate
-from kstore.batches import Batches
-from kstore.consumer import KafkaSource
-from kstore.ownership import Backoff, Ledger
-from kstore.store import Store, make_engine
+from kstore.db.store import Store, make_engine
+from kstore.engine.batches import Batches
+from kstore.engine.ownership import Backoff, Ledger
+from kstore.kafka.consumer import KafkaSource
 
 TOPIC = "races"
 TP = (TOPIC, 0)

@@ -1,4 +1,4 @@
-"""Many rows of one Core INSERT as one statement (kstore/manyrows.py).
+"""Many rows of one Core INSERT as one statement (kstore/db/manyrows.py).
 
 Against a real PostgreSQL through psycopg2 and psycopg 3: the rows read back as SQLAlchemy's own
 executemany writes them (bind processors, NULLs, quotes, percent signs, bytes), all in
@@ -17,9 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from kstore import Settings
-from kstore.manyrows import execute_many
-from kstore.session import batch_session
-from kstore.store import make_engine
+from kstore.db.manyrows import execute_many
+from kstore.db.session import batch_session
+from kstore.db.store import make_engine
 
 from .harness import with_driver
 

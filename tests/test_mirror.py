@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicPartition
 
-from kstore.devbroker import run_tool
+from kstore.dev.broker import run_tool
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from kafka import TopicPartition
 
 from kstore import Settings
-from kstore.admin import set_offsets, show_offsets
+from kstore.ops.offsets import set_offsets, show_offsets
 
 from .harness import TESTS_DIR, effects, stored_offsets, wait_until
 

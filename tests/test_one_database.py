@@ -39,7 +39,7 @@ def test_a_worker_on_another_database_is_refused_and_not_named_owner(kafka: str,
     assert stray.proc.wait(timeout=60) == 2
     assert "is already consumed by workers writing to another database" in stray.log
     assert "claimed " in main.log  # the line a claim logs, absent from the stray's
-    assert "claimed " not in stray.log.split("INFO kstore.worker: worker ")[-1]
+    assert "claimed " not in stray.log.split("INFO kstore.engine.worker: worker ")[-1]
     assert "writes to another database" in main.log  # the group's leader said so too
     more = set(produce(topic, [f"b{i}" for i in range(20)]))
     wait_until(lambda: len(effects(pg_dsn)) >= len(first | more), 60, what="the later messages")

@@ -1,4 +1,4 @@
-"""kstore's one-round-trip commit on PostgreSQL through psycopg2 (kstore/store.py).
+"""kstore's one-round-trip commit on PostgreSQL through psycopg2 (kstore/db/store.py).
 
 The batch connection runs in psycopg2's autocommit mode with kstore's own BEGIN, and a batch
 ends with "<compare-and-set>; COMMIT" in one message. Checked on the wire (the fault proxy reads
@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from kstore import Settings
-from kstore.dbapi import BEGIN_BATCH
-from kstore.store import FencedCommit, Store, TransactionEnded, make_engine
+from kstore.db.dbapi import BEGIN_BATCH
+from kstore.db.store import FencedCommit, Store, TransactionEnded, make_engine
 
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.store import make_engine
+from kstore.db.store import make_engine
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 

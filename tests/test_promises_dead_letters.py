@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kstore.deadletters import build_table
+from kstore.db.deadletters import build_table
 
 from .harness import TESTS_DIR
 

@@ -1,4 +1,4 @@
-"""How the worker places a partition whose position left the log (kstore.positions.relocate),
+"""How the worker places a partition whose position left the log (kstore.engine.positions.relocate),
 decided against a real store (SQLite) and a stand-in for the Kafka side: moved to start_from
 below the log start, held past the end or after a truncation, fetched again when the log holds
 the offset after all, and left alone until what was fetched before it is committed. The
@@ -14,9 +14,9 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.ownership import Ledger, Owned
-from kstore.positions import relocate
-from kstore.store import Store, make_engine
+from kstore.db.store import Store, make_engine
+from kstore.engine.ownership import Ledger, Owned
+from kstore.engine.positions import relocate
 
 TP = ("t", 0)
 GROUP = "g"

@@ -12,8 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import InvalidOffsetError, Settings
-from kstore.admin import set_offsets
-from kstore.store import Store, make_engine
+from kstore.db.store import Store, make_engine
+from kstore.ops.offsets import set_offsets
 
 from .harness import stored_offsets
 

@@ -23,7 +23,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
-from kstore.devbroker import SecuredEndpoints
+from kstore.dev.broker import SecuredEndpoints
 
 from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
 

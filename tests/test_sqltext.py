@@ -1,6 +1,6 @@
-"""kstore.sqltext: what a ``text()`` is, judged by PostgreSQL's tokens (comments, literals, dollar quotes).
+"""kstore.db.sqltext: what a ``text()`` is, judged by PostgreSQL's tokens (comments, literals, dollar quotes).
 
-Pure logic, no database: the verdicts the batch session and kstore.manyrows take from it. The
+Pure logic, no database: the verdicts the batch session and kstore.db.manyrows take from it. The
 differential test (tests/test_differential.py) runs the same shapes against PostgreSQL.
 """
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kstore.sqltext import body_of, ending_values_row, is_one_insert, tokens
+from kstore.db.sqltext import body_of, ending_values_row, is_one_insert, tokens
 
 
 @pytest.mark.parametrize("sql", [

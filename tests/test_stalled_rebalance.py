@@ -1,4 +1,4 @@
-"""kstore's workaround for a kafka-python 3 rebalance that stalls for good (kstore.consumer.StalledRebalance):
+"""kstore's workaround for a kafka-python 3 rebalance that stalls for good (kstore.kafka.consumer.StalledRebalance):
 a scripted coordinator and clock, each state the check must tell apart."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from kafka.structs import MemberState
 
-from kstore.consumer import STALLED_REBALANCE_S, StalledRebalance
+from kstore.kafka.consumer import STALLED_REBALANCE_S, StalledRebalance
 
 
 @dataclass

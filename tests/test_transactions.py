@@ -15,7 +15,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from kstore import Settings
-from kstore.lag import LagReader
+from kstore.ops.lag import LagReader
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .test_metrics import by_partition, port_of, scrape

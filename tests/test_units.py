@@ -8,7 +8,8 @@ from datetime import datetime, timezone
 import pytest
 
 from kstore import EARLIEST, LATEST, ConfigurationError, RetryPolicy, Settings
-from kstore.retry import Failures, Retry
+from kstore.engine.failures import Failures
+from kstore.retry import Retry
 from kstore.targets import check_target, policy_offset
 
 BOUNDS = (10, 100)

@@ -44,7 +44,7 @@ def test_the_wheel_installed_outside_the_checkout_migrates_both_databases(tmp_pa
     run(sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel), cwd=tmp_path)
 
     env = {"PYTHONPATH": str(site)}
-    where = run(sys.executable, "-c", "import kstore, kstore.migration as m; print(kstore.__file__); "
+    where = run(sys.executable, "-c", "import kstore, kstore.db.migration as m; print(kstore.__file__); "
                 "print(m.script_location())", cwd=work, env=env).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where  # the wheel's copy, not the checkout's
 

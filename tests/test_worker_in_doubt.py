@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-import kstore.worker
+import kstore.engine.worker
 from kstore import Message, Processor, Settings, Worker
 
 from .faultproxy import FaultProxy
@@ -64,7 +64,7 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
                                                   produce: Any, workers: Any, driver: str, write: str) -> None:
     """The defect the fault check found: 6 cut COMMITs made 800 duplicate effects on the old code.
     On both drivers, and for each way the rows go in: a Core INSERT, COPY (session.copy_rows) and
-    text() INSERTs deferred by the session (kstore's multi-row statements, kstore/manyrows.py)."""
+    text() INSERTs deferred by the session (kstore's multi-row statements, kstore/db/manyrows.py)."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))
     w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "indoubt",
@@ -82,7 +82,7 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
     assert w.log.count("lost its answer") >= 6, w.log[-3000:]
     assert "but landed: not processing it again" in w.log
     assert sum(stored_offsets(pg_dsn, "indoubt").values()) == len(expected)
-    if driver == "psycopg2":  # there the offsets' compare-and-set and COMMIT are one message (kstore/store.py)
+    if driver == "psycopg2":  # there the offsets' compare-and-set and COMMIT are one message (kstore/db/store.py)
         cut = [e for e in pg_proxy.events if "cut after COMMIT (after the statements before it" in e]
         assert len(cut) >= 6, pg_proxy.events[-20:]
     # The cuts hit batches written the way this case is about (not only claims or other bookkeeping).
@@ -301,7 +301,7 @@ def test_until_a_lost_commits_rows_can_be_read_nothing_else_is_processed(
     handed to the processor meanwhile, though a backlog waits; then the batch counts as landed."""
     caplog.set_level(logging.INFO, logger="kstore")
     faults = Faults(down_after_fault=True)
-    monkeypatch.setattr(kstore.worker, "make_engine", lambda s: lossy_engine(s, faults))
+    monkeypatch.setattr(kstore.engine.worker, "make_engine", lambda s: lossy_engine(s, faults))
     topic = new_topic(2)
     expected = set(produce(topic, [f"a{i}" for i in range(20)]))
     proc = CountingRecorder()

@@ -14,9 +14,9 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
+from kstore.db.session import batch_session
+from kstore.db.store import make_engine
 from kstore.errors import KstoreError, WriteCountError
-from kstore.session import batch_session
-from kstore.store import make_engine
 
 from .harness import with_driver
 

@@ -77,10 +77,10 @@ class SimCondition:
 @contextmanager
 def patched_time(clock: SimClock) -> Iterator[list[str]]:
     """Replace the ``time`` module by ``clock`` in every loaded kstore module; yields their names."""
-    # Not kstore.deadline: PostgreSQL only, and its watchdog is a real thread that may be
+    # Not kstore.db.deadline: PostgreSQL only, and its watchdog is a real thread that may be
     # alive in this process (other tests) and must keep the real clock.
     patched = [m for m in _kstore_modules()
-               if getattr(m, "time", None) is real_time and m.__name__ != "kstore.deadline"]
+               if getattr(m, "time", None) is real_time and m.__name__ != "kstore.db.deadline"]
     for module in patched:
         module.time = clock  # type: ignore[attr-defined]
     try:
@@ -100,8 +100,9 @@ def _kstore_modules() -> list[ModuleType]:
     if _modules[0] != len(sys.modules):
         import kstore
 
-        for info in pkgutil.iter_modules(kstore.__path__, "kstore."):
-            if not info.ispkg and info.name != "kstore.__main__":  # not the CLI, not the migrations
+        # Every subpackage's modules too; not the CLI's __main__, not the migrations (a wheel ships them inside).
+        for info in pkgutil.walk_packages(kstore.__path__, "kstore."):
+            if not info.ispkg and info.name != "kstore.__main__" and not info.name.startswith("kstore.migrations."):
                 importlib.import_module(info.name)
         found = [m for name, m in list(sys.modules.items())
                  if m is not None and (name == "kstore" or name.startswith("kstore."))]

@@ -3,7 +3,7 @@ DBAPI level, and a journal of every committed write.
 
 - A template database is migrated once (``kstore.migrate``) and gets the
   processor's effects table, the journal table and triggers; each schedule copies it.
-- Every kstore engine (``kstore.worker.make_engine`` is replaced by
+- Every kstore engine (``kstore.engine.worker.make_engine`` is replaced by
   :meth:`Databases.make_engine`) hands out :class:`FaultyConnection` objects,
   which fail statements and commits as the schedule's :class:`Faults` say, and
   count each fault that fired (:attr:`Databases.fired`).
@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import Engine, event
 
 import kstore
+from kstore.db.store import make_engine as real_make_engine
 from kstore.settings import Settings
-from kstore.store import make_engine as real_make_engine
 
 SIM_DDL = """
 CREATE TABLE sim_effects (

@@ -24,9 +24,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import kstore.deadletters
-import kstore.store
-import kstore.worker
+import kstore.db.deadletters
+import kstore.db.store
+import kstore.engine.worker
 
 from .clock import patched_time
 from .db import template
@@ -172,8 +172,8 @@ class Outcome:
 def patched_kstore(world: World) -> Iterator[None]:
     """kstore's engine gets the world's faulty connections, its clock the world's, its log
     lines go into the trace; the migration check is skipped (the template was migrated once)."""
-    swaps = [(kstore.worker, "make_engine", world.db.make_engine),
-             (kstore.worker, "check_migrated", lambda *_args: None),
+    swaps = [(kstore.engine.worker, "make_engine", world.db.make_engine),
+             (kstore.engine.worker, "check_migrated", lambda *_args: None),
              *_shared_tables()]
     saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, value in swaps:
@@ -225,7 +225,7 @@ def _shared_tables() -> list[tuple[ModuleType, str, Callable[..., Any]]]:
     the run time). The tables are the same either way.
     """
     swaps: list[tuple[ModuleType, str, Callable[..., Any]]] = []
-    for module, name in ((kstore.store, "build_tables"), (kstore.deadletters, "build_table")):
+    for module, name in ((kstore.db.store, "build_tables"), (kstore.db.deadletters, "build_table")):
         original = getattr(module, name, None)
         if original is not None:
             swaps.append((module, name, _memoized(name, original)))

@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore import KstoreError, Settings, Worker
-from kstore.consumer import KafkaSource
-from kstore.store import Store
+from kstore.db.store import Store
+from kstore.kafka.consumer import KafkaSource
 
 from .clock import SimClock, SimCondition
 from .db import Databases

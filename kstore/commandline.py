@@ -1,0 +1,177 @@
+"""What every ``kstore`` command shares: the options that build :class:`~kstore.settings.Settings`,
+running one library call with a KstoreError as one line and an exit code, and keeping secrets out
+of what is printed and logged.
+
+Each command group sits beside the library it calls (:mod:`kstore.engine.commands`,
+:mod:`kstore.db.commands`, :mod:`kstore.ops.commands`) and builds on this; :mod:`kstore.cli`
+puts them under the ``kstore`` command. No SQL and no Kafka here, nor in the groups: they parse
+arguments, build Settings and call one library function.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NoReturn
+
+import click
+
+from kstore.errors import KstoreError
+from kstore.kafkaoptions import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.settings import Settings
+
+#: The commands' own log lines (a stop signal, a rolled back batch) are kstore.cli's, as before the split.
+log = logging.getLogger("kstore.cli")
+
+
+def dsn_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--dsn-file", default=None, metavar="PATH",
+                     help="Read the database URL from this file (keeps its password out of the process list) "
+                          "[env KSTORE_DSN_FILE]")(f)
+    return click.option("--dsn", default=None, help="Database URL [env KSTORE_DSN; default sqlite:///kstore.db]")(f)
+
+
+def _parse_kafka_options(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}")
+        options[name.strip()] = value
+    return options
+
+
+def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """How to reach the brokers: address, TLS, SASL and any other kafka-python option."""
+    for decorator in reversed([
+        click.option("--bootstrap-servers", default=None,
+                     help="Kafka brokers, HOST:PORT[,...] [env KSTORE_BOOTSTRAP_SERVERS]"),
+        click.option("--security-protocol", default=None, type=click.Choice(SECURITY_PROTOCOLS, case_sensitive=False),
+                     help="[env KSTORE_SECURITY_PROTOCOL; default PLAINTEXT]"),
+        click.option("--sasl-mechanism", default=None,
+                     help=f"With SASL_*: {', '.join(SASL_MECHANISM_NAMES)} [env KSTORE_SASL_MECHANISM]"),
+        click.option("--sasl-username", default=None, help="[env KSTORE_SASL_USERNAME]"),
+        click.option("--sasl-password-file", default=None, metavar="PATH",
+                     help="Read the SASL password from this file [env KSTORE_SASL_PASSWORD_FILE, "
+                          "or KSTORE_SASL_PASSWORD]"),
+        click.option("--sasl-oauth-token-provider", default=None, metavar="MODULE:CALLABLE",
+                     help="OAUTHBEARER: returns the current token [env KSTORE_SASL_OAUTH_TOKEN_PROVIDER]"),
+        click.option("--ssl-cafile", default=None, metavar="PATH",
+                     help="CA certificate(s) of the brokers, PEM [env KSTORE_SSL_CAFILE; default: the system's]"),
+        click.option("--ssl-certfile", default=None, metavar="PATH",
+                     help="Client certificate for mutual TLS, PEM [env KSTORE_SSL_CERTFILE]"),
+        click.option("--ssl-keyfile", default=None, metavar="PATH",
+                     help="Its private key, PEM [env KSTORE_SSL_KEYFILE]"),
+        click.option("--ssl-key-password-file", default=None, metavar="PATH",
+                     help="Read the key's password from this file [env KSTORE_SSL_KEY_PASSWORD_FILE]"),
+        click.option("--ssl-check-hostname/--no-ssl-check-hostname", default=None,
+                     help="Check the broker certificate's host name [env KSTORE_SSL_CHECK_HOSTNAME; default on]"),
+        click.option("--kafka-option", "kafka_options", multiple=True, metavar="NAME=VALUE",
+                     callback=_parse_kafka_options,
+                     help="Any other kafka-python consumer option, repeatable [env KSTORE_KAFKA_<NAME>]"),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def group_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--group`` (required), the database and the brokers: a command that reads one group from both."""
+    f = kafka_connection_options(f)
+    f = dsn_option(f)
+    f = click.option("--group", required=True, help="Pipeline name (Kafka group id).")(f)
+    return f
+
+
+class _LogContext(logging.Filter):
+    """Adds the pipeline's group to every log record (a field of its own in JSON logs)."""
+
+    group: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.group is not None and not hasattr(record, "group"):
+            record.group = self.group
+        return True
+
+
+#: Installed on the ``kstore`` command's log handler; ``kstore worker`` sets its group.
+LOG_CONTEXT = _LogContext()
+
+
+def run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Callable[[Settings], Any]) -> Any:
+    """Build settings and call the library, turning KstoreError into one line on stderr."""
+    settings: Settings | None = None
+    try:
+        settings = settings_factory()
+        _hide_in_logs(settings.secrets)
+        return action(settings)
+    except KstoreError as exc:
+        _fail(ctx, settings, f"kstore: error: {exc}", exc.exit_code)
+    except Exception as exc:  # the last line of defence for a clean message
+        _fail(ctx, settings, f"kstore: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug)", 1)
+
+
+def _fail(ctx: click.Context, settings: Settings | None, message: str, code: int) -> NoReturn:
+    if ctx.obj["debug"]:
+        log.exception("failed")
+    click.echo(_scrub(message, settings), err=True)
+    ctx.exit(code)
+    raise AssertionError("unreachable")
+
+
+def _scrub(message: str, settings: Settings | None) -> str:
+    """Belt and braces: never print a secret, even if a driver put it in a message."""
+    line = " ".join(message.splitlines())
+    for secret in settings.secrets if settings is not None else ():
+        line = line.replace(secret, "***")
+    return line
+
+
+class _HideSecrets(logging.Filter):
+    """Masks the settings' secrets in every log record (kstore's, the drivers', with --debug too)."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        hidden = text
+        for secret in self.secrets:
+            hidden = hidden.replace(secret, "***")
+            if record.exc_text:
+                record.exc_text = record.exc_text.replace(secret, "***")
+        if hidden != text:
+            record.msg, record.args = hidden, None
+        return True
+
+
+def _hide_in_logs(secrets: list[str]) -> None:
+    if secrets:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_HideSecrets(secrets))
+
+
+def stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop``: the loop ends after what it is doing, and the command exits 0."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop())
+
+
+def iso_time(raw: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"not an ISO 8601 time: {raw!r}") from None
+    if when.tzinfo is None:
+        raise click.BadParameter(f"give a timezone, e.g. {raw}+00:00 or {raw}Z")
+    return when
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells)

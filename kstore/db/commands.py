@@ -1,0 +1,20 @@
+"""``kstore migrate``: parses its options, builds Settings and calls :func:`kstore.db.migration.migrate`."""
+
+from __future__ import annotations
+
+import click
+
+from kstore.commandline import dsn_option, run
+from kstore.settings import Settings
+
+from .migration import migrate as migrate_db
+
+
+@click.command()
+@dsn_option
+@click.option("--revision", default="head", show_default=True, help="Migrate to this revision.")
+@click.pass_context
+def migrate(ctx: click.Context, dsn: str | None, dsn_file: str | None, revision: str) -> None:
+    """Create or upgrade kstore's tables (its own Alembic history, kstore_alembic_version)."""
+    revision = run(ctx, lambda: Settings.from_env(dsn=dsn, dsn_file=dsn_file), lambda s: migrate_db(s, revision))
+    click.echo(f"kstore tables are at migration {revision}")

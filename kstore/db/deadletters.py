@@ -1,0 +1,453 @@
+"""Dead letters: writing them (inside the batch's transaction), listing, showing, marking them replayed, closing them.
+
+A dead letter starts ``dead`` (waiting) and leaves that status once, for good:
+``replayed`` (its message ran through the processor again, as written or with
+an edited key or value), ``discarded`` (dropped on purpose) or ``resolved``
+(fixed by hand elsewhere). Each change is one transaction that updates the
+letter ``WHERE status = 'dead'`` (checked to touch exactly the rows it meant to)
+and adds a row to ``kstore_dead_letter_history`` with who, when, why and a
+request id; a replay's processor effects commit in that same transaction, so a
+dead letter's effect lands exactly once even if two operators act on it at once.
+
+If a change's COMMIT loses its answer, the request id is looked up on a fresh
+connection (:mod:`kstore.db.indoubt`): found, it landed; not found, it did not;
+unreadable, :class:`~kstore.errors.CommitInDoubtError`. Doing the same thing
+twice is a no-op (an already discarded letter stays as it was discarded); a
+different change of a letter that already left ``dead`` is refused with
+:class:`DeadLetterStateError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    DateTime,
+    Engine,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    select,
+)
+from sqlalchemy.exc import SQLAlchemyError
+
+from kstore.errors import ConfigurationError, DatabaseError, KstoreError
+from kstore.records import Record, ms_to_datetime
+from kstore.retry import Failure
+from kstore.settings import Settings
+
+from . import indoubt
+from .migration import check_migrated
+from .sqlerrors import first_line
+from .store import make_engine
+from .writes import WRITES, actor, now
+
+log = logging.getLogger(__name__)
+
+DEAD = "dead"
+REPLAYED = "replayed"
+DISCARDED = "discarded"
+RESOLVED = "resolved"
+STATUSES = (DEAD, REPLAYED, DISCARDED, RESOLVED)
+#: The action that leads to each final status, as the history and the messages name it.
+ACTIONS = {REPLAYED: "replay", DISCARDED: "discard", RESOLVED: "resolve"}
+
+
+class DeadLetterStateError(KstoreError):
+    """The dead letter already left ``dead`` another way (e.g. replaying a discarded one), or is not the group's."""
+
+
+def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
+    return Table(
+        f"{prefix}dead_letters",
+        MetaData(schema=schema),
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("consumer_group", String(255), nullable=False),
+        Column("topic", String(255), nullable=False),
+        Column("partition_id", Integer, nullable=False),
+        Column("offset", BigInteger, nullable=False),
+        Column("key", LargeBinary, nullable=True),
+        Column("value", LargeBinary, nullable=True),
+        Column("headers", Text, nullable=False),
+        Column("timestamp", DateTime(timezone=True), nullable=True),
+        Column("error", Text, nullable=False),
+        Column("traceback", Text, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("first_failure_at", DateTime(timezone=True), nullable=False),
+        Column("last_failure_at", DateTime(timezone=True), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("replayed_at", DateTime(timezone=True), nullable=True),
+    )
+
+
+def build_history_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
+    """One row per status change of a dead letter (migration 0005)."""
+    return Table(
+        f"{prefix}dead_letter_history",
+        MetaData(schema=schema),
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("dead_letter_id", Integer, nullable=False),
+        Column("consumer_group", String(255), nullable=False),
+        Column("action", String(16), nullable=False),
+        Column("from_status", String(16), nullable=False),
+        Column("to_status", String(16), nullable=False),
+        Column("at", DateTime(timezone=True), nullable=False),
+        Column("by_user", String(255), nullable=False),
+        Column("by_host", String(255), nullable=False),
+        Column("reason", Text, nullable=True),
+        Column("request_id", String(32), nullable=False),
+        Column("edited", Boolean, nullable=False),
+        Column("replayed_key", LargeBinary, nullable=True),
+        Column("replayed_value", LargeBinary, nullable=True),
+    )
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    consumer_group: str
+    topic: str
+    partition_id: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp: datetime | None
+    error: str
+    traceback: str
+    attempts: int
+    first_failure_at: datetime
+    last_failure_at: datetime
+    status: str
+    replayed_at: datetime | None
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the raw bytes and the traceback, for listings."""
+        return {
+            "id": self.id, "group": self.consumer_group, "topic": self.topic, "partition": self.partition_id,
+            "offset": self.offset, "error": self.error, "attempts": self.attempts, "status": self.status,
+            "first_failure_at": self.first_failure_at.isoformat(), "last_failure_at": self.last_failure_at.isoformat(),
+            "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
+        }
+
+
+@dataclass(frozen=True)
+class Change:
+    """One status change of a dead letter, from ``kstore_dead_letter_history``."""
+
+    dead_letter_id: int
+    action: str
+    from_status: str
+    to_status: str
+    at: datetime
+    by_user: str
+    by_host: str
+    reason: str | None
+    request_id: str
+    #: A replay that ran with an edited key or value: what the processor got (the original stays on the letter).
+    edited: bool
+    replayed_key: bytes | None
+    replayed_value: bytes | None
+
+    @property
+    def by(self) -> str:
+        return f"{self.by_user}@{self.by_host}"
+
+
+@dataclass(frozen=True)
+class Edit:
+    """A replay's replacement key and/or value (raw bytes, before ``deserialize``); None keeps the original."""
+
+    key: bytes | None = None
+    value: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.key is None and self.value is None:
+            raise ConfigurationError("an edit needs a new key or a new value")
+
+    def apply(self, letter: DeadLetter) -> tuple[bytes | None, bytes | None]:
+        return (letter.key if self.key is None else self.key,
+                letter.value if self.value is None else self.value)
+
+
+@dataclass(frozen=True)
+class StatusChange:
+    """What a discard or resolve did: the letters it changed, those already in that status, and its request id."""
+
+    status: str
+    changed: list[int]
+    already: list[int]
+    #: None if nothing was written (every letter already had the status).
+    request_id: str | None
+
+
+def _encode_headers(headers: Sequence[tuple[str, bytes | None]]) -> str:
+    return json.dumps([[k, None if v is None else base64.b64encode(v).decode()] for k, v in headers])
+
+
+def _decode_headers(raw: str) -> tuple[tuple[str, bytes | None], ...]:
+    return tuple((k, None if v is None else base64.b64decode(v)) for k, v in json.loads(raw))
+
+
+def write(conn: Connection, table: Table, group: str, record: Record, failure: Failure) -> None:
+    """Insert a dead letter; the caller's transaction also moves the offset past the message."""
+    conn.execute(table.insert().values(
+        consumer_group=group, topic=record.topic, partition_id=record.partition, offset=record.offset,
+        key=record.key, value=record.value, headers=_encode_headers(record.headers or ()),
+        timestamp=ms_to_datetime(record.timestamp), error=failure.error, traceback=failure.traceback,
+        attempts=failure.attempts, first_failure_at=failure.first_at, last_failure_at=failure.last_at,
+        status=DEAD,
+    ))
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
+class DeadLetters:
+    """Dead letters of one database."""
+
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self._own_engine = engine is None
+        self.engine = engine or make_engine(settings)
+        self.table = build_table(settings.table_prefix, settings.schema)
+        self.history_table = build_history_table(settings.table_prefix, settings.schema)
+        if self._own_engine:
+            check_migrated(self.engine, settings)
+
+    def __enter__(self) -> DeadLetters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._own_engine:
+            self.engine.dispose()
+
+    def find(self, group: str, status: str | None = DEAD, limit: int = 100) -> list[DeadLetter]:
+        t = self.table
+        stmt = select(t).where(t.c.consumer_group == group).order_by(t.c.id).limit(limit)
+        if status is not None:
+            stmt = stmt.where(t.c.status == status)
+        with self.engine.connect() as conn:
+            return [_row(r) for r in conn.execute(stmt)]
+
+    def get(self, dead_letter_id: int) -> DeadLetter:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(self.table).where(self.table.c.id == dead_letter_id)).first()
+        if row is None:
+            raise KstoreError(f"no dead letter with id {dead_letter_id}")
+        return _row(row)
+
+    def history(self, dead_letter_id: int) -> list[Change]:
+        """Every status change of one dead letter, oldest first."""
+        h = self.history_table
+        stmt = select(h).where(h.c.dead_letter_id == dead_letter_id).order_by(h.c.id)
+        with self.engine.connect() as conn:
+            return [_change(r) for r in conn.execute(stmt)]
+
+    def discard(self, ids: Sequence[int], reason: str, *, group: str | None = None) -> StatusChange:
+        """Mark dead letters ``discarded`` (dropped on purpose), all in one transaction; see :meth:`_close`."""
+        return self._close(ids, DISCARDED, reason, group)
+
+    def resolve(self, ids: Sequence[int], reason: str, *, group: str | None = None) -> StatusChange:
+        """Mark dead letters ``resolved`` (fixed by hand elsewhere), all in one transaction; see :meth:`_close`."""
+        return self._close(ids, RESOLVED, reason, group)
+
+    def _close(self, ids: Sequence[int], status: str, reason: str, group: str | None) -> StatusChange:
+        """Move ``ids`` from dead to ``status``, recording who, when and why, in one transaction.
+
+        All or nothing: an unknown id, one of another group (if ``group`` is given) or one that left
+        ``dead`` another way raises and changes nothing. Ids already in ``status`` are left as they are
+        (listed in ``already``), so running the same command twice is harmless. A lost COMMIT answer
+        is read back by request id: landed returns as usual; not landed raises :class:`DatabaseError`
+        (safe to run again); unreadable raises :class:`CommitInDoubtError`.
+        """
+        action = ACTIONS[status]
+        wanted = sorted(set(ids))
+        if not wanted:
+            raise ConfigurationError(f"give the dead letters to {action} (--id N, repeatable)")
+        if not reason.strip():
+            raise ConfigurationError(f"give a reason for the {action} (--reason)")
+        request_id = uuid.uuid4().hex
+        try:
+            with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
+                conn.execution_options(**WRITES).begin()
+                rows = self._lock(conn, wanted)
+                self._refuse(conn, rows, wanted, action, status, group)
+                todo = [i for i in wanted if rows[i].status == DEAD]
+                already = [i for i in wanted if rows[i].status == status]
+                if not todo:
+                    return StatusChange(status, [], already, None)
+                self._mark(conn, todo, status)
+                for i in todo:
+                    self._record(conn, i, rows[i].consumer_group, action, status, reason, request_id)
+                indoubt.commit(conn, lambda: self._landed(wanted, request_id),
+                               what=f"{action} {request_id} of dead letter(s) {_ids(todo)}",
+                               check=f"`kstore dead-letters show {todo[0]}` (its history lists request {request_id} "
+                                     "if it landed)")
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"the {action} of dead letter(s) {_ids(wanted)} did not land ({first_line(exc)}): "
+                                "nothing changed; it is safe to run it again") from None
+        log.debug("%s dead letter(s) %s (request %s): %s", status, _ids(todo), request_id, reason)
+        return StatusChange(status, todo, already, request_id)
+
+    def _lock(self, conn: Connection, ids: Sequence[int]) -> dict[int, Any]:
+        """The letters' rows, locked until the transaction ends (PostgreSQL; SQLite's BEGIN IMMEDIATE locks all)."""
+        t = self.table
+        stmt = select(t.c.id, t.c.consumer_group, t.c.status).where(t.c.id.in_(ids)).with_for_update()
+        return {r.id: r for r in conn.execute(stmt)}
+
+    def _refuse(self, conn: Connection, rows: dict[int, Any], ids: Sequence[int], action: str, status: str,
+                group: str | None) -> None:
+        missing = [i for i in ids if i not in rows]
+        if missing:
+            raise KstoreError(f"no dead letter with id {_ids(missing)}: nothing changed")
+        strangers = [i for i in ids if group is not None and rows[i].consumer_group != group]
+        if strangers:
+            raise DeadLetterStateError(f"dead letter(s) {_ids(strangers)} are not of group {group!r}: nothing changed")
+        closed = [i for i in ids if rows[i].status not in (DEAD, status)]
+        if closed:
+            why = "; ".join(self.state_note(conn, i, rows[i].status) for i in closed)
+            raise DeadLetterStateError(f"cannot {action} {why}; only a waiting (dead) letter can be {status}, "
+                                       "nothing changed")
+
+    def state_note(self, conn: Connection, dead_letter_id: int, status: str) -> str:
+        """``dead letter 5: it was discarded by ann@box at 2026-12-02 10:00:00 (duplicate)``, for refusals."""
+        h = self.history_table
+        last = conn.execute(select(h).where(h.c.dead_letter_id == dead_letter_id, h.c.to_status == status)
+                            .order_by(h.c.id.desc()).limit(1)).first()
+        if last is None:  # replayed before migration 0005 kept a history
+            return f"dead letter {dead_letter_id}: it is {status}"
+        change = _change(last)
+        why = f" ({change.reason})" if change.reason else ""
+        return f"dead letter {dead_letter_id}: it was {status} by {change.by} at {change.at:%Y-%m-%d %H:%M:%S}{why}"
+
+    def _mark(self, conn: Connection, ids: Sequence[int], status: str) -> None:
+        t = self.table
+        values: dict[str, Any] = {"status": status}
+        if status == REPLAYED:
+            values["replayed_at"] = now()
+        marked = conn.execute(t.update().where(t.c.id.in_(ids), t.c.status == DEAD).values(**values)).rowcount
+        if marked != len(ids):  # the rows are locked: this would be a bug, not a race
+            raise DatabaseError(f"marking dead letter(s) {_ids(ids)} {status} changed {marked} row(s)")
+
+    def _record(self, conn: Connection, dead_letter_id: int, group: str, action: str, status: str,
+                reason: str | None, request_id: str, edited: tuple[bytes | None, bytes | None] | None = None) -> None:
+        user, host = actor()
+        conn.execute(self.history_table.insert().values(
+            dead_letter_id=dead_letter_id, consumer_group=group, action=action, from_status=DEAD, to_status=status,
+            at=now(), by_user=user, by_host=host, reason=reason, request_id=request_id, edited=edited is not None,
+            replayed_key=edited[0] if edited else None, replayed_value=edited[1] if edited else None,
+        ))
+
+    def _landed(self, ids: Sequence[int], request_id: str) -> bool:
+        """On a fresh connection: is change ``request_id`` in the history? (After its COMMIT's answer was lost.)"""
+        h = self.history_table
+        with self.engine.connect() as conn:
+            conn.execution_options(**WRITES).begin()
+            indoubt.wait_for_locks(conn)
+            self._lock(conn, ids)  # waits for the lost transaction, if it still holds the rows
+            return conn.execute(select(h.c.id).where(h.c.request_id == request_id).limit(1)).first() is not None
+
+    def replay(self, letter: DeadLetter, run: Callable[[Connection], None], *,
+               edited: tuple[bytes | None, bytes | None] | None = None, reason: str | None = None) -> bool:
+        """Mark one dead letter replayed in the transaction of its effects: ``run(conn)`` writes them
+        (the processor's, see :func:`kstore.ops.replay.replay`).
+
+        True if its effects and its 'replayed' mark committed; False if it was already replayed.
+        Raises what ``run`` raises (nothing is committed then), and :class:`DeadLetterStateError`
+        if it was discarded or resolved. ``edited``, the key and value the processor got instead of
+        the letter's own, is recorded in the history with the replay; the letter keeps the original
+        message. If the COMMIT's answer is lost, the replay is looked up by its request id: found, it
+        landed (True); not found, the COMMIT's error is raised (it may be replayed again);
+        unreadable, :class:`CommitInDoubtError`.
+        """
+        request_id = uuid.uuid4().hex
+        with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
+            # On SQLite, BEGIN IMMEDIATE: wait for a running worker's batch instead of failing.
+            conn.execution_options(**WRITES).begin()
+            run(conn)
+            # The processor ran unlocked: the letter may have changed meanwhile. Marked here, or nothing lands.
+            rows = self._lock(conn, [letter.id])
+            if letter.id not in rows:
+                raise KstoreError(f"dead letter {letter.id} is gone")
+            status = rows[letter.id].status
+            if status == REPLAYED:  # replayed meanwhile by someone else: do not apply it twice
+                return False
+            if status != DEAD:
+                raise DeadLetterStateError(f"cannot replay {self.state_note(conn, letter.id, status)} "
+                                           "(meanwhile); this replay's effects were rolled back")
+            self._mark(conn, [letter.id], REPLAYED)
+            self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], REPLAYED, reason, request_id,
+                         edited=edited)
+            # The mark, the history row and the effects commit together: the row read back tells whether all landed.
+            indoubt.commit(
+                conn, lambda: self._landed([letter.id], request_id),
+                what=f"the replay of dead letter {letter.id} (request {request_id})",
+                check=f"`kstore dead-letters show {letter.id}` (status replayed: it landed; dead: it did not)",
+            )
+            return True
+
+    def note_failure(self, letter: DeadLetter, exc: BaseException) -> None:
+        t = self.table
+        with self.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == letter.id).values(
+                attempts=t.c.attempts + 1, last_failure_at=now(), error=f"{type(exc).__name__}: {exc}"))
+
+
+def _row(r: Any) -> DeadLetter:
+    return DeadLetter(
+        id=r.id, consumer_group=r.consumer_group, topic=r.topic, partition_id=r.partition_id, offset=r.offset,
+        key=r.key, value=r.value, headers=_decode_headers(r.headers), timestamp=r.timestamp, error=r.error,
+        traceback=r.traceback, attempts=r.attempts, first_failure_at=r.first_failure_at,
+        last_failure_at=r.last_failure_at, status=r.status, replayed_at=r.replayed_at,
+    )
+
+
+def _change(r: Any) -> Change:
+    return Change(
+        dead_letter_id=r.dead_letter_id, action=r.action, from_status=r.from_status, to_status=r.to_status, at=r.at,
+        by_user=r.by_user, by_host=r.by_host, reason=r.reason, request_id=r.request_id, edited=bool(r.edited),
+        replayed_key=r.replayed_key, replayed_value=r.replayed_value,
+    )
+
+
+def discard_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
+    """Mark a group's dead letters discarded (dropped on purpose), with a reason, in one transaction."""
+    with DeadLetters(settings) as letters:
+        return letters.discard(ids, reason, group=group)
+
+
+def resolve_dead_letters(settings: Settings, group: str, ids: Sequence[int], reason: str) -> StatusChange:
+    """Mark a group's dead letters resolved (fixed by hand elsewhere), with a reason, in one transaction."""
+    with DeadLetters(settings) as letters:
+        return letters.resolve(ids, reason, group=group)
+
+
+def show_dead_letter(settings: Settings, dead_letter_id: int) -> tuple[DeadLetter, list[Change]]:
+    """One dead letter and its history (oldest first)."""
+    with DeadLetters(settings) as letters:
+        return letters.get(dead_letter_id), letters.history(dead_letter_id)
+
+
+def list_dead_letters(settings: Settings, group: str, status: str | None = DEAD) -> list[DeadLetter]:
+    """A group's dead letters with ``status`` (default: the ones waiting), or every one with None."""
+    with DeadLetters(settings) as letters:
+        return letters.find(group, status=status)

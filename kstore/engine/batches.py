@@ -1,0 +1,607 @@
+"""One batch at a time: take it, run the processor and commit its offsets in one
+transaction, and deal with what goes wrong (fencing, processor failures, retries in
+smaller batches, dead letters, the database going away).
+
+:class:`Batches` runs on the worker's main thread; the worker owns the partitions
+(claims, epochs, resets) and hands this the callbacks it needs when a commit is fenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import operator
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
+
+from kstore.db import dbapi, deadletters
+from kstore.db.sqlerrors import database_state, first_line, transient
+from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
+from kstore.db.writes import WRITES
+from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
+from kstore.kafka.consumer import TP, KafkaSource
+from kstore.processor import Message, Processor, call_hook, run_handler
+from kstore.records import Record
+from kstore.retry import Failure
+from kstore.settings import Settings
+from kstore.telemetry.metrics import Metrics
+from kstore.telemetry.tracing import Tracing
+
+from .failures import Failures, MessageKey
+from .ownership import Backoff, Ledger, fmt
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    records: list[Record]
+    #: Queue generation per partition when taken: a partition flushed since keeps its new position.
+    generations: dict[TP, int]
+    #: Per partition: (stored offset, offset after the batch, epoch) when taken. The commit
+    #: matches the first and the last (compare-and-set), so it is fenced if either moved.
+    positions: dict[TP, Position]
+
+
+@dataclasses.dataclass(frozen=True)
+class _InDoubt:
+    """A transaction whose COMMIT raised: it may have landed or not, and is settled by reading back."""
+
+    taken: _Batch
+    #: The messages as the processor saw them (for on_committed), empty for a dead letter.
+    msgs: Sequence[Message]
+    #: The COMMIT's own error (the reason to retry, should it not have landed).
+    cause: Exception
+    what: str
+
+
+class _CommitInDoubt(Exception):
+    """The COMMIT itself raised: the server may or may not have committed."""
+
+    #: The batch's messages as the processor saw them, set by :meth:`Batches._transact`.
+    msgs: Sequence[Message] = ()
+
+
+#: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
+_message_fields = operator.attrgetter("topic", "partition", "offset", "key", "value", "headers", "timestamp")
+_new_message = functools.partial(tuple.__new__, Message)
+_tp_of = operator.attrgetter("topic", "partition")
+
+
+def _counts(records: Sequence[Record]) -> Counter[TP]:
+    """Messages per partition (C loops: this runs once per batch over every record)."""
+    return Counter(map(_tp_of, records))
+
+
+class _HandlerFailed(Exception):
+    """The processor (or deserializing a message) raised; wraps the original."""
+
+
+class Batches:
+    """Takes, processes and commits batches for one worker, and handles their failures."""
+
+    def __init__(
+        self,
+        processor: Processor,
+        settings: Settings,
+        group: str,
+        store: Store,
+        source: KafkaSource,
+        ledger: Ledger,
+        db_backoff: Backoff,
+        recheck: Callable[[list[TP]], None],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.processor = processor
+        self.metrics = metrics or Metrics(group)
+        #: Spans per batch and per message, if OpenTelemetry is installed and configured.
+        self.tracing = Tracing(group)
+        self.settings = settings
+        self.group = group
+        self.store, self.source, self.ledger = store, source, ledger
+        #: Shared with the worker's claims and checks: one database, one backoff.
+        self.db_backoff = db_backoff
+        self._recheck = recheck
+        policy = processor.retry
+        if settings.max_attempts is not None:
+            policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
+        self.failures = Failures(policy)
+        self.on_error = settings.on_error or processor.on_error
+        # Raw bytes with the default deserialize(): skip a call per message.
+        self._raw = (type(processor).deserialize is Processor.deserialize
+                     and processor.key_format == "bytes" and processor.value_format == "bytes")
+        self._dead_letters = deadletters.build_table(settings.table_prefix, settings.schema)
+        #: True while a batch's transaction is open (for the CLI's shutdown timeout).
+        self.busy = False
+        #: The last batch taken was at least half of the batch size: a backlog, where batches linger.
+        self._draining = False
+        #: The connection batches run on, held from one batch to the next (see _batch_connection).
+        self._batch_conn: Connection | None = None
+        #: A commit whose outcome is unknown: nothing else is processed until it is settled.
+        self.in_doubt: _InDoubt | None = None
+        #: The records of the last batch taken (read by the metrics' lag, from another thread, under the
+        #: source's lock); once committed they lie below the stored offsets and the lag ignores them.
+        self.in_flight: Sequence[Record] = ()
+        #: When the batch in flight sent its offsets UPDATE (the commit's duration starts there).
+        self._commit_started = 0.0
+        #: The first message of the batch that last failed with a database error, and whether the
+        #: database has answered since (a probe before the batch's next attempt): see :meth:`_failed`.
+        self._db_failed: tuple[MessageKey, bool] | None = None
+
+    def ready(self) -> bool:
+        """False while a failed message or the database waits for its next attempt."""
+        return self.failures.ready() and self.db_backoff.ready()
+
+    def close(self) -> None:
+        self._drop_batch_connection()
+
+    def process_next(self) -> bool:
+        """Settle a commit in doubt, or take one batch and process it; True if a batch committed."""
+        if self.in_doubt is not None:
+            return self._resolve()
+        if not self.ready():
+            return False  # a failed message or the database waits for its next attempt; fetching goes on
+        size = self.failures.batch_size(self.settings.max_batch_size)
+        # Linger only while draining a backlog (the last batch was at least half full): there it
+        # keeps transactions large; a steady stream's small batches go at once, never delayed.
+        if self._draining and self.settings.batch_linger_ms and 0 < self.source.queued() < size:
+            self.source.wait_for(size, self.settings.batch_linger_ms / 1000)
+        taken = self._take(size)
+        if taken is None:
+            return False
+        if not self._probe(taken):
+            self._requeue(taken)
+            return False
+        self._draining = 2 * len(taken.records) >= size
+        started = time.monotonic()
+        try:
+            fenced, msgs = self._transact(taken)
+        except _CommitInDoubt as exc:
+            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch")
+            return self._resolve()
+        except (_HandlerFailed, SQLAlchemyError) as exc:
+            if not self._failed(taken, _cause(exc), "process a batch"):
+                self._requeue(taken)
+            return False
+        self.db_backoff.succeeded()
+        if fenced:
+            self.metrics.rolled_back("fenced")
+            self._on_fenced(fenced, taken.positions)
+            self._requeue(taken)
+            return False
+        self._committed(taken)
+        self.metrics.committed(_counts(taken.records), started, self._commit_started)
+        self._notify_committed(msgs)
+        return True
+
+    def _take(self, size: int) -> _Batch | None:
+        """The next batch, with what it needs to commit (positions) or to be put back (generations)."""
+        source, ledger = self.source, self.ledger
+        with source.lock:
+            self.failures.retain(ledger.owned)
+            records, ends = source.take_batch(size, self.failures.focus(source.has_records))
+            if not records:
+                return None
+            # Under the lock that took them from the queues: a scrape sees them in one place or the other.
+            self.in_flight = records
+            generations = {tp: source.generation(tp) or 0 for tp in ends}
+            positions = ledger.positions(ends)
+        return _Batch(records, generations, positions)
+
+    def _requeue(self, taken: _Batch) -> None:
+        """Messages of a batch that did not commit go back in front of their queues."""
+        self.source.requeue(taken.records, taken.generations)
+
+    def _committed(self, taken: _Batch) -> None:
+        self._db_failed = None
+        self.ledger.committed(taken.positions)
+        if self.settings.mirror_offsets:
+            self.source.mirror({tp: new for tp, (_, new, _) in taken.positions.items()})
+        if self.failures.active:
+            self.failures.done([(r.topic, r.partition, r.offset) for r in taken.records])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("committed %d messages: %s", len(taken.records), ", ".join(
+                f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (_, nxt, epoch) in sorted(taken.positions.items())))
+
+    def _notify_committed(self, msgs: Sequence[Message]) -> None:
+        if not msgs:
+            return
+        try:
+            call_hook(self.processor, "on_committed", msgs)
+        except ProcessorContractError:
+            raise
+        except Exception as exc:  # the batch is committed: nothing to retry or roll back
+            log.error("%s.on_committed failed (the batch stays committed): %s: %s",
+                      type(self.processor).__name__, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    # -- commits in doubt -------------------------------------------------------
+
+    def _resolve(self) -> bool:
+        """Settle the commit in doubt by reading its rows back on a fresh connection; True if it landed.
+
+        Landed (the rows hold the batch's end under our epoch): the batch is committed,
+        whatever the error said. Not landed (the rows still hold its start): it is
+        put back and retried. Rows whose epoch moved meanwhile are another owner's or an
+        operator's now: handled as fenced, their records dropped. If the database cannot
+        be read, nothing else happens until it can: the worker never guesses.
+        """
+        doubt = self.in_doubt
+        assert doubt is not None
+        if not self.db_backoff.ready():
+            return False
+        positions = doubt.taken.positions
+        try:
+            # Waiting for the rows' locks: the COMMIT may still be running on the server (cut by the
+            # deadline, say), and a plain read would not see it yet and call it "did not land".
+            rows = self.store.rows(self.group, partitions=list(positions), wait_for_locks=True)
+        except SQLAlchemyError as exc:
+            self.db_backoff.failed(f"learn whether the commit of {doubt.what} landed (its answer was lost)", exc)
+            return False
+        self.in_doubt = None
+        self.db_backoff.succeeded()
+        landed, moved = _outcome(positions, rows)
+        if moved:
+            self._on_fenced(moved, positions)
+        self.metrics.in_doubt_resolved(landed)
+        if landed:
+            log.warning("the COMMIT of %s (%s) lost its answer (%s) but landed: not processing it again",
+                        doubt.what, _describe(positions), first_line(doubt.cause))
+            self._committed(doubt.taken)
+            if doubt.msgs:
+                self.metrics.committed(_counts(doubt.taken.records))
+            else:
+                self.metrics.dead_lettered()
+            self._notify_committed(doubt.msgs)
+            return True
+        self.metrics.rolled_back("in_doubt")
+        log.warning("the COMMIT of %s (%s) lost its answer (%s) and did not land: processing it again",
+                    doubt.what, _describe(positions), first_line(doubt.cause))
+        if not self._failed(doubt.taken, doubt.cause, f"commit {doubt.what}"):
+            self._requeue(doubt.taken)
+        return False
+
+    # -- failures ---------------------------------------------------------------
+
+    def _failed(self, taken: _Batch, cause: BaseException, what: str) -> bool:
+        """A batch did not commit. The database being away is retried as it is, after a
+        backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
+        True if the batch is settled (dead-lettered, or in doubt): do not requeue it.
+
+        No batch is retried at the same size forever: one that fails with a database error
+        again after the database answered in between (the probe before its retry, see
+        :meth:`_probe`) is not meeting an outage but causing its error (a statement longer
+        than the deadline, a session the server ends for idling inside it): that is the
+        batch's failure, narrowed down to a message and counted against it by policy.
+        """
+        if transient(cause):
+            key = _first(taken)
+            if self._db_failed == (key, True) and not database_state(cause):
+                self._db_failed = None
+                log.warning("%s failed again (%s) though the database answered in between: not an outage; "
+                            "taken as a failure of the batch's messages", what, first_line(cause))
+                self.db_backoff.succeeded()
+                self.metrics.rolled_back("error")
+                return self._handler_failed(taken, cause)
+            self._db_failed = (key, False)
+            self.metrics.rolled_back("database")
+            self.db_backoff.failed(what, cause)
+            return False
+        self.metrics.rolled_back("error")
+        return self._handler_failed(taken, cause)
+
+    def _probe(self, taken: _Batch) -> bool:
+        """Before the retry of a batch that failed with a database error: does the database answer
+        now (``SELECT 1`` on a fresh connection)? False (a backoff is set) if it does not: an outage.
+        Nothing is asked for any other batch."""
+        if self._db_failed is None:
+            return True
+        key, answered = self._db_failed
+        if key != _first(taken):
+            self._db_failed = None
+            return True
+        if answered:
+            return True
+        try:
+            conn = self._batch_connection()
+            conn.exec_driver_sql("SELECT 1")
+            conn.rollback()
+        except SQLAlchemyError as exc:
+            self._drop_batch_connection()
+            self.db_backoff.failed("reach the database", exc)
+            return False
+        self._db_failed = (key, True)
+        return True
+
+    def _handler_failed(self, taken: _Batch, cause: BaseException) -> bool:
+        """Decide what a processor failure means; True if the batch is settled (dead-lettered or in doubt)."""
+        failures, batch = self.failures, taken.records
+        if len(batch) > 1:
+            # One line when a failure is first met; the narrowing down that follows is DEBUG.
+            already = any(failures.isolating((r.topic, r.partition)) for r in batch[:1])
+            (log.debug if already else log.warning)(
+                "a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
+                len(batch), type(cause).__name__, cause)
+            failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
+            return False
+        record = batch[0]
+        failure = failures.message_failed((record.topic, record.partition, record.offset), cause)
+        where = f"{record.topic}[{record.partition}] offset {record.offset}"
+        if not failures.exhausted(failure):
+            self.metrics.retried()
+            log.warning("%s failed (attempt %d of %d): %s; retrying", where, failure.attempts,
+                        failures.policy.max_attempts, failure.error, extra=_fields(record))
+            return False
+        if self.on_error != "dead_letter":
+            raise ProcessorError(
+                f"processor {type(self.processor).__name__} failed on {where} after {failure.attempts} attempt(s): "
+                f"{failure.error}; its offset was not committed (on_error=stop)"
+            ) from cause
+        return self._dead_letter(taken, failure)
+
+    def _dead_letter(self, taken: _Batch, failure: Failure) -> bool:
+        """Write the message to the dead letters in the same transaction that moves its offset past it."""
+        record = taken.records[0]
+        try:
+            fenced = self._commit_with(
+                taken.positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
+        except _CommitInDoubt as exc:
+            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter")
+            return True
+        except SQLAlchemyError as exc:
+            self.metrics.rolled_back("database")
+            self.db_backoff.failed("write a dead letter", exc)
+            return False
+        if fenced:
+            self.metrics.rolled_back("fenced")
+            self._on_fenced(fenced, taken.positions)
+            return False
+        self._committed(taken)
+        self.metrics.dead_lettered()
+        log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
+                    record.offset, failure.attempts, failure.error, extra=_fields(record))
+        return True
+
+    # -- the transaction ----------------------------------------------------------
+
+    def _transact(self, taken: _Batch) -> tuple[set[TP], Sequence[Message]]:
+        """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`.
+
+        Returns the fenced partitions and the messages as the processor saw them.
+        """
+        msgs: Sequence[Message] = ()
+        rejects: list[tuple[int, Exception]] | None = [] if self.on_error == "dead_letter" else None
+        letters: list[tuple[Record, Failure]] = []
+
+        def handle(conn: Connection) -> None:
+            nonlocal msgs
+            try:
+                msgs = self._messages(taken.records)
+                run_handler(self.processor, conn, msgs, self.tracing, rejects)
+            except ProcessorContractError:
+                raise  # stops the worker: no message is to blame
+            except Exception as exc:
+                raise _HandlerFailed(str(exc)) from exc
+            if rejects:
+                msgs = self._dead_letter_rejects(conn, taken, msgs, rejects, letters)
+
+        self.busy = True
+        try:
+            try:
+                fenced = self._commit_with(taken.positions, handle)
+                if not fenced:
+                    for record, failure in letters:
+                        self.metrics.dead_lettered()
+                        log.warning("dead-lettered %s[%d] offset %d at once: %s", record.topic, record.partition,
+                                    record.offset, failure.error, extra=_fields(record))
+                return fenced, msgs
+            except _CommitInDoubt as exc:
+                exc.msgs = msgs
+                raise
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # a stop signal's timeout, or a second signal: rolled back
+                    self.metrics.rolled_back("shutdown")
+                raise
+        finally:
+            self.busy = False
+
+    def _dead_letter_rejects(self, conn: Connection, taken: _Batch, msgs: Sequence[Message],
+                             rejects: list[tuple[int, Exception]], letters: list[tuple[Record, Failure]],
+                             ) -> list[Message]:
+        """Final errors raised before the message did anything: dead-lettered in this same
+        transaction, which commits the rest of the batch and moves past them. Returns the rest."""
+        for index, error in rejects:
+            failure = Failure(final=True)
+            failure.record(error)
+            letters.append((taken.records[index], failure))
+            deadletters.write(conn, self._dead_letters, self.group, taken.records[index], failure)
+        rejected = {index for index, _ in rejects}
+        return [m for i, m in enumerate(msgs) if i not in rejected]
+
+    def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
+        """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.
+
+        Returns the fenced partitions (the transaction was rolled back) or an empty set
+        (committed). Raises what ``write`` or the database raised before COMMIT (nothing
+        landed), or :class:`_CommitInDoubt` if the COMMIT itself raised (it may have).
+        """
+        one_trip = self.store.one_round_trip_commit
+        conn = self._batch_connection()
+        try:
+            trans = conn.begin()
+            self._write(conn, trans, write, one_trip)
+            self._commit_started = time.monotonic()
+            if not one_trip:
+                self.store.check_own_transaction(conn)
+                # Last statement before COMMIT: the row locks are held as briefly as possible.
+                fenced = self.store.commit_offsets(conn, self.group, positions)
+                if fenced:
+                    trans.rollback()
+                    return fenced
+        except TransactionEnded as exc:
+            self._drop_batch_connection()
+            raise _ended(exc) from exc
+        except BaseException:
+            # Whatever failed (the processor, the database, a signal), start the next
+            # batch on a fresh connection: this one may be broken or mid-transaction.
+            self._drop_batch_connection()
+            raise
+        try:
+            if one_trip:
+                # The compare-and-set and COMMIT in one round trip (kstore.db.store): a fenced one
+                # raises in the server before its COMMIT; any other error may have come after it.
+                # (If nothing of the batch touched the database, its BEGIN rides in this message too.)
+                self.store.commit_in_one_round_trip(conn, self.group, positions)
+            trans.commit()  # sends COMMIT, except after the one-trip commit (psycopg2 in autocommit mode)
+        except FencedCommit:
+            self._drop_batch_connection()
+            return self._fenced_now(positions)
+        except TransactionEnded as exc:
+            self._drop_batch_connection()
+            raise _ended(exc) from exc
+        except Exception as exc:
+            # The COMMIT was sent, or may have been: the server may have committed and
+            # its answer been lost. Never assume either way (see _resolve).
+            self._drop_batch_connection()
+            raise _CommitInDoubt(str(exc)) from exc
+        except BaseException:
+            self._drop_batch_connection()
+            raise
+        return set()
+
+    @staticmethod
+    def _write(conn: Connection, trans: Any, write: Callable[[Connection], None], one_trip: bool) -> None:
+        """The batch's own writes, inside its transaction ``trans``."""
+        raw = conn.connection.dbapi_connection
+        # psycopg2 is in autocommit mode on this connection: the transaction is kstore's own,
+        # begun with the batch's first round trip (kstore.db.dbapi), so the processor's Python
+        # before it never counts as idle in transaction. Inside the block the processor's own
+        # commit() or rollback() on the DBAPI connection is refused.
+        with dbapi.in_batch(raw, dbapi.BEGIN_BATCH if one_trip else None):
+            write(conn)
+        if dbapi.ended(raw):
+            raise TransactionEnded("a statement of the batch left the server outside its transaction")
+        refused = dbapi.refusal(raw)
+        if refused is not None:  # even if the processor caught it: its intent was not carried out
+            raise _HandlerFailed(str(refused)) from refused
+        if not trans.is_active:
+            # session.rollback() in the processor ended the batch's whole transaction: a
+            # processor failure (isolated, then retried or dead-lettered), said plainly.
+            raise _HandlerFailed("the processor rolled back the batch's transaction (session.rollback()); "
+                                 "to undo part of a batch use a savepoint: with self.session.begin_nested(): ...")
+
+    def _fenced_now(self, positions: Mapping[TP, Position]) -> set[TP]:
+        """The partitions of a fenced one-round-trip commit (nothing of it landed): those whose
+        rows no longer hold this batch's start under its epoch, read back now. A read that fails
+        raises the database's error: the batch is then retried like any other not committed."""
+        landed, moved = _outcome(positions, self.store.rows(self.group, partitions=list(positions)))
+        if landed:  # the server raised before COMMIT: this cannot be; never take it for committed
+            log.error("a fenced commit's rows hold its end: %s", _describe(positions))
+        return moved or set(positions)
+
+    def _batch_connection(self) -> Connection:
+        """The connection batches run on, checked out once and kept.
+
+        Checking a connection out of the pool and back in for every batch costs CPU
+        and, worse, a reset (ROLLBACK) that releases the GIL: under a busy fetch
+        thread, getting it back can take a whole switch interval (5 ms) per batch.
+        """
+        conn = self._batch_conn
+        if conn is not None and conn.in_transaction():
+            # Something began a transaction outside a batch (it must not have: the
+            # processor's session is closed between batches); never build on it.
+            log.error("the batch connection was left inside a transaction outside a batch: replacing it")
+            self._drop_batch_connection()
+            conn = None
+        if conn is None:
+            options: dict[str, object] = dict(WRITES)
+            if self.store.one_round_trip_commit:
+                options["isolation_level"] = "AUTOCOMMIT"  # kstore sends BEGIN and COMMIT itself
+            conn = self._batch_conn = self.store.engine.connect().execution_options(**options)
+        return conn
+
+    def _drop_batch_connection(self) -> None:
+        conn, self._batch_conn = self._batch_conn, None
+        if conn is not None:
+            try:
+                # Rolls back anything open (kstore's own BEGIN included: see
+                # kstore.db.store._no_transaction_back_into_the_pool) and returns it to the pool.
+                conn.close()
+            except SQLAlchemyError as exc:
+                log.debug("closing the batch connection failed: %s", exc)
+
+    def _messages(self, batch: Sequence[Record]) -> list[Message]:
+        """The batch as the processor sees it. Raw bytes: built by C loops, no Python call per message."""
+        if self._raw:
+            return list(map(_new_message, map(_message_fields, batch)))
+        deserialize = self.processor.deserialize
+        messages = []
+        for r in batch:
+            key, value = deserialize(r.key, r.value)
+            messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, r.timestamp)))
+        return messages
+
+    def _on_fenced(self, fenced: set[TP], positions: Mapping[TP, Position]) -> None:
+        """Some rows no longer carry our epoch (or our offset); the transaction was rolled back.
+
+        A partition this worker reset itself meanwhile is still ours (the reset
+        already flushed and sought it). For the others, the row says whether an
+        operator moved it (adopt the new position) or another worker claimed it
+        (drop it); the rest of the batch is retried under the same epochs. If the
+        row cannot be read now, the partition stays as it is: its next commit is
+        fenced again, and the periodic epoch check retries.
+        """
+        self.metrics.fenced()
+        lost = self.ledger.still_ours(fenced, positions)
+        if lost:
+            log.warning("fenced on %s: their epoch or offset moved; rolled back", fmt(lost))
+            try:
+                self._recheck(lost)
+            except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+                self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
+
+
+def _ended(exc: TransactionEnded) -> ProcessorContractError:
+    return ProcessorContractError(
+        "the processor ended the batch's transaction itself (a COMMIT or ROLLBACK sent through SQL): the batch's "
+        "offsets were not committed, but what it committed before may have landed, and retrying it could apply "
+        f"that twice, so the worker stops ({exc}); write through self.session and never end its transaction")
+
+
+def _first(taken: _Batch) -> MessageKey:
+    r = taken.records[0]
+    return r.topic, r.partition, r.offset
+
+
+def _fields(record: Record) -> dict[str, object]:
+    """A log record's fields for one message (``--log-format json`` shows them)."""
+    return {"topic": record.topic, "partition": record.partition, "offset": record.offset}
+
+
+def _cause(exc: BaseException) -> Exception:
+    """The error behind kstore's wrappers (the processor's, or the database's)."""
+    cause = exc.__cause__ if isinstance(exc, (_HandlerFailed, _CommitInDoubt)) else exc
+    return cause if isinstance(cause, Exception) else exc  # type: ignore[return-value]
+
+
+def _outcome(positions: Mapping[TP, Position], rows: Mapping[TP, Row]) -> tuple[bool, set[TP]]:
+    """Whether a transaction that moved ``positions`` landed, from its rows read back; and
+    the partitions whose rows moved on since (another epoch, or an offset that is neither
+    the batch's start nor its end): those tell nothing about it and are fenced now."""
+    landed, moved = False, set()
+    for tp, (start, end, epoch) in positions.items():
+        row = rows.get(tp)
+        if row is not None and row.epoch == epoch and row.next_offset == end:
+            landed = True
+        elif row is None or row.epoch != epoch or row.next_offset != start:
+            moved.add(tp)
+    return landed, moved
+
+
+def _describe(positions: Mapping[TP, Position]) -> str:
+    return ", ".join(f"{t}[{p}] {start}..{end - 1}" for (t, p), (start, end, _) in sorted(positions.items()))

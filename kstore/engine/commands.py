@@ -1,0 +1,102 @@
+"""``kstore worker``: parses its options, builds Settings, runs a :class:`~kstore.engine.worker.Worker`.
+
+The worker installs no signal handlers itself; this command wires them: the first SIGTERM or
+SIGINT asks the worker to stop after the batch in flight (bounded by ``shutdown_timeout_s``),
+a second one stops it at once. Signals run on the main thread, where the batches run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+from typing import Any
+
+import click
+
+from kstore.commandline import LOG_CONTEXT, dsn_option, kafka_connection_options, log, run
+from kstore.processor import load_processor
+from kstore.settings import Settings
+
+from .worker import Worker
+
+
+@click.command()
+@click.argument("processor")
+@dsn_option
+@kafka_connection_options
+@click.option("--group", default=None, help="Pipeline name (Kafka group id); overrides the processor's.")
+@click.option("--topic", "topics", multiple=True, help="Topic to consume (repeatable); overrides the processor's.")
+@click.option("--start-from", default=None, help="earliest, latest or ISO 8601 time, if no stored offset.")
+@click.option("--max-batch-size", type=int, default=None, help="Most messages per transaction.")
+@click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
+              help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
+@click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
+@click.pass_context
+def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
+    """Run PROCESSOR (MODULE:CLASS) until SIGTERM/SIGINT, exactly once."""
+    topics = options.pop("topics")
+
+    def start(settings: Settings) -> None:
+        sys.path.insert(0, os.getcwd())
+        w = Worker(load_processor(processor), settings)
+        LOG_CONTEXT.group = w.group
+        _run_worker(w, settings.shutdown_timeout_s)
+
+    run(ctx, lambda: Settings.from_env(topics=tuple(topics) or None, **options), start)
+
+
+class _ShutdownTimeout(BaseException):
+    """Raised in the main thread when the batch in flight outlives ``shutdown_timeout_s``.
+
+    A BaseException, so that no ``except Exception`` (the processor's or kstore's)
+    swallows it: it unwinds the batch, whose transaction rolls back.
+    """
+
+
+class _ForcedExit(BaseException):
+    """Raised in the main thread by a second SIGTERM/SIGINT."""
+
+
+def _install_signals(w: Worker, timeout_s: float) -> None:
+    """First SIGTERM/SIGINT: finish the batch in flight (for at most ``timeout_s``), commit it, leave.
+    Second: stop at once; the batch in flight rolls back, nothing partial is committed."""
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            raise _ForcedExit(128 + signum)
+        log.info("%s received: finishing the batch in flight (at most %gs), then leaving the group",
+                 signal.Signals(signum).name, timeout_s)
+        w.request_stop()
+        # Then every second: a batch that starts after the first alarm (or is between
+        # statements then) is still bounded.
+        signal.setitimer(signal.ITIMER_REAL, timeout_s, 1.0)
+
+    def on_alarm(_signum: int, _frame: Any) -> None:
+        if w.busy:  # otherwise the loop is already on its way out: let it leave the group cleanly
+            raise _ShutdownTimeout()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGALRM, on_alarm)
+
+
+def _run_worker(w: Worker, timeout_s: float) -> None:
+    _install_signals(w, timeout_s)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: for a worker that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        w.run()
+    except _ShutdownTimeout:
+        log.warning("the batch in flight did not finish within %gs of the stop signal: rolled back, "
+                    "it will be processed again after a restart", timeout_s)
+    except _ForcedExit as exc:
+        log.warning("second stop signal: stopped at once; the batch in flight was rolled back")
+        sys.exit(exc.args[0])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

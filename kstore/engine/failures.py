@@ -1,0 +1,98 @@
+"""The engine's retry bookkeeping: attempts per message, the isolation window, the next attempt's time.
+
+A failed batch of several messages is retried in batches half as large, from one partition
+at a time, until the failing message runs alone; then it is attempted under the processor's
+:class:`~kstore.retry.RetryPolicy` (backoff, ``max_attempts``, final errors) and, exhausted,
+dead-lettered or the worker stops (:mod:`kstore.engine.batches` decides, this only counts).
+Used on the worker's main thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+
+from kstore.records import TopicPartition as TP
+from kstore.retry import Failure, Retry, RetryPolicy
+
+#: A message by plain values: (topic, partition, offset).
+MessageKey = tuple[str, int, int]
+
+
+class Failures:
+    """Attempts per message, the isolation window, and when the next attempt may run."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self._failures: dict[MessageKey, Failure] = {}
+        #: Per partition, the last offset of a failed multi-message batch: until the worker
+        #: is past it, batches are smaller, so the failing message is found and retried alone.
+        self._isolating: dict[TP, int] = {}
+        #: Batch size while isolating: halved on each failed batch, doubled on each commit,
+        #: so a bad message in a batch of n is found in about log2(n) transactions and
+        #: the good ones around it still commit in large batches.
+        self._isolation_size = 1
+        self._not_before = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._not_before
+
+    @property
+    def active(self) -> bool:
+        """Whether any message is failing or being isolated (else :meth:`done` has nothing to do)."""
+        return bool(self._failures or self._isolating)
+
+    def focus(self, has_records: Callable[[TP], bool]) -> TP | None:
+        """While isolating: the partition to take the next batch from, alone.
+
+        A failed batch may hold several partitions; isolation batches take from one
+        of them at a time, so halving pins the failure to a message of that partition.
+        (Taken across partitions, a poison message at the head of one partition next to
+        another's backlog would ride along in every halved batch and never be tried alone.)
+        """
+        return next((tp for tp in self._isolating if has_records(tp)), None)
+
+    def batch_size(self, normal: int) -> int:
+        return min(self._isolation_size, normal) if self._isolating else normal
+
+    def batch_failed(self, keys: list[MessageKey]) -> None:
+        """A batch of several messages failed: isolate them, in batches half as large (no attempt counted)."""
+        for t, p, o in keys:
+            self._isolating[(t, p)] = max(o, self._isolating.get((t, p), -1))
+        self._isolation_size = max(1, len(keys) // 2)
+
+    def message_failed(self, key: MessageKey, exc: BaseException) -> Failure:
+        """Count an attempt; schedule the next one unless the policy is exhausted."""
+        failure = self._failures.setdefault(key, Failure())
+        failure.record(exc)
+        if self.policy.gives_up_on(exc):
+            failure.final = True
+        elif failure.attempts < self.policy.max_attempts:
+            delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else self.policy.delay(
+                failure.attempts)
+            self._not_before = time.monotonic() + delay
+        return failure
+
+    def exhausted(self, failure: Failure) -> bool:
+        return failure.final or failure.attempts >= self.policy.max_attempts
+
+    def isolating(self, tp: TP) -> bool:
+        """Whether a failed batch of this partition is being narrowed down."""
+        return tp in self._isolating
+
+    def done(self, keys: list[MessageKey]) -> None:
+        """These messages are committed (or dead-lettered): forget them, and end isolation past them."""
+        for t, p, o in keys:
+            self._failures.pop((t, p, o), None)
+            last = self._isolating.get((t, p))
+            if last is not None and o >= last:
+                del self._isolating[(t, p)]
+        self._isolation_size *= 2
+        if not self._isolating:
+            self._isolation_size = 1
+
+    def retain(self, owned: Collection[TP]) -> None:
+        """Forget failures and isolation of partitions this worker no longer delivers."""
+        if self._failures or self._isolating:
+            self._failures = {k: f for k, f in self._failures.items() if (k[0], k[1]) in owned}
+            self._isolating = {tp: o for tp, o in self._isolating.items() if tp in owned}

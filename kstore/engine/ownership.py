@@ -1,0 +1,365 @@
+"""Which partitions this worker holds, at which epoch, and where each one reads from.
+
+The ledger behind the worker: claiming assigned partitions, placing each at its
+stored offset (or the start policy), holding back a partition whose stored offset
+lies past the log end, adopting an operator's reset, dropping a partition another
+worker claimed, and ``reset_offsets``. Every change of position happens under
+:attr:`KafkaSource.lock`, together with the flush and seek of the partition's queue.
+
+Invariants:
+
+- ``owned``, ``held`` and ``pending`` are disjoint. A partition is delivered
+  (has a queue in the source) exactly while it is in ``owned``.
+- ``owned[tp].committed`` is the ``next_offset`` stored for ``tp`` under
+  ``owned[tp].epoch``: set from the row when claimed or reset, moved only by a
+  commit this worker saw land. A batch's commit expects it (compare-and-set).
+- Nothing is placed (sought, resumed) before the transaction that claimed it
+  has answered; a partition revoked while a claim or a re-check ran is not
+  placed again (they re-check ``pending``/``owned`` under the lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection
+
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import Claim, Position, Row, Store
+from kstore.errors import FencedError, InvalidOffsetError, KstoreError
+from kstore.kafka.consumer import TP, KafkaSource
+from kstore.settings import Settings, parse_start_policy
+from kstore.targets import Target, check_target, policy_offset
+
+log = logging.getLogger("kstore.engine.worker")
+
+
+@dataclass
+class Owned:
+    """A partition this worker delivers: the epoch it holds and the offset stored for it."""
+
+    epoch: int
+    committed: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a claimed (or reset) partition starts, decided before it is placed."""
+
+    epoch: int
+    #: The offset stored in the row (None: never stored).
+    stored: int | None
+    #: Where delivery starts; None: held (stored offset past the log end).
+    offset: int | None
+    #: Why it does not start at the stored offset (for the history and the log).
+    why: str | None = None
+    #: Messages skipped because retention deleted them, said loudly.
+    lost: str | None = None
+
+
+def fmt(tps: Iterable[TP]) -> str:
+    return ", ".join(f"{t}[{p}]" for t, p in sorted(tps)) or "nothing"
+
+
+class Ledger:
+    """Owned, held and pending partitions of one worker."""
+
+    def __init__(self, settings: Settings, group: str, worker_id: str, store: Store, source: KafkaSource) -> None:
+        self.settings = settings
+        self.group = group
+        self.worker_id = worker_id
+        self.store = store
+        self.source = source
+        self.policy = parse_start_policy(settings.start_from)
+        self.owned: dict[TP, Owned] = {}
+        #: Claimed but not delivered: stored offset past the log end; waits for an operator.
+        self.held: dict[TP, int] = {}
+        #: Assigned by Kafka, not yet claimed.
+        self.pending: set[TP] = set()
+        #: Dropped because another worker claimed them, and when. If Kafka still assigns one
+        #: to this worker a session timeout later, that claimer was a zombie: claim it again.
+        self.fenced_at: dict[TP, float] = {}
+
+    # -- claiming ---------------------------------------------------------------
+
+    def claim_pending(self) -> list[TP]:
+        """Claim the pending partitions still assigned and place each one; returns them.
+
+        Raises SQLAlchemyError (database) or KafkaError (log bounds) on failure: the
+        partitions then stay paused and pending, and kstore never falls back to
+        Kafka's own offsets. Nothing is placed before the claim's transaction has
+        committed, so no record is delivered under a claim that may not have landed.
+        """
+        assigned = self.source.assignment()
+        with self.source.lock:
+            # Claim what Kafka assigns now. The rest stays pending, not discarded: a
+            # partition leaves pending only by its revoke event (a momentarily empty
+            # assignment mid-rebalance must not make the worker forget a partition).
+            tps = sorted(self.pending & assigned)
+        if not tps:
+            return []
+        # Asked of the brokers before the claim, so the claim's transaction (and its
+        # row locks) never waits on Kafka.
+        bounds = self.source.log_bounds(tps)
+        times = self._policy_times(tps)
+        with self.store.claiming(self.group, tps, self.worker_id) as (conn, claims):
+            plans = {tp: self._plan(tp, claims[tp], bounds[tp], times.get(tp)) for tp in tps}
+            for tp, plan in plans.items():
+                self._persist(conn, tp, plan)
+        with self.source.lock:
+            # Revoked while the claim ran: the fetcher thread already dropped it from pending.
+            tps = [tp for tp in tps if tp in self.pending]
+            for tp in tps:
+                self._apply(tp, plans[tp])
+            self.pending.difference_update(tps)
+        return tps
+
+    def _plan(self, tp: TP, claim: Claim, bounds: tuple[int, int], policy_found: int | None) -> _Plan:
+        """Where a claimed partition starts: its stored offset, the start policy, or nowhere (held)."""
+        start, end = bounds
+        stored, epoch = claim.next_offset, claim.epoch
+        if stored is not None and start <= stored <= end:
+            return _Plan(epoch, stored, stored)
+        if stored is not None and stored > end:
+            why = (f"stored offset {stored} is past the log end {end} (topic recreated?): partition held, "
+                   f"nothing consumed until `kstore offsets set --group {self.group} --topic {tp[0]} "
+                   f"--partition {tp[1]} ... --execute`")
+            return _Plan(epoch, stored, None, why)
+        offset = policy_offset(self.policy, bounds, policy_found)
+        if stored is None:
+            return _Plan(epoch, stored, offset, f"no stored offset: start_from={self.settings.start_from}")
+        return _Plan(epoch, stored, offset,
+                     f"stored offset {stored} is below the log start {start} (deleted by retention?): "
+                     f"start_from={self.settings.start_from}",
+                     lost=f"MESSAGES {stored}..{start - 1} WERE NEVER PROCESSED")
+
+    def _persist(self, conn: Connection, tp: TP, plan: _Plan) -> None:
+        """Inside the claim: store a start that is not the stored offset (so a restart before
+        the first commit resumes there, not at a "latest" resolved again later), or note a hold."""
+        if plan.offset is None:
+            self.store._record(conn, self.group, tp, plan.stored, plan.stored, plan.epoch, plan.why or "held")
+        elif plan.offset != plan.stored:
+            self.store.start_at(conn, self.group, tp, plan.offset, plan.epoch, plan.why or "", plan.stored)
+
+    def _apply(self, tp: TP, plan: _Plan) -> None:
+        """Deliver ``tp`` from the plan's offset, or hold it. Lock held; the plan is stored."""
+        if plan.offset is None:
+            assert plan.stored is not None
+            log.error("%s[%d]: %s", tp[0], tp[1], plan.why)
+            self.held[tp] = plan.epoch
+            self.owned.pop(tp, None)
+            self.source.disown([tp], pause=True)
+            return
+        if plan.lost:
+            log.warning("%s[%d]: %s; %s; starting at %d", tp[0], tp[1], plan.why, plan.lost, plan.offset)
+        self.held.pop(tp, None)
+        self.owned[tp] = Owned(plan.epoch, plan.offset)
+        self.source.own(tp, plan.offset)
+
+    def _policy_times(self, tps: list[TP]) -> dict[TP, int | None]:
+        """For a ``start_from`` time: the first offset at or after it, per partition."""
+        if not isinstance(self.policy, datetime):
+            return {}
+        return self.source.offsets_for_times({tp: self.policy for tp in tps})
+
+    def _policy_offset(self, tp: TP, bounds: tuple[int, int]) -> int:
+        found = self.source.offsets_for_times({tp: self.policy}) if isinstance(self.policy, datetime) else {}
+        return policy_offset(self.policy, bounds, found.get(tp))
+
+    # -- losing and re-checking ---------------------------------------------------
+
+    def drop(self, tps: Iterable[TP], pause: bool = False) -> list[TP]:
+        """Forget partitions (revoked, lost, or claimed elsewhere); returns those that were delivered."""
+        tps = list(tps)
+        with self.source.lock:
+            self.pending.difference_update(tps)
+            if not pause:  # revoked by Kafka: nothing to claim again later
+                for tp in tps:
+                    self.fenced_at.pop(tp, None)
+            dropped = [tp for tp in tps if self.owned.pop(tp, None) is not None]
+            for tp in tps:
+                self.held.pop(tp, None)
+            self.source.disown(tps, pause=pause)
+        return dropped
+
+    def stale(self) -> list[TP]:
+        """Partitions whose stored epoch is no longer ours (one query): an admin reset or another owner."""
+        with self.source.lock:
+            ours = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
+        rows = self.store.rows(self.group, partitions=ours)
+        return [tp for tp, epoch in ours.items() if tp in rows and rows[tp].epoch != epoch]
+
+    def recheck(self, tps: Iterable[TP]) -> tuple[list[TP], list[TP]]:
+        """Re-read rows whose epoch moved: adopt an operator's reset, drop what another worker claimed.
+
+        Returns ``(adopted, dropped)``. An admin reset keeps the row's owner,
+        a claim by another worker replaces it: that is how the two are told apart.
+        The rows and the log bounds are read without the lock; what is done with
+        them is decided under it, for partitions this worker still delivers then
+        (a revoke may have come in between: such a partition is not placed again).
+        """
+        tps = list(tps)
+        rows = self.store.rows(self.group, partitions=tps)
+        mine = {tp: row for tp, row in rows.items() if row.owner == self.worker_id}
+        bounds = self.source.log_bounds(list(mine)) if mine else {}
+        times = self._policy_times(list(mine)) if mine else {}
+        adopted: list[TP] = []
+        with self.source.lock:
+            others = [tp for tp in tps if tp not in mine and (tp in self.owned or tp in self.held)]
+            self.fenced_at.update({tp: time.monotonic() for tp in others})
+            for tp, row in mine.items():
+                if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp], times.get(tp)):
+                    adopted.append(tp)
+            dropped = self.drop(others, pause=True)
+        return adopted, dropped
+
+    def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int], policy_found: int | None) -> bool:
+        """Follow the stored row of a partition this worker still owns. Lock held."""
+        current = self.owned.get(tp)
+        if current is not None and current.epoch == row.epoch and current.committed == row.next_offset:
+            return False  # adopted already (by the periodic check or a fence in between)
+        if current is not None and current.epoch == row.epoch:
+            # Same epoch, another offset: only a commit this worker misjudged could do
+            # that. The stored row is the truth: deliver from there.
+            log.error("%s[%d]: stored offset %s differs from this worker's %d under the same epoch %d: "
+                      "following the stored offset", tp[0], tp[1], row.next_offset, current.committed, row.epoch)
+        else:
+            log.info("%s[%d] was reset to %s by an operator (epoch %d): flushing and seeking", tp[0], tp[1],
+                     row.next_offset, row.epoch)
+        plan = self._plan(tp, Claim(row.next_offset, row.epoch), bounds, policy_found)
+        if plan.offset is not None and plan.offset != plan.stored:
+            # Reset below the log start (or to nothing): store where we start, under the row's epoch.
+            try:
+                plan = _Plan(self.store.reset(self.group, tp, plan.offset, expected_epoch=row.epoch,
+                                              reason=plan.why or ""), plan.stored, plan.offset, plan.why, plan.lost)
+            except FencedError:
+                self.fenced_at[tp] = time.monotonic()
+                self.drop([tp], pause=True)
+                return False
+        self._apply(tp, plan)
+        return True
+
+    def reclaim_orphans(self) -> list[TP]:
+        """Partitions fenced a session timeout ago that Kafka still assigns here go back to pending.
+
+        Re-claiming at once would let a zombie and this worker take a partition from
+        each other in turn; after a session timeout a zombie has been evicted, and a
+        partition Kafka still gives this worker would otherwise be consumed by nobody.
+        """
+        if not self.fenced_at:
+            return []
+        due = [tp for tp, at in self.fenced_at.items()
+               if time.monotonic() - at > self.settings.session_timeout_ms / 1000]
+        if not due:
+            return []
+        assigned = self.source.assignment()
+        with self.source.lock:
+            orphans = [tp for tp in due if tp in assigned and tp not in self.owned and tp not in self.held]
+            self.pending.update(orphans)
+            for tp in due:
+                del self.fenced_at[tp]
+        return orphans
+
+    # -- explicit resets --------------------------------------------------------
+
+    def reset(self, targets: Mapping[TP, Target], strict: bool, reason: str) -> dict[TP, int]:
+        """Move held or owned partitions to targets, persisting each with an epoch bump. See Worker.reset_offsets."""
+        with self.source.lock:
+            epochs = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
+            foreign = [tp for tp in targets if tp not in epochs]
+            if foreign:
+                raise KstoreError(f"this worker does not hold {fmt(foreign)}; move others with `kstore offsets set`")
+            resolved = self._resolve(targets, strict)
+            for tp, (offset, why) in resolved.items():
+                note = reason if why is None else f"{reason}: {why}"
+                epoch = self.store.reset(self.group, tp, offset, expected_epoch=epochs[tp], reason=note)
+                self._apply(tp, _Plan(epoch, None, offset))
+                log.info("reset %s[%d] to %d (%s)", tp[0], tp[1], offset, note)
+        return {tp: offset for tp, (offset, _why) in resolved.items()}
+
+    def _resolve(self, targets: Mapping[TP, Target], strict: bool) -> dict[TP, tuple[int, str | None]]:
+        """Check targets against the logs; an invalid one gets the start policy (or raises, if strict).
+
+        Returns ``{tp: (offset, why)}``, ``why`` None when the target was used as given.
+        """
+        bounds = self.source.log_bounds(list(targets))
+        times = {tp: t for tp, t in targets.items() if isinstance(t, datetime)}
+        found = self.source.offsets_for_times(times) if times else {}
+        out: dict[TP, tuple[int, str | None]] = {}
+        for tp, target in targets.items():
+            offset, problem = check_target(target, bounds[tp], found.get(tp))
+            if offset is not None:
+                out[tp] = (offset, None)
+                continue
+            if strict:
+                raise InvalidOffsetError(f"{tp[0]}[{tp[1]}]: {problem}")
+            fallback = self._policy_offset(tp, bounds[tp])
+            log.error("%s[%d]: %s; using start_from=%s (offset %d) instead", tp[0], tp[1], problem,
+                      self.settings.start_from, fallback)
+            out[tp] = (fallback, f"{problem}: start_from={self.settings.start_from}")
+        return out
+
+    # -- for the batch loop -------------------------------------------------------
+
+    def positions(self, ends: Mapping[TP, int]) -> dict[TP, Position]:
+        """What a batch ending at ``ends`` commits: ``(stored offset, new offset, epoch)`` per partition.
+
+        Caller holds the lock (the batch is taken under it). The stored offset is the
+        compare-and-set's expectation: the commit matches only if the row still has it.
+        """
+        owned = self.owned
+        return {tp: (owned[tp].committed, end, owned[tp].epoch) for tp, end in ends.items()}
+
+    def committed(self, positions: Mapping[TP, Position]) -> None:
+        """Note committed positions, for partitions still held at the batch's epoch and position."""
+        with self.source.lock:
+            for tp, (start, nxt, epoch) in positions.items():
+                owned = self.owned.get(tp)
+                if owned is not None and owned.epoch == epoch and owned.committed == start:
+                    owned.committed = nxt
+
+    def still_ours(self, tps: Iterable[TP], positions: Mapping[TP, Position]) -> list[TP]:
+        """Of fenced partitions, those this worker has not itself moved since the batch began."""
+        with self.source.lock:
+            owned = self.owned
+            return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp][2]
+                    and owned[tp].committed == positions[tp][0]]
+
+    def offsets(self) -> dict[TP, int]:
+        with self.source.lock:
+            return {tp: o.committed for tp, o in self.owned.items()}
+
+
+class Backoff:
+    """Exponential delay between database retries, reset by a success."""
+
+    def __init__(self, first: float, longest: float, on_failure: Callable[[], None] | None = None) -> None:
+        self.first = first
+        self.longest = longest
+        self.delay = first
+        self.not_before = 0.0
+        #: True from a failure until the next success: the database is away (for /readyz).
+        self.failing = False
+        self._on_failure = on_failure
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.not_before
+
+    def failed(self, what: str, exc: BaseException) -> float:
+        self.failing = True
+        if self._on_failure is not None:
+            self._on_failure()
+        delay = self.delay
+        self.delay = min(self.delay * 2, self.longest)
+        self.not_before = time.monotonic() + delay
+        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first_line(exc), delay)
+        return delay
+
+    def succeeded(self) -> None:
+        self.failing = False
+        self.delay = self.first
+        self.not_before = 0.0

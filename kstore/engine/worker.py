@@ -1,0 +1,492 @@
+"""The worker: a fetch thread that polls Kafka, and a main loop that claims
+partitions, checks epochs, handles resets and shutdown, and has :mod:`kstore.engine.batches`
+process one batch at a time (one transaction with its offsets).
+
+The worker is a plain object: ``run()``, ``request_stop()``, ``close()``. It
+installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
+
+Threads, and who may call what:
+
+- **main thread** (:meth:`Worker.step`): claims, epoch checks, resets, batches,
+  every database statement, every processor hook. Nothing else touches the
+  database or the processor.
+- **fetch thread** (:meth:`Worker.fetch_once`): ``poll()`` and the rebalance
+  events it brings (revoked and lost partitions are dropped and flushed at once,
+  assigned ones become pending). It never touches the database.
+- **kafka-python's IO thread**: runs the rebalance listener, which only pauses
+  and records (see :mod:`kstore.kafka.consumer`).
+- **the deadline watchdog** (:mod:`kstore.db.deadline`): only cuts sockets.
+
+Locks: :attr:`KafkaSource.lock` guards the queues and the ledger's maps. It is
+held across local consumer calls (seek, pause, resume) and, in
+``reset_offsets``, across the store write of the new position (so a partition is
+never fetched, delivered and reset at once). It is never held across ``poll()``,
+a batch's transaction, a claim or a read of the log bounds: those read state
+under the lock, do their I/O without it, and re-check under it before acting.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from kstore.db.migration import check_migrated
+from kstore.db.store import Store, make_engine
+from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
+from kstore.kafka.consumer import TP, KafkaSource
+from kstore.processor import Processor, call_hook, check_processor
+from kstore.settings import Settings
+from kstore.targets import Target
+from kstore.telemetry.health import HealthServer, app
+from kstore.telemetry.metrics import Metrics, PartitionLag
+
+from . import positions
+from .batches import Batches
+from .ownership import Backoff, Ledger, fmt
+
+log = logging.getLogger(__name__)
+
+#: Longest sleep of the main loop when there is nothing to do (it wakes at once for new records).
+IDLE_WAIT_S = 0.1
+#: First and longest wait before retrying a database that failed (claim or commit).
+DB_RETRY_DELAY = 0.5
+DB_RETRY_MAX_DELAY = 10.0
+
+_T = TypeVar("_T")
+
+
+class Worker:
+    """Runs one :class:`Processor` against Kafka and a database, exactly once."""
+
+    #: Builds the Kafka side; a test (or a simulation) may give a KafkaSource subclass.
+    source_factory: type[KafkaSource] = KafkaSource
+
+    def __init__(self, processor: Processor, settings: Settings | None = None) -> None:
+        check_processor(processor)
+        self.processor = processor
+        self.settings = settings or Settings()
+        group = self.settings.group or processor.group
+        topics = list(self.settings.topics or processor.topics)
+        name = type(processor).__name__
+        if not group:
+            raise ConfigurationError(f"{name} has no group: set `group = ...` or --group")
+        if not topics:
+            raise ConfigurationError(f"{name} has no topics: set `topics = [...]` or --topic")
+        self.group: str = group
+        self.topics = topics
+        #: Written into each claimed row: an admin reset keeps it, another worker's claim replaces it.
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+        self._closing = threading.Event()
+        self._fetch_error: BaseException | None = None
+        self._revoked_notices: list[list[TP]] = []
+        #: Counters and histograms of this worker, on its own registry (see kstore.telemetry.metrics).
+        self.metrics = Metrics(self.group)
+        self.metrics.watch(self._lags, self._gauges)
+        self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY, on_failure=self.metrics.database_error)
+        #: When the main loop and the fetch thread last turned (for /livez).
+        self._started_at = self._last_turn = self._last_poll = 0.0
+        #: The group has assigned partitions (possibly none) at least once (for /readyz).
+        self._assigned_once = False
+        self._http: HealthServer | None = None
+        self._next_epoch_check = 0.0
+        self._store: Store | None = None
+        self._batches: Batches | None = None
+        self._source: KafkaSource | None = None
+        self._ledger: Ledger | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def connect(self) -> None:
+        """Check the database (reachable, migrated), the brokers and the topics; idempotent."""
+        if self._source is not None:
+            return
+        engine = make_engine(self.settings)
+        store = Store(engine, self.settings)
+        source: KafkaSource | None = None
+        try:
+            store.check_reachable()
+            check_migrated(engine, self.settings)
+            source = self.source_factory(self.settings, self.group, self.topics, self.worker_id,
+                                         database_id=store.database_id())
+            source.check_topics()
+        except KstoreError:
+            if source is not None:
+                source.close()
+            engine.dispose()
+            raise
+        self._store, self._source = store, source
+        self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
+        self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
+                                self._db_backoff, self._recheck, self.metrics)
+
+    def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
+        """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
+
+        ``max_batches``: stop after that many committed batches. ``idle_timeout``:
+        stop once partitions are held and no record arrived for that many seconds.
+        """
+        self.start()
+        # Everything imported and built so far lives as long as the worker: move it out
+        # of the collector's reach, so the full collections that millions of
+        # short-lived records trigger do not walk it again and again (~10% of CPU).
+        gc.freeze()
+        fetcher = threading.Thread(target=self._fetch_loop, name="kstore-fetch", daemon=True)
+        try:
+            fetcher.start()
+            self._loop(max_batches, idle_timeout)
+        finally:
+            # Stop fetching before leaving the group: poll() and close() must not overlap.
+            self._closing.set()
+            if fetcher.is_alive():
+                fetcher.join(self.settings.poll_timeout_ms / 1000 + 10)
+            self.close()
+
+    def start(self) -> None:
+        """Connect, call the processor's ``setup()`` and join the group (no thread is started).
+
+        :meth:`run` calls it; a test that drives the worker step by step calls it,
+        then :meth:`fetch_once` and :meth:`step` in any order it likes.
+        """
+        self.connect()
+        log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
+                 ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
+        self.processor.engine = self.store.engine
+        call_hook(self.processor, "setup")
+        self.source.subscribe()
+        self._started_at = time.monotonic()
+        port = self.settings.metrics_port
+        if port is not None and self._http is None:
+            self._http = HealthServer(self.settings.metrics_host, port,
+                                      app(self.metrics.registry, self.liveness, self.readiness)).start()
+            log.info("serving /metrics, /livez and /readyz on http://%s:%d", self.settings.metrics_host,
+                     self._http.port)
+
+    def _fetch_loop(self) -> None:
+        """The fetcher thread: polls Kafka all the time, so the group membership stays alive
+        however long a batch runs, and acts on rebalance events (which happen inside poll())."""
+        try:
+            while not self._closing.is_set():
+                self.fetch_once()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._fetch_error = exc
+            self.source.wake()
+
+    def fetch_once(self) -> None:
+        """One turn of the fetcher thread: poll Kafka once, then act on the rebalance events it brought."""
+        source, s = self.source, self.settings
+        # Decode at most two batches ahead of processing: the rest waits in
+        # kafka-python's buffers, undecoded. Decoding far ahead only costs CPU
+        # (and, under one GIL, processing time) for records that wait longer.
+        limit = 2 * max(s.max_batch_size, s.max_poll_records)
+        room = source.room(limit, s.poll_timeout_ms / 1000)
+        # Even with no room, poll (for one record): rebalances happen inside poll().
+        source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
+        self._last_poll = time.monotonic()
+        if s.mirror_offsets:
+            source.flush_mirror()
+        self._apply_events()
+
+    def step(self) -> bool:
+        """One turn of the main loop: tell the processor of revoked partitions, claim new
+        ones, check epochs, then process one batch. True if a batch committed."""
+        self._last_turn = time.monotonic()
+        if self._fetch_error is not None:
+            raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
+        if self.source.refused:
+            raise ConfigurationError(
+                f"group {self.group!r} is already consumed by workers writing to another database "
+                f"({self.source.refused[-1]}): one pipeline, one database; give this worker the group's "
+                "database, or another group")
+        self._notify_revoked()
+        self._claim_pending()
+        self._check_epochs()
+        if not self._follow_positions():
+            return False
+        return self.batches.process_next()
+
+    def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
+        source, ledger, batches = self.source, self.ledger, self.batches
+        committed = 0
+        last_activity = time.monotonic()
+        while not self._stop.is_set():
+            if self.step():
+                committed += 1
+                last_activity = time.monotonic()
+                if max_batches is not None and committed >= max_batches:
+                    return
+                continue
+            if ledger.pending or not ledger.owned:
+                last_activity = time.monotonic()
+            elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
+                return
+            ready = batches.ready()
+            if source.queued() and ready:
+                continue
+            # Nothing to do now: sleep until records arrive or the group changes (or a retry
+            # is due). While a retry waits, sleep even with records queued: never spin.
+            source.wait(IDLE_WAIT_S, unless_queued=ready)
+
+    def request_stop(self) -> None:
+        """Finish the batch in flight, commit it, leave the group. Safe from any thread or signal handler."""
+        self._stop.set()
+        if self._source is not None:
+            threading.Thread(target=self._source.wake, daemon=True).start()  # no lock in a signal handler
+
+    def close(self) -> None:
+        """Call the processor's teardown, leave the group and close the database pool."""
+        source, self._source = self._source, None
+        if source is None:
+            return
+        http, self._http = self._http, None
+        try:
+            call_hook(self.processor, "teardown")
+        finally:
+            if http is not None:
+                http.stop()
+            source.close()
+            if self._batches is not None:
+                self._batches.close()
+            if self._store is not None:
+                self._store.engine.dispose()
+            log.info("worker for group %r stopped", self.group)
+
+    # -- what the metrics port shows --------------------------------------------
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics, /livez and /readyz are served on, once started (None: not served)."""
+        return None if self._http is None else self._http.port
+
+    def liveness(self) -> tuple[bool, str]:
+        """Healthy while the batch loop and the fetch thread keep turning (see kstore.telemetry.health)."""
+        now, limit = time.monotonic(), self.settings.liveness_timeout_s
+        for what, last in (("the batch loop", self._last_turn), ("the fetch thread", self._last_poll)):
+            idle = now - max(last, self._started_at)
+            if idle > limit:
+                return False, f"{what} has not turned for {idle:.0f}s (liveness_timeout_s={limit:g})"
+        return True, "the batch loop and the fetch thread are turning"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready once joined, every assigned partition claimed, and the database answering."""
+        source, ledger = self._source, self._ledger
+        if source is None or ledger is None:
+            return False, "not connected"
+        if self._db_backoff.failing:
+            return False, "the database is not answering"
+        if not self._assigned_once or not source.group_stable():
+            return False, "not a stable member of the Kafka group yet"
+        with source.lock:
+            pending = sorted(ledger.pending)
+        if pending:
+            return False, f"claiming {fmt(pending)}"
+        return True, f"owns {len(ledger.offsets())} partition(s)"
+
+    def _lags(self) -> list[PartitionLag]:
+        """Per owned partition: high watermark minus stored offset, and the age of the oldest
+        message not yet committed (in the batch taken, else at the queue's head). No broker call."""
+        source, ledger, batches = self._source, self._ledger, self._batches
+        if source is None or ledger is None or batches is None:
+            return []
+        offsets = ledger.offsets()
+        with source.lock:  # the queues' heads and the batch taken from them, at one moment
+            heads, taken = source.heads(), batches.in_flight
+        in_flight: dict[TP, int] = {}
+        for record in taken:
+            tp = (record.topic, record.partition)
+            if record.offset >= offsets.get(tp, record.offset + 1):  # not committed yet
+                in_flight.setdefault(tp, record.timestamp)
+        now_ms = time.time() * 1000
+        lags = []
+        for tp, committed in sorted(offsets.items()):
+            highwater, head_ts = heads.get(tp, (None, None))
+            if highwater is None:
+                continue
+            behind = max(0, highwater - committed)
+            oldest = in_flight.get(tp, head_ts)
+            seconds = 0.0 if behind == 0 else (None if oldest is None else max(0.0, (now_ms - oldest) / 1000))
+            lags.append(PartitionLag(tp[0], tp[1], behind, seconds))
+        return lags
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        source, ledger = self._source, self._ledger
+        if source is None or ledger is None:
+            return {}
+        records, size, paused = source.buffered()
+        return {
+            "kstore_partitions_owned": ("Partitions this worker has claimed and delivers.", len(ledger.offsets())),
+            "kstore_buffered_records": ("Records fetched and waiting in kstore's queues.", records),
+            "kstore_buffered_bytes": ("Approximate memory of the records waiting in kstore's queues.", size),
+            "kstore_fetch_paused": ("1 while fetching is paused because the queues are full.", float(paused)),
+        }
+
+    @property
+    def busy(self) -> bool:
+        """True while a batch's transaction is open (for the CLI's shutdown timeout)."""
+        return self._batches is not None and self._batches.busy
+
+    # The parts connect() builds; each raises a clear error before it was called.
+
+    @property
+    def source(self) -> KafkaSource:
+        """The Kafka side: consumer, per-partition queues, the partition lock."""
+        return _connected(self._source)
+
+    @property
+    def store(self) -> Store:
+        """The offsets and history tables of the worker's database."""
+        return _connected(self._store)
+
+    @property
+    def batches(self) -> Batches:
+        """The batch loop: take, transact, commit, failures, commits in doubt."""
+        return _connected(self._batches)
+
+    @property
+    def ledger(self) -> Ledger:
+        """Which partitions the worker owns, holds or must claim, at which epoch and offset."""
+        return _connected(self._ledger)
+
+    # -- partition ownership --------------------------------------------------
+
+    def _apply_events(self) -> None:
+        """On the fetcher thread: act on the rebalance events recorded during ``poll()``, in order.
+
+        Revoked and lost partitions are flushed at once, so no record of theirs
+        is delivered after; the processor hears of it on the main thread.
+        """
+        source, ledger = self.source, self.ledger
+        events = source.take_events()
+        if not events:
+            return
+        with source.lock:
+            for kind, tps in events:
+                if kind == "assigned":
+                    self.metrics.rebalanced()
+                    self._assigned_once = True
+                    ledger.pending.update(tps)
+                    log.info("assigned %s; claiming before any delivery", fmt(tps))
+                else:
+                    dropped = ledger.drop(tps)
+                    if dropped:
+                        log.info("%s %s", kind, fmt(dropped))
+                        self._revoked_notices.append(dropped)
+            source.changed.notify_all()
+
+    def _notify_revoked(self) -> None:
+        with self.source.lock:
+            notices, self._revoked_notices = self._revoked_notices, []
+        for tps in notices:
+            call_hook(self.processor, "on_revoked", tps)
+
+    def _revoked(self, tps: list[TP], why: str) -> None:
+        if tps:
+            log.info("%s %s", why, fmt(tps))
+            call_hook(self.processor, "on_revoked", tps)
+
+    def _claim_pending(self) -> None:
+        """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
+        ledger = self.ledger
+        if not ledger.pending or not self._db_backoff.ready():
+            return
+        started = time.monotonic()
+        try:
+            claimed = ledger.claim_pending()
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+            # Nothing was placed: whether the claim's COMMIT landed or not, claiming again
+            # is right (a claim has no effects; a landed one only bumped an epoch).
+            self._db_backoff.failed(f"claim {fmt(ledger.pending)} (they stay paused)", exc)
+            return
+        self._db_backoff.succeeded()
+        if claimed:
+            self.metrics.claimed(time.monotonic() - started)
+            offsets = ledger.offsets()
+            log.info("claimed %s", ", ".join(
+                f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
+            call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
+
+    def _follow_positions(self) -> bool:
+        """Where the consumer moved, or could not fetch, by itself (see kstore.engine.positions): move
+        stored offsets past transaction markers, place again partitions whose position left the
+        log. Before any batch, so one whose answer was lost is settled first. False while the
+        database fails."""
+        if self.batches.in_doubt is not None or not self._db_backoff.ready():
+            return True  # a batch's commit in doubt is settled first; a failing database waits
+        try:
+            moved = positions.advance(self.ledger)
+            if moved:
+                self._recheck(moved)
+            for _tp, reason in positions.relocate(self.ledger):
+                self.metrics.position_reset(reason)
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+            self._db_backoff.failed("follow the consumer's positions", exc)
+            return False
+        return True
+
+    def _check_epochs(self) -> None:
+        """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""
+        if time.monotonic() < self._next_epoch_check:
+            return
+        self._next_epoch_check = time.monotonic() + self.settings.epoch_check_interval_s
+        orphans = self.ledger.reclaim_orphans()
+        if orphans:
+            log.warning("%s still assigned here a session timeout after being fenced: claiming again", fmt(orphans))
+        try:
+            stale = self.ledger.stale()
+            if stale:
+                self._recheck(stale)
+        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
+            self._db_backoff.failed("check the partitions' epochs", exc)
+            return
+        if self.ledger.owned or self.ledger.held:  # stale() asked the database: it answers
+            self._db_backoff.succeeded()  # (an idle worker learns it here, not from a batch)
+
+    def _recheck(self, tps: list[TP]) -> None:
+        _adopted, dropped = self.ledger.recheck(tps)
+        if dropped:
+            log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
+            self._revoked(dropped, "fenced")
+
+    # -- resets ---------------------------------------------------------------
+
+    def reset_offsets(
+        self,
+        pairs: Mapping[TP, Target] | Iterable[tuple[TP, Target]],
+        *,
+        strict: bool | None = None,
+        reason: str = "reset_offsets",
+    ) -> dict[TP, int]:
+        """Move partitions this worker holds to new positions; returns where each went.
+
+        ``pairs``: ``((topic, partition_id), target)`` with a target an int
+        offset, a ``datetime``, ``EARLIEST`` or ``LATEST``. Under the partition
+        lock, the new position is stored (bumping the epoch, recorded in the
+        history), the queued messages are flushed and the consumer seeks, so no
+        message fetched before the reset is delivered after it. An invalid
+        target logs an error and falls back to ``start_from``; with
+        ``strict=True`` (or ``Settings.strict_resets``) it raises
+        :class:`InvalidOffsetError` and nothing moves.
+        """
+        targets = dict(pairs.items() if isinstance(pairs, Mapping) else pairs)
+        strict = self.settings.strict_resets if strict is None else strict
+        return self.ledger.reset(targets, strict, reason)
+
+    @property
+    def held_offsets(self) -> dict[TP, int]:
+        """``{(topic, partition_id): next_offset}`` for the partitions this worker delivers now."""
+        return {} if self._ledger is None else self._ledger.offsets()
+
+def _connected(part: _T | None) -> _T:
+    """A part the worker builds in connect(); a clear error if it was not called."""
+    if part is None:
+        raise KstoreError("worker is not connected: call run() or connect() first")
+    return part

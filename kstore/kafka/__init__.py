@@ -1,0 +1,29 @@
+"""The Kafka side: the worker's consumer and its queues, and every Kafka client kstore makes.
+
+- :mod:`~kstore.kafka.consumer`: :class:`~kstore.kafka.consumer.KafkaSource` (the consumer, the
+  rebalance listener, per-partition queues of fetched records, the lock that keeps fetching,
+  delivering and resetting a partition apart) and :class:`~kstore.kafka.consumer.KafkaInspector`
+  (read-only questions for ``kstore offsets``).
+- :mod:`~kstore.kafka.connect`: every client built from one Settings (TLS context, SASL, options).
+- :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
+- :mod:`~kstore.kafka.logreader`: partitions, log bounds and one record's timestamp, for the lag.
+
+The one package that imports kafka-python (a second backend would sit beside it, behind the
+same few methods). May import the shared vocabulary (settings, kafkaoptions, errors, records);
+never the database side, the engine, the operator's tools or the CLI. Named ``kstore.kafka``:
+inside it, ``from kafka import ...`` is kafka-python (imports are absolute).
+
+Invariants (the engine relies on them):
+
+- **Owned <=> queued**: a partition has a queue exactly while the ledger delivers it;
+  ``own`` creates it, ``disown`` removes it; records of a partition without one are dropped.
+- **A generation** is a number from one counter per worker that only grows, given to a queue
+  at every flush (own, reset, disown). A batch remembers each partition's generation when taken,
+  and goes back (``requeue``) only where it is unchanged: records fetched before a flush never
+  reach a queue made after it, even a new queue for the same partition.
+- **Threads**: rebalance callbacks run on kafka-python's IO thread and must not block nor take
+  the lock: they pause and record. The fetch thread polls and applies their events; the main
+  thread takes, requeues, owns and disowns. Both under the lock.
+- **Locks during I/O**: the lock is held across local consumer calls (seek, pause, resume),
+  never across network I/O (``poll()``, log bounds).
+"""

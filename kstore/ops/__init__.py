@@ -1,0 +1,18 @@
+"""The operator's tools: see where a pipeline stands and steer it, with or without a worker running.
+
+- :mod:`~kstore.ops.offsets`: ``kstore offsets show|set|history`` from Python.
+- :mod:`~kstore.ops.replay`: dead letters replayed through a processor (``kstore dead-letters replay``).
+- :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
+  :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
+- :mod:`~kstore.ops.commands`: the ``offsets``, ``dead-letters``, ``exporter`` and ``top`` commands.
+
+May import the database side, the Kafka side, :mod:`kstore.telemetry` (the lag metric families),
+:mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no
+worker is needed, and none is driven from here. A running worker notices what these write (an
+epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
+
+Invariants: a move is one transaction that reads each row under its lock, decides from what is
+stored then, bumps the epoch and records the move with a request id (looked up if its COMMIT's
+answer is lost); towards the brokers everything here is read-only. A
+:class:`~kstore.ops.lag.LagReader` is not thread-safe: its callers take a lock.
+"""

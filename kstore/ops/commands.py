@@ -1,0 +1,249 @@
+"""The operator's commands: ``kstore offsets``, ``kstore dead-letters``, ``kstore exporter``, ``kstore top``.
+
+Each parses its options, builds Settings and calls one function of :mod:`kstore.ops` (or of
+:mod:`kstore.db.deadletters` for a dead letter's listing and status changes), and prints
+what it returned. None of them needs a worker running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kstore.commandline import (
+    dsn_option,
+    group_connection_options,
+    iso_time,
+    kafka_connection_options,
+    run,
+    stop_on_signals,
+    table,
+)
+from kstore.db import deadletters
+from kstore.processor import load_processor
+from kstore.settings import Settings
+
+from . import offsets as offsets_admin
+from . import replay as replays
+
+
+@click.group()
+def offsets() -> None:
+    """See where a pipeline stands and move it (replay, skip, start at the end)."""
+
+
+@offsets.command("show")
+@group_connection_options
+@click.option("--topic", default=None, help="Only this topic (default: every topic the group has offsets for).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def offsets_show(ctx: click.Context, /, group: str, topic: str | None, as_json: bool, **opts: Any) -> None:
+    """Stored offset, log start and end, lag, epoch, last update and live owner of each partition."""
+    rows = run(ctx, lambda: Settings.from_env(**opts), lambda s: offsets_admin.show_offsets(s, group, topic))
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    click.echo(table(["TOPIC", "PARTITION", "NEXT_OFFSET", "LOG_START", "LOG_END", "LAG", "EPOCH", "UPDATED", "OWNER"],
+                      [[r.topic, r.partition, r.next_offset, r.log_start, r.log_end, r.lag, r.epoch,
+                        r.updated_at.strftime("%Y-%m-%d %H:%M:%S") if r.updated_at else None, r.owner]
+                       for r in rows]))
+
+
+@offsets.command("set")
+@group_connection_options
+@click.option("--topic", required=True)
+@click.option("--partition", "partitions", type=int, multiple=True, help="Repeatable; default: every partition.")
+@click.option("--to-offset", type=int, default=None)
+@click.option("--to-datetime", default=None, callback=lambda _c, _p, v: None if v is None else iso_time(v),
+              help="ISO 8601 with a timezone, e.g. 2026-11-30T08:00:00Z")
+@click.option("--to-earliest", is_flag=True)
+@click.option("--to-latest", is_flag=True)
+@click.option("--shift-by", type=int, default=None, help="Move by N from the stored offset (negative: replay).")
+@click.option("--clamp", is_flag=True, help="Move out-of-range targets to the nearest end instead of refusing.")
+@click.option("--reason", default=None, help="Recorded in the reset history.")
+@click.option("--execute", is_flag=True, help="Apply the plan; without it, only print it.")
+@click.pass_context
+def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple[int, ...], **opts: Any) -> None:
+    """Move a group's partitions on a topic; prints the plan, and applies it with --execute."""
+    names = ("to_offset", "to_datetime", "to_earliest", "to_latest", "shift_by", "clamp", "reason", "execute")
+    params = {k: opts.pop(k) for k in names}
+    plan = run(ctx, lambda: Settings.from_env(**opts),
+               lambda s: offsets_admin.set_offsets(s, group, topic, partitions or None, **params))
+    click.echo(table(["TOPIC", "PARTITION", "FROM", "TO", "NOTE"],
+                      [[p.topic, p.partition, p.from_offset, p.to_offset, p.note] for p in plan]))
+    if params["execute"]:
+        click.echo(f"applied: running workers of {group!r} pick it up within a few seconds")
+    else:
+        click.echo("dry run: nothing changed; add --execute to apply")
+
+
+@offsets.command("history")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--topic", default=None)
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit: int, as_json: bool,
+                    **db: Any) -> None:
+    """Every reset of a group, newest first: when, who, from, to, why, and the request id that wrote it."""
+    rows = run(ctx, lambda: Settings.from_env(**db), lambda s: offsets_admin.offset_history(s, group, topic, limit))
+    if as_json:
+        click.echo(json.dumps([{**dataclasses.asdict(r), "at": r.at.isoformat()} for r in rows], indent=2))
+        return
+    click.echo(table(["AT", "TOPIC", "PARTITION", "FROM", "TO", "EPOCH", "BY", "REQUEST", "REASON"],
+                      [[r.at.strftime("%Y-%m-%d %H:%M:%S"), r.topic, r.partition_id, r.from_offset, r.to_offset,
+                        r.epoch, f"{r.by_user}@{r.by_host}", r.request_id, r.reason] for r in rows]))
+
+
+@click.group("dead-letters")
+def dead_letters() -> None:
+    """Messages that failed every attempt: list, show, replay (edited if need be), discard, resolve."""
+
+
+@dead_letters.command("list")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--all", "show_all", is_flag=True, help="Every status: replayed, discarded, resolved too.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, **db: Any) -> None:
+    """The group's dead letters waiting (status dead), or every one with --all."""
+    status = None if show_all else deadletters.DEAD
+    letters = run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.list_dead_letters(s, group, status))
+    if as_json:
+        click.echo(json.dumps([d.summary() for d in letters], indent=2))
+        return
+    click.echo(table(["ID", "TOPIC", "PARTITION", "OFFSET", "ATTEMPTS", "LAST_FAILURE", "STATUS", "ERROR"],
+                      [[d.id, d.topic, d.partition_id, d.offset, d.attempts,
+                        d.last_failure_at.strftime("%Y-%m-%d %H:%M:%S"), d.status, d.error[:80]] for d in letters]))
+
+
+@dead_letters.command("show")
+@dsn_option
+@click.argument("dead_letter_id", type=int)
+@click.pass_context
+def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> None:
+    """One dead letter in full: the message, the error, its history (who changed it, when, why) and traceback."""
+    d, changes = run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.show_dead_letter(s, dead_letter_id))
+    for name, value in d.summary().items():
+        click.echo(f"{name}: {value}")
+    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}")
+    click.echo("history:" if changes else "history: none (waiting since it was dead-lettered)")
+    for c in changes:
+        click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
+                   f"request {c.request_id}  reason: {c.reason or '-'}")
+        if c.edited:
+            click.echo(f"    replayed edited: key {c.replayed_key!r} value {c.replayed_value!r}")
+    click.echo(f"traceback:\n{d.traceback}")
+
+
+@dead_letters.command("replay")
+@click.argument("processor")
+@dsn_option
+@click.option("--group", required=True)
+@click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
+@click.option("--value", default=None, help="Replay with this value instead (UTF-8); needs exactly one --id.")
+@click.option("--value-file", default=None, metavar="PATH",
+              help="Replay with this file's bytes as the value; needs exactly one --id.")
+@click.option("--key", default=None, help="Replay with this key instead (UTF-8); needs exactly one --id.")
+@click.option("--reason", default=None, help="Recorded in the dead letter's history.")
+@click.pass_context
+def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...], value: str | None,
+                        value_file: str | None, key: str | None, reason: str | None, **db: Any) -> None:
+    """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects.
+
+    With --value, --value-file or --key the processor gets the edited message; the dead letter
+    keeps the original, and its history the edited one.
+    """
+    def replay(s: Settings) -> replays.ReplayResult:
+        edits = replays.edits_from_options(ids, key, value, value_file)
+        sys.path.insert(0, os.getcwd())
+        return replays.replay_dead_letters(s, load_processor(processor), group, ids or None, edits, reason)
+
+    result = run(ctx, lambda: Settings.from_env(**db), replay)
+    click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "
+               f"of {group!r}), failed {len(result.failed)}")
+    for letter_id, error in result.failed.items():
+        click.echo(f"dead letter {letter_id} failed again: {error}", err=True)
+    if result.failed:
+        ctx.exit(1)
+
+
+def _close_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--reason", required=True, help="Why; recorded with who and when in the history.")(f)
+    f = click.option("--id", "ids", type=int, multiple=True, required=True, help="Repeatable.")(f)
+    f = click.option("--group", required=True)(f)
+    return dsn_option(f)
+
+
+def _echo_closed(done: deadletters.StatusChange) -> None:
+    if done.changed:
+        click.echo(f"{done.status} {len(done.changed)}: {', '.join(map(str, done.changed))} "
+                   f"(request {done.request_id})")
+    if done.already:
+        click.echo(f"already {done.status}, left as they were: {', '.join(map(str, done.already))}")
+
+
+@dead_letters.command("discard")
+@_close_options
+@click.pass_context
+def dead_letters_discard(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
+    """Drop waiting dead letters on purpose (status discarded), all or none, recording who, when and why."""
+    _echo_closed(run(ctx, lambda: Settings.from_env(**db),
+                     lambda s: deadletters.discard_dead_letters(s, group, ids, reason)))
+
+
+@dead_letters.command("resolve")
+@_close_options
+@click.pass_context
+def dead_letters_resolve(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
+    """Mark waiting dead letters fixed by hand elsewhere (status resolved), all or none, with who, when and why."""
+    _echo_closed(run(ctx, lambda: Settings.from_env(**db),
+                     lambda s: deadletters.resolve_dead_letters(s, group, ids, reason)))
+
+
+@click.command()
+@dsn_option
+@kafka_connection_options
+@click.option("--group", "groups", multiple=True, required=True, help="A pipeline (Kafka group id); repeatable.")
+@click.option("--port", type=int, required=True, help="Serve /metrics on this port (0: any free port, logged).")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Listen on this address.")
+@click.pass_context
+def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address: str, **opts: Any) -> None:
+    """Serve the lag of groups as Prometheus metrics on /metrics, no worker needed, until SIGTERM/SIGINT."""
+    from .exporter import Exporter  # when the command runs, as before: the other commands never import it
+
+    def serve(settings: Settings) -> None:
+        server = Exporter(settings, groups, port, address)
+        stop_on_signals(server.request_stop)
+        server.run()
+
+    run(ctx, lambda: Settings.from_env(**opts), serve)
+
+
+@click.command()
+@group_connection_options
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (an unreadable group: one line, exit 2).")
+@click.pass_context
+def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: Any) -> None:
+    """A live view of a group's partitions: offsets, lag, owner, epoch, throughput, dead letters."""
+    from .top import Top  # when the command runs: the other commands never load rich
+
+    def watch(settings: Settings) -> None:
+        view = Top(settings, group, interval)
+        if once:
+            view.print_once()
+            return
+        stop_on_signals(view.request_stop)
+        view.run()
+
+    run(ctx, lambda: Settings.from_env(**opts), watch)

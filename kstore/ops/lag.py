@@ -1,0 +1,192 @@
+"""Where a group stands, in messages and in seconds, read from the database and the brokers.
+
+No worker is needed: the stored offsets come from ``kstore_offsets``, the log
+bounds and live owners from the brokers, and the age of the oldest message not
+yet committed from the record at the stored offset itself, fetched by a consumer
+that is assigned the partition (no group) and reads one record (:mod:`kstore.kafka.logreader`). That timestamp is
+cached per (topic, partition, offset), so a steady scrape of a partition whose
+offset has not moved asks the brokers only for the log bounds.
+
+Used by ``kstore exporter`` and ``kstore top``; :class:`LagReader` keeps its
+connections between readings and opens them again after an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from kstore.db import deadletters
+from kstore.db.migration import check_migrated
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import Row, Store, make_engine
+from kstore.errors import BrokerError, DatabaseError
+from kstore.kafka.logreader import LogReader
+from kstore.records import TopicPartition as TP
+from kstore.settings import Settings
+from kstore.telemetry.metrics import PartitionLag
+
+log = logging.getLogger(__name__)
+
+#: A reading should answer well within a Prometheus scrape timeout (10 s by default), so a broker
+#: that stops answering fails it instead of holding it for kafka-python's default 30 s. A
+#: ``request_timeout_ms`` Kafka option given by the user wins.
+REQUEST_TIMEOUT_MS = 5000
+#: How long one reading waits for the records whose timestamps it needs.
+FETCH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PartitionReading:
+    """One partition of a group, as read now."""
+
+    topic: str
+    partition: int
+    #: The stored next offset (None: no row yet; the lag then counts from the log start).
+    stored_offset: int | None
+    log_start: int
+    log_end: int
+    #: Log end minus the next offset to process.
+    lag_messages: int
+    #: Age of the record at the next offset to process; 0 when caught up, None when unknown.
+    lag_seconds: float | None
+    epoch: int | None
+    #: The live member of the Kafka group assigned the partition, or None (read only with ``owners=True``).
+    owner: str | None
+    #: Dead letters of this partition not yet replayed.
+    dead_letters: int
+
+    @property
+    def lag(self) -> PartitionLag:
+        return PartitionLag(self.topic, self.partition, self.lag_messages, self.lag_seconds)
+
+
+@dataclass(frozen=True)
+class GroupReading:
+    """Every partition of a group's topics (the topics it has stored offsets for)."""
+
+    group: str
+    #: When it was read (``time.time()``).
+    at: float
+    partitions: list[PartitionReading]
+    #: All the group's dead letters not yet replayed (also those of topics it no longer reads).
+    dead_letters: int
+
+
+class LagReader:
+    """Reads groups' lag; one per process, not thread-safe (callers take a lock)."""
+
+    def __init__(self, settings: Settings, *, owners: bool = False, fetch_timeout_s: float = FETCH_TIMEOUT_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        # A mistake in the Kafka settings (TLS files, a token provider) is named now, not at the first reading.
+        self._kafka = LogReader(settings, settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS))
+        self.owners, self.fetch_timeout_s, self.clock = owners, fetch_timeout_s, clock
+        self.engine = make_engine(self.settings)
+        self.store = Store(self.engine, self.settings)
+        self.dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
+        self._migrated = False
+        #: (topic, partition) -> (offset, its record's timestamp in ms, or None if it has none)
+        self._stamp_cache: dict[TP, tuple[int, int | None]] = {}
+
+    def read(self, group: str) -> GroupReading:
+        """The group now. Raises :class:`DatabaseError` or :class:`BrokerError` (the next call reconnects)."""
+        rows, dead = self._read_database(group)
+        try:
+            return self._read_brokers(group, rows, dead)
+        except BrokerError:  # every error of the brokers' (kstore.kafka.logreader)
+            self._close_kafka()
+            raise
+
+    def close(self) -> None:
+        self._close_kafka()
+        self.engine.dispose()
+
+    def reset(self) -> None:
+        """Drop every connection (after an unexpected error): the next reading opens them again."""
+        self.close()
+        self._migrated = False
+
+    # -- the database --------------------------------------------------------------------------
+
+    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int]]:
+        try:
+            if not self._migrated:
+                check_migrated(self.engine, self.settings)
+                self._migrated = True
+            rows = self.store.rows(group)
+            t = self.dead_letters
+            stmt = (select(t.c.topic, t.c.partition_id, func.count())
+                    .where(t.c.consumer_group == group, t.c.status == deadletters.DEAD)
+                    .group_by(t.c.topic, t.c.partition_id))
+            with self.engine.connect() as conn:
+                dead = {(topic, p): n for topic, p, n in conn.execute(stmt)}
+        except SQLAlchemyError as exc:
+            # Drop pooled connections that may be dead, so the next reading starts afresh.
+            self.engine.dispose()
+            raise DatabaseError(f"database {self.settings.safe_dsn}: {first_line(exc)}") from None
+        except DatabaseError:
+            self._migrated = False
+            raise
+        return rows, dead
+
+    # -- the brokers ---------------------------------------------------------------------------
+
+    def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int]) -> GroupReading:
+        tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
+        bounds = self._kafka.log_bounds(tps)
+        owners = self._kafka.live_owners(group, self.store.database_id()) if self.owners else {}
+        nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
+        # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
+        waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}
+        stamps = self._oldest_timestamps(waiting)
+        now = self.clock()
+        out = []
+        for tp in tps:
+            row = rows.get(tp)
+            start, end = bounds[tp]
+            behind = max(0, end - nexts[tp])
+            out.append(PartitionReading(
+                topic=tp[0], partition=tp[1], stored_offset=row.next_offset if row else None,
+                log_start=start, log_end=end, lag_messages=behind,
+                lag_seconds=_age(now, stamps.get(tp)) if behind else 0.0,
+                epoch=row.epoch if row else None, owner=owners.get(tp), dead_letters=dead.get(tp, 0),
+            ))
+        return GroupReading(group, now, out, sum(dead.values()))
+
+    def _oldest_timestamps(self, wanted: Mapping[TP, int]) -> dict[TP, int]:
+        """The timestamp (ms) of the record at each partition's next offset, from the cache or the brokers."""
+        for tp in set(self._stamp_cache) - set(wanted):
+            del self._stamp_cache[tp]  # caught up (or gone): its offset's timestamp is no longer needed
+        missing = {tp: offset for tp, offset in wanted.items() if self._stamp_cache.get(tp, (None,))[0] != offset}
+        if missing:
+            for tp, stamp in self._fetch_timestamps(missing).items():
+                self._stamp_cache[tp] = (missing[tp], stamp)
+        return {tp: stamp for tp, (_, stamp) in self._stamp_cache.items() if stamp is not None}
+
+    def _fetch_timestamps(self, offsets: Mapping[TP, int]) -> dict[TP, int | None]:
+        """One record of each partition, from its offset on: its timestamp (None: the record has none).
+
+        A partition whose record did not arrive within ``fetch_timeout_s`` is left out (asked again next time).
+        """
+        return self._kafka.first_timestamps(offsets, self.fetch_timeout_s)
+
+    def _close_kafka(self) -> None:
+        self._kafka.close()
+        self._stamp_cache.clear()
+
+
+def _next_offset(row: Row | None, log_start: int) -> int:
+    """The next offset to process: the stored one, or the log start without one (as `kstore offsets show`)."""
+    return log_start if row is None or row.next_offset is None else row.next_offset
+
+
+def _age(now: float, stamp_ms: int | None) -> float | None:
+    if stamp_ms is None:
+        return None
+    return max(0.0, now - stamp_ms / 1000)
