@@ -38,7 +38,7 @@ def run_benchmark(kafka: str, dsn: str, out: Path) -> subprocess.CompletedProces
     cmd = [
         sys.executable, "-m", "benchmarks",
         "--messages", "2000", "--partitions", "2", "--per-message-txn-messages", "200",
-        "--rate", "1000", "--latency-seconds", "2", "--broker-warmup", "0",
+        "--rate", "1000", "--latency-seconds", "1", "--broker-warmup", "0",
         "--bootstrap-servers", kafka, "--dsn", dsn, "--out", str(out),
     ]
     return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=540, check=False)

@@ -183,13 +183,13 @@ def test_a_silent_database_is_detected_within_the_deadline(pg_dsn: str, pg_proxy
     w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "silent",
                 env={"KSTORE_DB_TIMEOUT_S": "3", "KSTORE_TEST_WRITE": write})
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first messages")
-    pg_proxy.blackhole_for(25)
+    pg_proxy.blackhole_for(15)
     started = time.monotonic()
     second = set(produce(topic, [f"b{i}" for i in range(100)]))
     w.wait_for_log(SILENCE_NOTICED, timeout=30)
     detected = time.monotonic() - started
-    # Without the deadline nothing would be noticed before the blackhole ends, 25 s on.
-    assert detected < 18, f"detected after {detected:.1f}s with a 3s deadline"
+    # Without the deadline nothing would be noticed before the blackhole ends, 15 s on.
+    assert detected < 12, f"detected after {detected:.1f}s with a 3s deadline"
     wait_until(lambda: len(effects(pg_dsn)) >= len(first | second), 60, what="processing after the partition")
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | second)
