@@ -1,9 +1,10 @@
 """Retrying a failing message: the policy, the ``Retry`` and ``Reject`` exceptions, and a failure's record.
 
 What a processor configures and raises. The engine applies it (:mod:`kstore.engine.failures`):
-a batch that raises is rolled back. The worker then processes the messages of
-that batch one per transaction ("isolation"), so the good ones commit and the
-failing one is retried alone, with exponential backoff and jitter, up to
+a batch that raises is rolled back. The worker then retries it in batches half as
+large (doubling again after each commit) until the failing message is alone
+("isolation"), so the good ones commit and the failing one is retried alone, with
+exponential backoff and jitter, up to
 ``max_attempts``. After the last attempt the processor's ``on_error`` decides:
 ``"dead_letter"`` writes it to ``kstore_dead_letters`` in the same transaction
 that moves the offset past it; ``"stop"`` stops the worker with the offset
