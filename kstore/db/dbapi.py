@@ -169,15 +169,17 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
             if conn.kstore_in_batch and conn.kstore_begin is None and not conn.closed and _idle(conn):
                 conn.kstore_ended = True
 
-    def executemany(self, query: Any, vars_list: Any) -> Any:
+    def _after_begin_alone(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """``call`` (one of psycopg2's own), after the batch's BEGIN as a message of its own."""
         self._begin_alone()
         with _deadline(self.connection):
-            return super().executemany(query, vars_list)
+            return call(*args, **kwargs)
+
+    def executemany(self, query: Any, vars_list: Any) -> Any:
+        return self._after_begin_alone(super().executemany, query, vars_list)
 
     def callproc(self, procname: Any, parameters: Any = None) -> Any:
-        self._begin_alone()
-        with _deadline(self.connection):
-            return super().callproc(procname, parameters)
+        return self._after_begin_alone(super().callproc, procname, parameters)
 
     def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
         # session.copy_rows (kstore/db/copy.py): the BEGIN goes in front of the COPY, one message, as
@@ -191,14 +193,10 @@ class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
     # copy_from and copy_to build their COPY in C, past copy_expert: their BEGIN goes alone.
 
     def copy_from(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_alone()
-        with _deadline(self.connection):
-            return super().copy_from(*args, **kwargs)
+        return self._after_begin_alone(super().copy_from, *args, **kwargs)
 
     def copy_to(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_alone()
-        with _deadline(self.connection):
-            return super().copy_to(*args, **kwargs)
+        return self._after_begin_alone(super().copy_to, *args, **kwargs)
 
 
 class _Psycopg2Connection(_RefusedInBatch, psycopg2.extensions.connection):  # type: ignore[misc]

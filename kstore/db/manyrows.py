@@ -164,6 +164,8 @@ def _finish(compiled: Any, split: tuple[str, str, str] | None, percent_ok: bool 
     if split is None or (not percent_ok and ("%" in split[0] or "%" in split[2])):
         return None
     head, row, tail = split
+    if compiled.dialect.driver == "psycopg":
+        row = _cast_whole(row)  # quoted on the client by ClientCursor (see _run)
     return head, row, tail, {
         name: process for name, process in compiled._bind_processors.items()
         if not isinstance(compiled.binds[name].type, LargeBinary)
@@ -181,7 +183,7 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
         import psycopg
 
         with psycopg.ClientCursor(dbapi) as cur, _as_sqlalchemy_errors(conn, template):
-            sql = head + ",".join(map(cur.mogrify, repeat(_cast_whole(template)), rows)) + tail
+            sql = head + ",".join(map(cur.mogrify, repeat(template), rows)) + tail
         with _never_prepared(dbapi):
             result = conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
     else:
