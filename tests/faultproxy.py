@@ -47,12 +47,20 @@ _COMMITS = {"COMMIT", "END"}
 _TRANSACTION_ENDS = _COMMITS | {"ROLLBACK", "ABORT"}
 
 
-def _commits(sql: str) -> bool:
-    """Whether a simple-query message commits: a COMMIT, or statements ending with one (kstore's
-    one-round-trip commit, kstore.db.store, is "<compare-and-set>; COMMIT")."""
-    words = sql.strip().rstrip(";").upper().split()
-    last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
-    return (bool(words) and words[0] in _COMMITS and words[1:2] != ["PREPARED"]) or last in _COMMITS
+def _first_and_last(sql: str) -> tuple[list[str], str]:
+    """A simple-query message's words, and its last statement, upper-cased."""
+    text = sql.strip().rstrip(";").upper()
+    return text.split(), text.rsplit(";", 1)[-1].strip()
+
+
+def _commit_kind(sql: str) -> str | None:
+    """How a simple-query message commits, if it does: a COMMIT, or statements ending with one
+    (kstore's one-round-trip commit, kstore.db.store, is one message: "<compare-and-set>; COMMIT")."""
+    words, last = _first_and_last(sql)
+    first = words[0] if words else ""
+    if first in _COMMITS:
+        return "COMMIT" if words[1:2] != ["PREPARED"] else None
+    return "COMMIT (after the statements before it in one message)" if last in _COMMITS else None
 #: Stop reading a socket while this much of its data waits in the proxy (backpressure).
 _MAX_HELD = 1 << 20
 
@@ -149,7 +157,7 @@ class PgWatcher:
         """A simple query on its way: why to cut before it reaches the server, or None (sent)."""
         self._seen(sql)
         self.transaction.append(sql)
-        if _commits(sql) and self._take("commit_refused"):
+        if _commit_kind(sql) is not None and self._take("commit_refused"):
             self.cut_transaction = list(self.transaction)
             return f"cut before COMMIT: never sent ({sql[-40:]!r})"
         self._pending.append(self._fault_for(sql))
@@ -157,15 +165,11 @@ class PgWatcher:
 
     def _fault_for(self, sql: str) -> str | None:
         """What to do at the answer to ``sql``: nothing (None), or cut the connection, as an armed fault says."""
-        words = sql.strip().rstrip(";").upper().split()
-        first = words[0] if words else ""
-        # kstore's one-round-trip commit (kstore.db.store) is one message: "<compare-and-set>; COMMIT".
-        last = sql.strip().rstrip(";").rsplit(";", 1)[-1].strip().upper()
-        if first in _COMMITS and words[1:2] != ["PREPARED"] and self._take("commit"):
-            return "COMMIT"
-        if first not in _COMMITS and last in _COMMITS and self._take("commit"):
-            return "COMMIT (after the statements before it in one message)"
-        ends = first in _TRANSACTION_ENDS or last in _TRANSACTION_ENDS
+        kind = _commit_kind(sql)
+        if kind is not None and self._take("commit"):
+            return kind
+        words, last = _first_and_last(sql)
+        ends = (words[0] if words else "") in _TRANSACTION_ENDS or last in _TRANSACTION_ENDS
         if self._status == b"T" and not ends and self._take("transaction"):
             return f"statement in a transaction ({sql[:40]!r})"
         return None

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -24,12 +24,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 import kstore.engine.worker
-from kstore import Message, Processor, Settings, Worker
+from kstore import Message, Settings, Worker
 
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .lossy import Faults, lossy_engine
-from .processors import effects as effects_table
+from .processors import Recorder
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +75,7 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
         # Produced after arming, so a COMMIT is still to come however fast the backlog went.
         expected |= set(produce(topic, [f"m{n}-{i}" for i in range(250)]))
         wait_until(lambda n=n: pg_proxy.commits_cut >= n, 60, what=f"commit cut {n}")
-    wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 90, what="every message processed")
-    time.sleep(1)  # a duplicate would come right after a resolution
-    assert w.terminate() == 0
-    assert_exactly_once(effects(pg_dsn), expected)
+    stopped_with_every_effect_once(w, pg_dsn, expected)
     assert w.log.count("lost its answer") >= 6, w.log[-3000:]
     assert "but landed: not processing it again" in w.log
     assert sum(stored_offsets(pg_dsn, "indoubt").values()) == len(expected)
@@ -109,10 +106,7 @@ def test_batch_commits_that_never_reached_the_server_are_processed_again_once(
         pg_proxy.cut_before_commit()
         expected |= set(produce(topic, [f"m{n}-{i}" for i in range(100)]))
         wait_until(lambda n=n: pg_proxy.commits_refused >= n, 60, what=f"commit refused {n}")
-    wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 90, what="every message processed")
-    time.sleep(1)  # a duplicate would come right after a resolution
-    assert w.terminate() == 0
-    assert_exactly_once(effects(pg_dsn), expected)
+    stopped_with_every_effect_once(w, pg_dsn, expected)
     assert sum(stored_offsets(pg_dsn, "refused").values()) == len(expected)
     # Each batch whose COMMIT was refused (its effects rolled back) was processed again, and the worker said so.
     assert w.log.count("did not land: processing it again") >= len(refused_batches(pg_proxy)), w.log[-3000:]
@@ -121,6 +115,15 @@ def test_batch_commits_that_never_reached_the_server_are_processed_again_once(
 def refused_batches(proxy: FaultProxy) -> list[list[str]]:
     """The transactions whose COMMIT the proxy refused that wrote effects: batches'."""
     return [t for t in proxy.refused_transactions if wrote_effects(t, "insert")]
+
+
+def stopped_with_every_effect_once(w: Any, dsn: str, expected: set[tuple[str, int, int]]) -> None:
+    """Once every expected effect is there (and a moment more: a duplicate would come right after a
+    resolution), the worker stops cleanly, and each expected message has exactly one effect."""
+    wait_until(lambda: len(effects(dsn)) >= len(expected), 90, what="every message processed")
+    time.sleep(1)
+    assert w.terminate() == 0
+    assert_exactly_once(effects(dsn), expected)
 
 
 def wrote_effects(transaction: list[str], write: str) -> bool:
@@ -285,18 +288,14 @@ def test_exactly_once_through_cut_commits_blackholes_poison_and_online_resets(
     assert not extra, f"effects of messages never sent: {sorted(extra)[:5]}"
 
 
-class CountingRecorder(Processor):
-    """Writes one effect per message and counts the messages handed to it."""
+class CountingRecorder(Recorder):
+    """The tests' Recorder (one effect per message), counting the messages handed to it."""
 
-    value_format = "str"
+    handled = 0
 
-    def __init__(self) -> None:
-        self.handled = 0
-
-    def handle(self, msg: Message) -> None:
-        self.handled += 1
-        self.session.execute(effects_table.insert().values(
-            topic=msg.topic, partition_id=msg.partition, kafka_offset=msg.offset, value=msg.value))
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        self.handled += len(msgs)
+        super().handle_batch(msgs)
 
 
 def test_until_a_lost_commits_rows_can_be_read_nothing_else_is_processed(
