@@ -17,7 +17,7 @@ import click
 
 from kstore.commandline import LOG_CONTEXT
 from kstore.db.commands import migrate
-from kstore.engine.commands import worker
+from kstore.engine.commands import relay, worker
 from kstore.ops.commands import dead_letters, exporter, offsets, top
 
 
@@ -47,7 +47,7 @@ def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> Non
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-for command in (migrate, worker, offsets, dead_letters, exporter, top):
+for command in (migrate, worker, relay, offsets, dead_letters, exporter, top):
     cli.add_command(command)
 
 

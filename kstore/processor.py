@@ -11,7 +11,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, cast
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 from kstore.db.session import BatchSession, batch_session
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
-from kstore.retry import RetryPolicy
+from kstore.records import Produced
+from kstore.retry import Reject, RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -66,6 +67,62 @@ def decode(data: bytes | None, fmt: Format) -> Any:
     if fmt == "str":
         return data.decode("utf-8")
     return json.loads(data)
+
+
+class ProduceError(Reject):
+    """A record given to :meth:`Processor.produce` can never be published (a value that cannot be
+    serialized, a topic or partition the cluster does not have, a record over the size limit).
+
+    A :class:`~kstore.retry.Reject`: the message that produced it is not retried but, by
+    ``on_error``, dead-lettered at once (nothing it produced is published) or stops the worker.
+    """
+
+
+def encode(data: Any, what: str) -> bytes | None:
+    """A key or value as Kafka bytes: bytes as they are, ``str`` as UTF-8, None as none (a
+    tombstone, for a value), anything else as JSON (compact)."""
+    if data is None or isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    try:
+        return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ProduceError(f"cannot serialize the {what} ({type(data).__name__}) as JSON: {exc}") from None
+
+
+def _headers(headers: Any) -> tuple[tuple[str, bytes | None], ...]:
+    if not headers:
+        return ()
+    pairs = headers.items() if isinstance(headers, dict) else headers
+    out = []
+    for name, value in pairs:
+        if not isinstance(name, str):
+            raise ProduceError(f"a header's name must be a str, got {type(name).__name__}")
+        out.append((name, None if value is None else encode(value if isinstance(value, (bytes, str)) else str(value),
+                                                               f"header {name!r}")))
+    return tuple(out)
+
+
+class Outgoing:
+    """The records a batch produced (:meth:`Processor.produce`), written to the outbox with its
+    commit. ``check`` (the worker's) refuses a record that could never be published, at once."""
+
+    def __init__(self, check: Callable[[Produced], None] | None = None) -> None:
+        self.records: list[Produced] = []
+        self._check = check
+
+    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
+        if not isinstance(topic, str) or not topic:
+            raise ProduceError(f"produce() needs a topic name, got {topic!r}")
+        if partition is not None and (not isinstance(partition, int) or partition < 0):
+            raise ProduceError(f"produce(): partition must be a non-negative int, got {partition!r}")
+        record = Produced(topic, encode(value, "value"), encode(key, "key"), _headers(headers), partition)
+        if self._check is not None:
+            self._check(record)
+        self.records.append(record)
 
 
 class _OutsideBatch:
@@ -134,6 +191,27 @@ class Processor:
         at most once: a crash right after the commit skips it. An exception here is
         logged; the batch stays committed.
         """
+
+    def produce(self, topic: str, value: Any, *, key: Any = None,
+                headers: Sequence[tuple[str, Any]] | dict[str, Any] | None = None,
+                partition: int | None = None) -> None:
+        """Produce a record to Kafka, exactly once: it is published if and only if this batch commits.
+
+        The record is written to kstore's outbox in the batch's own transaction; a relay (in
+        the worker, or ``kstore relay``) publishes it once that transaction committed, with a
+        transactional producer, so a reader with ``isolation_level=read_committed`` sees it
+        once, and one key's records in the order their batches committed.
+
+        ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
+        None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a
+        dict. ``partition``: the output partition (default: by key, as Kafka's producer does).
+        A record that can never be published raises :class:`ProduceError` here.
+        """
+        outgoing = vars(self).get("_outgoing")
+        if outgoing is None:
+            raise KstoreError("Processor.produce() only works inside handle()/handle_batch(): what it "
+                              "produces is published when (and only if) the batch commits")
+        outgoing.add(topic, value, key, headers, partition)
 
     def deserialize(self, key: bytes | None, value: bytes | None) -> tuple[Any, Any]:
         """Turn a record's raw key and value into what :meth:`handle` receives."""
@@ -205,7 +283,8 @@ class Spans(Protocol):
 
 
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
-                tracing: Spans | None = None, rejects: list[tuple[int, Exception]] | None = None) -> None:
+                tracing: Spans | None = None, rejects: list[tuple[int, Exception]] | None = None,
+                outgoing: Outgoing | None = None) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
     The session joins the caller's transaction as ``rollback_only``: a
@@ -219,13 +298,18 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
     doing anything in the transaction* is appended here as ``(index, error)`` and the
     batch goes on: the caller dead-letters it in the same transaction. One that did
     something first (a statement, a flush) raises as any error does: the transaction,
-    with whatever it wrote, is rolled back.
+    with whatever it wrote, is rolled back. What it produced before raising is dropped.
+
+    ``outgoing``: collects what the processor produces (:meth:`Processor.produce`); the
+    caller writes it to the outbox before committing. Without it, ``produce()`` raises.
     """
     default = type(processor).handle_batch is Processor.handle_batch
     span = tracing if tracing is not None and tracing.enabled else None
     try:
         with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
             processor.session = session
+            if outgoing is not None:
+                vars(processor)["_outgoing"] = outgoing
             with span.batch(msgs) if span is not None else contextlib.nullcontext():
                 if not default or (span is None and rejects is None):
                     # A coroutine, if it is an `async def` behind a plain decorator.
@@ -238,6 +322,7 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
         # The session is closed; a hook that used it after the batch would begin a
         # transaction on the worker's connection that nothing ends.
         vars(processor).pop("session", None)
+        vars(processor).pop("_outgoing", None)
 
 
 def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Spans | None,
@@ -245,8 +330,10 @@ def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Mes
     """The default ``handle_batch`` (``handle`` per message), with a span per message and
     final errors that touched nothing set aside in ``rejects`` (see :func:`run_handler`)."""
     handle = processor.handle
+    outgoing = vars(processor).get("_outgoing")
     for index, msg in enumerate(msgs):
         mark = session.touches
+        produced = len(outgoing.records) if outgoing is not None else 0
         try:
             if span is None:
                 result = handle(msg)
@@ -260,6 +347,8 @@ def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Mes
         except Exception as exc:
             if rejects is None or not processor.retry.gives_up_on(exc) or not session.untouched(mark):
                 raise
+            if outgoing is not None:
+                del outgoing.records[produced:]  # a rejected message produces nothing
             rejects.append((index, exc))
 
 

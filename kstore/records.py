@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 #: A partition by plain values, ``(topic, partition_id)``: what users pass and the tables key on.
 TopicPartition = tuple[str, int]
@@ -45,3 +45,24 @@ class Record(Protocol):
 def ms_to_datetime(ms: int | None) -> datetime | None:
     """A record's timestamp (milliseconds; -1 or None when it has none) as an aware datetime."""
     return None if ms is None or ms < 0 else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+class Produced(NamedTuple):
+    """A record a processor produced (``Processor.produce``), serialized, waiting for its batch's commit.
+
+    Written to the outbox in the batch's transaction (:mod:`kstore.db.outbox`) and published by
+    the relay (:mod:`kstore.engine.relay`) once that transaction committed.
+    """
+
+    topic: str
+    value: bytes | None
+    key: bytes | None = None
+    #: ``(name, value)`` pairs, Kafka's headers.
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+    #: The output partition, or None for the producer's partitioner (by key).
+    partition: int | None = None
+
+    def size(self) -> int:
+        """The bytes of key, value and headers (what a broker's size limit counts, without framing)."""
+        return (len(self.key or b"") + len(self.value or b"")
+                + sum(len(n) + len(v or b"") for n, v in self.headers))

@@ -121,6 +121,24 @@ class Settings:
     #: After each commit, also commit the offsets to Kafka (asynchronously, metadata
     #: ``kstore-mirror``) so Kafka's own lag tools see the pipeline. kstore never reads them.
     mirror_offsets: bool = False
+    #: Run the outbox relay inside the worker (publishes what ``Processor.produce`` wrote). Turn it
+    #: off only where ``kstore relay`` runs apart.
+    relay: bool = True
+    #: Outbox shards of a group, fixed when its first worker or relay starts: one key's records
+    #: are in one shard, published in commit order by one relay at a time; more shards let more
+    #: relays publish side by side.
+    outbox_shards: int = 4
+    #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
+    outbox_lease_s: float = 10.0
+    #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit
+    #: with LISTEN/NOTIFY, and a worker's own relay at each of its commits).
+    outbox_poll_interval_s: float = 1.0
+    #: A produced record (key, value and headers) larger than this is refused at ``produce()``:
+    #: keep it at or below the topics' ``max.message.bytes``.
+    outbox_max_record_bytes: int = 1_000_000
+    #: The worker stops taking batches while more produced records than this wait to be
+    #: published (a broker outage): the outbox grows no further, and /readyz says why.
+    outbox_max_pending: int = 100_000
     #: Serve /metrics, /livez and /readyz on this port (off when unset; 0 picks a free port).
     metrics_port: int | None = None
     #: The address the metrics port listens on.

@@ -21,13 +21,14 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import dbapi, deadletters
+from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import database_state, first_line, transient
 from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
 from kstore.db.writes import WRITES
 from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
 from kstore.kafka.consumer import TP, KafkaSource
-from kstore.processor import Message, Processor, call_hook, run_handler
-from kstore.records import Record
+from kstore.processor import Message, Outgoing, Processor, call_hook, run_handler
+from kstore.records import Produced, Record
 from kstore.retry import Failure
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
@@ -97,8 +98,18 @@ class Batches:
         db_backoff: Backoff,
         recheck: Callable[[list[TP]], None],
         metrics: Metrics | None = None,
+        outbox: Outbox | None = None,
+        check_produced: Callable[[Produced], None] | None = None,
+        on_produced: Callable[[], None] | None = None,
     ) -> None:
         self.processor = processor
+        #: Where the records a batch produces are written (in its transaction); without it, produce() fails.
+        self.outbox = outbox
+        self._check_produced = check_produced
+        #: Called after a batch that produced records committed (the relay publishes at once).
+        self._on_produced = on_produced
+        #: The batch in flight wrote records to the outbox.
+        self._produced_now = False
         self.metrics = metrics or Metrics(group)
         #: Spans per batch and per message, if OpenTelemetry is installed and configured.
         self.tracing = Tracing(group)
@@ -200,6 +211,9 @@ class Batches:
 
     def _committed(self, taken: _Batch) -> None:
         self._db_failed = None
+        if self._produced_now:
+            self._produced_now = False
+            self.produced()
         self.ledger.committed(taken.positions)
         if self.settings.mirror_offsets:
             self.source.mirror({tp: new for tp, (_, new, _) in taken.positions.items()})
@@ -208,6 +222,11 @@ class Batches:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("committed %d messages: %s", len(taken.records), ", ".join(
                 f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (_, nxt, epoch) in sorted(taken.positions.items())))
+
+    def produced(self) -> None:
+        """Records may have been committed to the outbox: wake the relay."""
+        if self._on_produced is not None:
+            self._on_produced()
 
     def _notify_committed(self, msgs: Sequence[Message]) -> None:
         if not msgs:
@@ -253,6 +272,7 @@ class Batches:
             log.warning("the COMMIT of %s (%s) lost its answer (%s) but landed: not processing it again",
                         doubt.what, _describe(positions), first_line(doubt.cause))
             self._committed(doubt.taken)
+            self.produced()  # it may have produced records: a wake-up that finds none costs one query
             if doubt.msgs:
                 self.metrics.committed(_counts(doubt.taken.records))
             else:
@@ -377,18 +397,20 @@ class Batches:
         msgs: Sequence[Message] = ()
         rejects: list[tuple[int, Exception]] | None = [] if self.on_error == "dead_letter" else None
         letters: list[tuple[Record, Failure]] = []
+        outgoing = Outgoing(self._check_produced) if self.outbox is not None else None
 
         def handle(conn: Connection) -> None:
             nonlocal msgs
             try:
                 msgs = self._messages(taken.records)
-                run_handler(self.processor, conn, msgs, self.tracing, rejects)
+                run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing)
             except ProcessorContractError:
                 raise  # stops the worker: no message is to blame
             except Exception as exc:
                 raise _HandlerFailed(str(exc)) from exc
             if rejects:
                 msgs = self._dead_letter_rejects(conn, taken, msgs, rejects, letters)
+            self._write_outgoing(conn, outgoing)
 
         self.busy = True
         try:
@@ -409,6 +431,14 @@ class Batches:
                 raise
         finally:
             self.busy = False
+
+    def _write_outgoing(self, conn: Connection, outgoing: Outgoing | None) -> None:
+        """The records the batch produced, into the outbox: last before the offsets, so the shards'
+        row locks are held from here to COMMIT."""
+        self._produced_now = outgoing is not None and bool(outgoing.records)
+        if outgoing is not None and outgoing.records:
+            assert self.outbox is not None
+            self.outbox.write(conn, outgoing.records)
 
     def _dead_letter_rejects(self, conn: Connection, taken: _Batch, msgs: Sequence[Message],
                              rejects: list[tuple[int, Exception]], letters: list[tuple[Record, Failure]],

@@ -1,4 +1,5 @@
-"""``kstore worker``: parses its options, builds Settings, runs a :class:`~kstore.engine.worker.Worker`.
+"""``kstore worker``: parses its options, builds Settings, runs a :class:`~kstore.engine.worker.Worker`;
+``kstore relay``: runs a :class:`~kstore.engine.relay.Relay` on its own.
 
 The worker installs no signal handlers itself; this command wires them: the first SIGTERM or
 SIGINT asks the worker to stop after the batch in flight (bounded by ``shutdown_timeout_s``),
@@ -15,10 +16,21 @@ from typing import Any
 
 import click
 
-from kstore.commandline import LOG_CONTEXT, dsn_option, kafka_connection_options, log, run
+from kstore.commandline import (
+    LOG_CONTEXT,
+    dsn_option,
+    group_connection_options,
+    kafka_connection_options,
+    log,
+    run,
+    stop_on_signals,
+)
+from kstore.db.migration import check_migrated
+from kstore.db.store import Store, make_engine
 from kstore.processor import load_processor
 from kstore.settings import Settings
 
+from .relay import Relay
 from .worker import Worker
 
 
@@ -35,6 +47,9 @@ from .worker import Worker
 @click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
+@click.option("--relay/--no-relay", default=None,
+              help="Publish what the processor produces from this worker [default: on]; turn it off where "
+                   "`kstore relay` runs apart.")
 @click.pass_context
 def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
     """Run PROCESSOR (MODULE:CLASS) until SIGTERM/SIGINT, exactly once."""
@@ -47,6 +62,32 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
         _run_worker(w, settings.shutdown_timeout_s)
 
     run(ctx, lambda: Settings.from_env(topics=tuple(topics) or None, **options), start)
+
+
+@click.command()
+@group_connection_options
+@click.pass_context
+def relay(ctx: click.Context, /, **options: Any) -> None:
+    """Publish a group's outbox (what its processor produced) to Kafka until SIGTERM/SIGINT.
+
+    Workers publish their own outbox by default; run this apart (with ``kstore worker
+    --no-relay``, or beside them) to scale publishing apart. Relays of one group share its
+    shards; each shard has one publisher at a time, fenced in the database and in Kafka.
+    """
+    def start(settings: Settings) -> None:
+        engine = make_engine(settings)
+        try:
+            store = Store(engine, settings)
+            store.check_reachable()
+            check_migrated(engine, settings)
+            LOG_CONTEXT.group = settings.group
+            r = Relay(settings, str(settings.group), engine, store.database_id())
+            stop_on_signals(r.request_stop)
+            r.run()
+        finally:
+            engine.dispose()
+
+    run(ctx, lambda: Settings.from_env(**options), start)
 
 
 class _ShutdownTimeout(BaseException):

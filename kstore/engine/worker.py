@@ -40,6 +40,7 @@ from typing import TypeVar
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
+from kstore.db.outbox import Outbox
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
 from kstore.kafka.consumer import TP, KafkaSource
@@ -52,6 +53,7 @@ from kstore.telemetry.metrics import Metrics, PartitionLag
 from . import positions
 from .batches import Batches
 from .ownership import Backoff, Ledger, fmt
+from .relay import Relay, TopicCatalog
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,13 @@ class Worker:
         self._batches: Batches | None = None
         self._source: KafkaSource | None = None
         self._ledger: Ledger | None = None
+        self._outbox: Outbox | None = None
+        self._catalog: TopicCatalog | None = None
+        #: Publishes what the processor produced (a thread of its own), unless settings.relay is off.
+        self.relay: Relay | None = None
+        #: Produced records waiting to be published, as last read, and when to read it again.
+        self._outbox_backlog = 0
+        self._next_backlog_check = 0.0
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -116,8 +125,9 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
+            database_id = store.database_id()
             source = self.source_factory(self.settings, self.group, self.topics, self.worker_id,
-                                         database_id=store.database_id())
+                                         database_id=database_id)
             source.check_topics()
         except KstoreError:
             if source is not None:
@@ -126,8 +136,15 @@ class Worker:
             raise
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
+        self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
+        self._outbox.ensure_shards(self.settings.outbox_shards)
+        self._catalog = TopicCatalog(self.settings)
+        if self.settings.relay:
+            self.relay = Relay(self.settings, self.group, engine, database_id, self.metrics, member=self.worker_id)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
-                                self._db_backoff, self._recheck, self.metrics)
+                                self._db_backoff, self._recheck, self.metrics, outbox=self._outbox,
+                                check_produced=self._catalog.check,
+                                on_produced=self.relay.wake if self.relay is not None else None)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -143,6 +160,8 @@ class Worker:
         fetcher = threading.Thread(target=self._fetch_loop, name="kstore-fetch", daemon=True)
         try:
             fetcher.start()
+            if self.relay is not None:
+                self.relay.start()
             self._loop(max_batches, idle_timeout)
         finally:
             # Stop fetching before leaving the group: poll() and close() must not overlap.
@@ -212,7 +231,28 @@ class Worker:
         self._check_epochs()
         if not self._follow_positions():
             return False
+        if self._outbox_full():
+            return False
         return self.batches.process_next()
+
+    def _outbox_full(self) -> bool:
+        """Backpressure: more produced records wait to be published than ``outbox_max_pending``
+        (the relay cannot reach Kafka, say). Read at most once a second; a failed read leaves the
+        last answer (the batch's own commit meets the database's trouble first)."""
+        now = time.monotonic()
+        if now >= self._next_backlog_check and self._outbox is not None:
+            self._next_backlog_check = now + 1.0
+            was_full = self._outbox_backlog > self.settings.outbox_max_pending
+            try:
+                self._outbox_backlog = self._outbox.backlog()
+            except SQLAlchemyError as exc:
+                log.debug("reading the outbox's backlog failed: %s", exc)
+            full = self._outbox_backlog > self.settings.outbox_max_pending
+            if full != was_full:
+                log.warning("%d produced records wait to be published (outbox_max_pending=%d): %s",
+                            self._outbox_backlog, self.settings.outbox_max_pending,
+                            "processing paused until the relay catches up" if full else "processing again")
+        return self._outbox_backlog > self.settings.outbox_max_pending
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
         source, ledger, batches = self.source, self.ledger, self.batches
@@ -251,6 +291,10 @@ class Worker:
         try:
             call_hook(self.processor, "teardown")
         finally:
+            if self.relay is not None:
+                self.relay.close()
+            if self._catalog is not None:
+                self._catalog.close()
             if http is not None:
                 http.stop()
             source.close()
@@ -283,6 +327,9 @@ class Worker:
             return False, "not connected"
         if self._db_backoff.failing:
             return False, "the database is not answering"
+        if self._outbox_backlog > self.settings.outbox_max_pending:
+            return False, (f"{self._outbox_backlog} produced records wait to be published "
+                           f"(outbox_max_pending={self.settings.outbox_max_pending})")
         if not self._assigned_once or not source.group_stable():
             return False, "not a stable member of the Kafka group yet"
         with source.lock:
@@ -327,6 +374,8 @@ class Worker:
             "kstore_buffered_records": ("Records fetched and waiting in kstore's queues.", records),
             "kstore_buffered_bytes": ("Approximate memory of the records waiting in kstore's queues.", size),
             "kstore_fetch_paused": ("1 while fetching is paused because the queues are full.", float(paused)),
+            "kstore_outbox_waiting": ("Produced records committed and not yet published (read once a second "
+                                      "while processing).", self._outbox_backlog),
         }
 
     @property

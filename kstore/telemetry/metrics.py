@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -118,6 +119,14 @@ class Metrics:
         self._dead_letters = Counter("kstore_dead_letters_written", "Messages dead-lettered.", g, registry=r)
         self._db_errors = Counter("kstore_database_errors", "Database round trips that failed (retried).", g,
                                   registry=r)
+        self._outbox_published = Counter("kstore_outbox_published", "Produced records the relay published.", g,
+                                         registry=r)
+        self._outbox_latency = Histogram("kstore_outbox_publish_latency_seconds",
+                                         "From a batch writing records to the outbox to their Kafka commit "
+                                         "(the oldest record of each transaction).", g,
+                                         buckets=_SECONDS_BUCKETS, registry=r)
+        self._relay_fenced = Counter("kstore_outbox_relay_fenced", "Shards this relay lost to another relay's "
+                                     "producer.", g, registry=r)
         self._in_doubt = Counter("kstore_in_doubt_resolved", "COMMITs whose answer was lost, read back: outcome "
                                  "landed or not_landed.", ["group", "outcome"], registry=r)
         self._position_resets = Counter(
@@ -178,6 +187,14 @@ class Metrics:
 
     def position_reset(self, reason: str) -> None:
         self._position_resets.labels(self.group, reason).inc()
+
+    def published(self, count: int, oldest: datetime) -> None:
+        """The relay published ``count`` outbox records; the first was written at ``oldest``."""
+        self._outbox_published.labels(self.group).inc(count)
+        self._outbox_latency.labels(self.group).observe(max(0.0, (datetime.now(timezone.utc) - oldest).total_seconds()))
+
+    def relay_fenced(self) -> None:
+        self._relay_fenced.labels(self.group).inc()
 
     def in_doubt_resolved(self, landed: bool) -> None:
         self._in_doubt.labels(self.group, "landed" if landed else "not_landed").inc()

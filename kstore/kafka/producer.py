@@ -1,0 +1,177 @@
+"""The outbox relay's Kafka side: a transactional producer per outbox shard, and where it
+records how far it published.
+
+**Progress lives in the Kafka transaction.** Each transaction that publishes a shard's rows
+also commits, through ``send_offsets_to_transaction``, one offset per output partition it
+wrote to, in a group of the shard's own (``kstore-outbox.<group>.<shard>``), whose metadata is
+the last ``seq`` published, after the database's identity (``<database id>/<seq>``: marks left
+by an outbox in another database, or in this one before its tables were made anew, count for
+nothing here). The records and that mark commit together or not at all, so a relay
+killed between Kafka's commit and the database's "published" mark (only for clean-up) never
+publishes a row twice: the next owner reads the highest mark (:meth:`ShardPublisher.progress`).
+
+**Fencing.** The producer's ``transactional_id`` is stable per shard (the same string as the
+progress group): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
+and fences its producer, whose next send or commit fails. Together with the lease's epoch in
+the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kafka import KafkaProducer, TopicPartition
+from kafka.errors import (
+    InvalidProducerEpochError,
+    KafkaError,
+    ProducerFencedError,
+    TransactionalIdAuthorizationFailedError,
+)
+from kafka.structs import OffsetAndMetadata
+
+from kstore.errors import BrokerError
+from kstore.records import Produced
+
+from .connect import _open, client_config, open_admin
+
+log = logging.getLogger(__name__)
+
+#: Between the retries of a transactional request the broker answers "try again" (the last
+#: transaction's markers are still being written): kafka-python's 100 ms would be paid on
+#: nearly every transaction, which is most of the latency from a batch's commit to a reader.
+RETRY_BACKOFF_MS = 10
+
+
+class Fenced(Exception):
+    """Another relay initialised this shard's transactional id: this producer is done."""
+
+
+class PublishFailed(Exception):
+    """A transaction did not commit (it was aborted, or its outcome is not known yet).
+
+    ``seq`` names the row the broker refused, when it was one row's fault (too large, an
+    unknown topic): the relay stops on it rather than skip it.
+    """
+
+    def __init__(self, reason: str, seq: int | None = None) -> None:
+        super().__init__(reason)
+        self.seq = seq
+
+
+def shard_id(group: str, shard: int) -> str:
+    """The shard's transactional id and progress group: stable, so a new owner fences the old."""
+    return f"kstore-outbox.{group}.{shard}"
+
+
+class ShardPublisher:
+    """A transactional producer for one shard of one group's outbox."""
+
+    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, database_id: str) -> None:
+        self.settings = settings
+        self.ident = shard_id(group, shard)
+        self._mark = f"{database_id}/"
+        config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
+        config.update(
+            transactional_id=self.ident,
+            enable_idempotence=True,
+            acks="all",
+            retry_backoff_ms=RETRY_BACKOFF_MS,
+            # A request holds a whole transaction's records for a partition; one record may be
+            # as large as the outbox allows.
+            max_request_size=max(config.get("max_request_size", 1048576), max_record_bytes + 65536),
+            max_block_ms=int(settings.connect_timeout_s * 1000),
+            # A transaction left open by a relay that died is aborted by the broker after this.
+            transaction_timeout_ms=60_000,
+        )
+        self._producer: Any = _open(settings, config, lambda: KafkaProducer(**config))
+        try:
+            self._producer.init_transactions()
+        except KafkaError as exc:
+            self.close()
+            raise _broker(settings, exc) from None
+
+    def progress(self, admin: Any) -> int:
+        """The highest ``seq`` a committed transaction of this shard recorded (0: none yet).
+
+        Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
+        owner's transaction: no commit of this shard can be pending any more.
+        """
+        try:
+            found = admin.list_group_offsets({self.ident: None}).get(self.ident, {})
+        except KafkaError as exc:
+            raise _broker(self.settings, exc) from None
+        marks = [int(seq) for om in found.values()
+                 for db, _, seq in [(om.metadata or "").rpartition("/")]
+                 if f"{db}/" == self._mark and seq.isdigit()]
+        return max(marks, default=0)
+
+    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
+        """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
+
+        Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
+        was aborted or its outcome is unknown: close this producer and make a new one, which
+        settles it, then read :meth:`progress` again).
+        """
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+            futures = [(seq, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
+                                           partition=r.partition)) for seq, r in rows]
+            producer.flush(timeout=timeout_s)
+            ends: dict[TopicPartition, int] = {}
+            for seq, future in futures:
+                meta = _result(future, seq)
+                tp = TopicPartition(meta.topic, meta.partition)
+                ends[tp] = max(ends.get(tp, -1), meta.offset)
+            last = f"{self._mark}{rows[-1][0]}"
+            producer.send_offsets_to_transaction(
+                {tp: OffsetAndMetadata(end + 1, last, -1) for tp, end in ends.items()}, self.ident)
+            producer.commit_transaction()
+        except (ProducerFencedError, InvalidProducerEpochError, TransactionalIdAuthorizationFailedError) as exc:
+            raise Fenced(str(exc)) from None
+        except PublishFailed:
+            self._abort()
+            raise
+        except KafkaError as exc:
+            if "fenced" in str(exc).lower() or "BUMPING_PRODUCER_EPOCH" in str(exc):
+                raise Fenced(str(exc)) from None
+            self._abort()
+            raise PublishFailed(_first_line(exc)) from None
+
+    def _abort(self) -> None:
+        try:
+            self._producer.abort_transaction()
+        except Exception as exc:  # the producer is closed next; a new one settles the transaction
+            log.debug("aborting %s's transaction failed: %s", self.ident, exc)
+
+    def close(self) -> None:
+        try:
+            self._producer.close(timeout=5)
+        except Exception as exc:
+            log.debug("closing %s's producer failed: %s", self.ident, exc)
+
+
+def _result(future: Any, seq: int) -> Any:
+    """A sent record's metadata, or :class:`PublishFailed` naming its row."""
+    if not future.is_done:
+        raise PublishFailed(f"row {seq} was not acknowledged in time")
+    if future.failed():
+        exc = future.exception
+        raise PublishFailed(f"row {seq}: {type(exc).__name__}: {_first_line(exc)}", seq)
+    return future.value
+
+
+def _broker(settings: Any, exc: BaseException) -> BrokerError:
+    return BrokerError(f"Kafka at {settings.bootstrap_servers}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_progress_reader(settings: Any) -> Any:
+    """The admin client that reads the shards' progress (one per relay)."""
+    return open_admin(settings)
