@@ -36,7 +36,7 @@ from kstore.errors import (
     ProcessorContractError,
     ProcessorError,
 )
-from kstore.processor import Message, Processor, load_processor
+from kstore.processor import Message, Processor, ProduceError, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST
@@ -71,4 +71,5 @@ __all__ = [
     "NotMigratedError",
     "ProcessorContractError",
     "ProcessorError",
+    "ProduceError",
 ]

@@ -106,6 +106,30 @@ def _headers(headers: Any) -> tuple[tuple[str, bytes | None], ...]:
     return tuple(out)
 
 
+def produce_check(partitions: Callable[[str], int | None] | None, max_bytes: int,
+                  where: str = "Kafka") -> Callable[[Produced], None]:
+    """What :meth:`Processor.produce` checks a record against before it goes to the outbox: its size,
+    and (given ``partitions``, a topic's partition count, 0 for none, None when the brokers did not
+    answer) its topic and partition. A record that could never be published fails here, as the
+    message's failure, not later in the relay, where it would stop a shard until it can be."""
+
+    def check(record: Produced) -> None:
+        size = record.size()
+        if size > max_bytes:
+            raise ProduceError(f"a record for topic {record.topic!r} is {size:,} bytes, over "
+                               f"outbox_max_record_bytes={max_bytes:,}")
+        count = partitions(record.topic) if partitions is not None else None
+        if count is None:
+            return  # not known now: the relay finds out when it publishes, and never skips the record
+        if count == 0:
+            raise ProduceError(f"topic {record.topic!r} does not exist in {where}")
+        if record.partition is not None and record.partition >= count:
+            raise ProduceError(f"topic {record.topic!r} has {count} partition(s); there is no partition "
+                               f"{record.partition}")
+
+    return check
+
+
 class Outgoing:
     """The records a batch produced (:meth:`Processor.produce`), written to the outbox with its
     commit. ``check`` (the worker's) refuses a record that could never be published, at once."""

@@ -13,17 +13,32 @@
 ``run_batch`` runs ``handle_batch`` the way the worker does: in one transaction,
 through ``processor.session`` (a ``session.commit()`` inside only flushes), with
 ``setup()`` called first; if the processor raises, nothing of the batch commits.
+What the processor produced (``self.produce``) comes back in the outcome, serialized as the
+relay would publish it (nothing is published)::
+
+    outcome = run_batch(booker, [make_message({"account": "a1", "amount": 5})], engine)
+    assert [json.loads(r.value) for r in outcome.produced] == [{"account": "a1", "booked": 5}]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from kstore.processor import Message, Processor, call_hook, check_processor, run_handler, to_ms
+from kstore.processor import Message, Outgoing, Processor, call_hook, check_processor, run_handler, to_ms
+from kstore.records import Produced
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a batch run by :func:`run_batch` did besides its database writes."""
+
+    #: The records it produced (``Processor.produce``), in order, as the relay would publish them.
+    produced: list[Produced] = field(default_factory=list)
 
 
 def make_message(
@@ -40,7 +55,7 @@ def make_message(
     return Message(topic, partition, offset, key, value, tuple(headers), to_ms(timestamp or datetime.now(timezone.utc)))
 
 
-def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> None:
+def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> Outcome:
     """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL)."""
     check_processor(processor)
     if isinstance(engine, str):
@@ -48,5 +63,7 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
     if getattr(processor, "engine", None) is not engine:
         processor.engine = engine
         call_hook(processor, "setup")
+    outgoing = Outgoing()
     with engine.connect() as conn, conn.begin():
-        run_handler(processor, conn, list(messages))
+        run_handler(processor, conn, list(messages), outgoing=outgoing)
+    return Outcome(list(outgoing.records))

@@ -278,6 +278,14 @@ class Outbox:
             ).first()
         return None if row is None else int(row.epoch)
 
+    def holds(self, member: str, shard: int, epoch: int) -> bool:
+        """Whether ``member`` still holds the shard's lease at ``epoch`` (and it has not run out)."""
+        r = self.tables.relays
+        with self.engine.connect() as conn:
+            return conn.execute(select(r.c.shard).where(
+                r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member, r.c.epoch == epoch,
+                r.c.lease_until >= self._clock())).first() is not None
+
     def free_shards(self) -> list[int]:
         """Shards no live relay holds (free, or their lease ran out), lowest first."""
         r = self.tables.relays

@@ -33,10 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.errors import BrokerError
-from kstore.kafka.logreader import LogReader
 from kstore.kafka.producer import Fenced, PublishFailed, ShardPublisher, open_progress_reader
-from kstore.processor import ProduceError
-from kstore.records import Produced
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 
@@ -49,6 +46,14 @@ BLOCKED_RETRY_S = 30.0
 #: First and longest wait after the broker or the database failed the relay.
 RETRY_DELAY_S = 0.5
 RETRY_MAX_DELAY_S = 10.0
+
+
+#: After a shard's producer was fenced, how long before the lease is checked and a new one made.
+FENCED_RETRY_S = 1.0
+
+
+class _LostShard(Exception):
+    """The shard's lease is no longer this relay's."""
 
 
 @dataclass
@@ -187,7 +192,10 @@ class Relay:
         if state.blocked_until > time.monotonic():
             return False
         if state.publisher is None:
-            self._open(shard, state)
+            try:
+                self._open(shard, state)
+            except _LostShard:
+                return False
         assert state.publisher is not None
         rows = self.outbox.pending(shard, state.published, MAX_ROWS_PER_TRANSACTION)
         if not rows:
@@ -195,10 +203,14 @@ class Relay:
         try:
             state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
         except Fenced as exc:
-            log.warning("outbox shard %d of group %r: another relay's producer took over (%s); giving it up",
-                        shard, self.group, exc)
+            # Another producer initialised the shard's transactional id. If the lease is still ours
+            # (a relay whose lease ran out, before its heartbeat told it), a new producer of ours
+            # fences it in turn (see _open); if not, the shard is given up.
+            log.warning("outbox shard %d of group %r: another relay's producer took over (%s)", shard, self.group,
+                        exc)
             self.metrics.relay_fenced()
-            self._forget(shard)
+            self._drop_publisher(shard)
+            state.blocked_until = time.monotonic() + FENCED_RETRY_S
             return False
         except PublishFailed as exc:
             self._drop_publisher(shard)
@@ -221,7 +233,15 @@ class Relay:
         return True
 
     def _open(self, shard: int, state: _Shard) -> None:
-        """A new producer for the shard (fencing any earlier one), and its progress read from Kafka."""
+        """A new producer for the shard (fencing any earlier one), and its progress read from Kafka.
+
+        Only while the lease is this relay's: a relay that lost it and does not know yet would
+        otherwise fence the new holder's producer, and the two would take turns."""
+        if not self.outbox.holds(self.member, shard, state.epoch):
+            log.warning("outbox shard %d of group %r was taken by another relay: no longer publishing it",
+                        shard, self.group)
+            self._forget(shard)
+            raise _LostShard()
         publisher = ShardPublisher(self.settings, self.group, shard, self.settings.outbox_max_record_bytes,
                                    self.database_id)
         try:
@@ -314,56 +334,3 @@ class Relay:
                     log.debug("closing failed: %s", exc)
         self._listener = self._admin = None
 
-
-class TopicCatalog:
-    """What ``Processor.produce`` is checked against, on the worker's main thread: the topics and
-    their partitions (cached; a topic not found is looked up again after :data:`RECHECK_S`), and
-    the size limit. A record that could never be published fails at ``produce()``, where it is the
-    message's failure (a :class:`~kstore.processor.ProduceError`), not later in the relay, where
-    it would stop a shard."""
-
-    RECHECK_S = 10.0
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._reader: LogReader | None = None
-        self._partitions: dict[str, int] = {}
-        self._missing: dict[str, float] = {}
-
-    def check(self, record: Produced) -> None:
-        limit = self.settings.outbox_max_record_bytes
-        if record.size() > limit:
-            raise ProduceError(f"a record for topic {record.topic!r} is {record.size():,} bytes, over "
-                               f"outbox_max_record_bytes={limit:,}")
-        count = self._count(record.topic)
-        if count is None:
-            return  # the brokers did not answer: the relay checks it when it publishes, and never skips it
-        if count == 0:
-            raise ProduceError(f"topic {record.topic!r} does not exist in Kafka at {self.settings.bootstrap_servers}")
-        if record.partition is not None and record.partition >= count:
-            raise ProduceError(f"topic {record.topic!r} has {count} partition(s); there is no partition "
-                               f"{record.partition}")
-
-    def _count(self, topic: str) -> int | None:
-        known = self._partitions.get(topic)
-        if known is not None:
-            return known
-        if time.monotonic() < self._missing.get(topic, 0.0):
-            return 0
-        try:
-            if self._reader is None:
-                self._reader = LogReader(self.settings, int(self.settings.connect_timeout_s * 1000))
-            found = len(self._reader.partitions(topic))
-        except BrokerError as exc:
-            log.debug("could not look topic %r up (checked when published): %s", topic, exc)
-            return None
-        if found:
-            self._partitions[topic] = found
-        else:
-            self._missing[topic] = time.monotonic() + self.RECHECK_S
-        return found
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None

@@ -44,7 +44,8 @@ from kstore.db.outbox import Outbox
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
 from kstore.kafka.consumer import TP, KafkaSource
-from kstore.processor import Processor, call_hook, check_processor
+from kstore.kafka.logreader import PartitionCounts
+from kstore.processor import Processor, call_hook, check_processor, produce_check
 from kstore.settings import Settings
 from kstore.targets import Target
 from kstore.telemetry.health import HealthServer, app
@@ -53,7 +54,7 @@ from kstore.telemetry.metrics import Metrics, PartitionLag
 from . import positions
 from .batches import Batches
 from .ownership import Backoff, Ledger, fmt
-from .relay import Relay, TopicCatalog
+from .relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class Worker:
         self._source: KafkaSource | None = None
         self._ledger: Ledger | None = None
         self._outbox: Outbox | None = None
-        self._catalog: TopicCatalog | None = None
+        self._partitions: PartitionCounts | None = None
         #: Publishes what the processor produced (a thread of its own), unless settings.relay is off.
         self.relay: Relay | None = None
         #: Produced records waiting to be published, as last read, and when to read it again.
@@ -138,12 +139,14 @@ class Worker:
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
         self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
         self._outbox.ensure_shards(self.settings.outbox_shards)
-        self._catalog = TopicCatalog(self.settings)
+        self._partitions = PartitionCounts(self.settings)
         if self.settings.relay:
             self.relay = Relay(self.settings, self.group, engine, database_id, self.metrics, member=self.worker_id)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
                                 self._db_backoff, self._recheck, self.metrics, outbox=self._outbox,
-                                check_produced=self._catalog.check,
+                                check_produced=produce_check(self._partitions.count,
+                                                             self.settings.outbox_max_record_bytes,
+                                                             f"Kafka at {self.settings.bootstrap_servers}"),
                                 on_produced=self.relay.wake if self.relay is not None else None)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
@@ -293,8 +296,8 @@ class Worker:
         finally:
             if self.relay is not None:
                 self.relay.close()
-            if self._catalog is not None:
-                self._catalog.close()
+            if self._partitions is not None:
+                self._partitions.close()
             if http is not None:
                 http.stop()
             source.close()

@@ -120,3 +120,47 @@ class LogReader:
                 close()
             except Exception:  # closing after an outage: nothing to save
                 log.debug("closing a Kafka client failed", exc_info=True)
+
+
+class PartitionCounts:
+    """How many partitions each topic has, asked of the brokers once per topic (a topic not found
+    is asked again after :data:`RECHECK_S`: it may be made meanwhile). For checking what a processor
+    produces before it reaches the outbox (:func:`kstore.processor.produce_check`)."""
+
+    RECHECK_S = 10.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._reader: LogReader | None = None
+        self._known: dict[str, int] = {}
+        self._missing: dict[str, float] = {}
+        self._unreachable_until = 0.0
+
+    def count(self, topic: str) -> int | None:
+        """The topic's partitions (0: the cluster has no such topic); None if the brokers did not answer."""
+        known = self._known.get(topic)
+        if known is not None:
+            return known
+        now = time.monotonic()
+        if now < self._missing.get(topic, 0.0):
+            return 0
+        if now < self._unreachable_until:
+            return None
+        try:
+            if self._reader is None:
+                self._reader = LogReader(self.settings, int(self.settings.connect_timeout_s * 1000))
+            found = len(self._reader.partitions(topic))
+        except BrokerError as exc:
+            log.debug("could not look topic %r up: %s", topic, exc)
+            self._unreachable_until = now + self.RECHECK_S
+            return None
+        if found:
+            self._known[topic] = found
+        else:
+            self._missing[topic] = time.monotonic() + self.RECHECK_S
+        return found
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

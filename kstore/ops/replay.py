@@ -9,30 +9,45 @@ No worker is needed, and none is involved: this runs in the operator's process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy import Connection
+
 from kstore.db.deadletters import DEAD, REPLAYED, DeadLetter, DeadLetters, DeadLetterStateError, Edit
+from kstore.db.outbox import Outbox
 from kstore.errors import CommitInDoubtError, ConfigurationError
-from kstore.processor import Message, Processor, call_hook, run_handler, to_ms
+from kstore.kafka.logreader import PartitionCounts
+from kstore.processor import Message, Outgoing, Processor, call_hook, produce_check, run_handler, to_ms
+from kstore.records import Produced
 from kstore.settings import Settings
 
 
 def replay(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None = None,
-           reason: str | None = None) -> bool:
+           reason: str | None = None, check: Callable[[Produced], None] | None = None) -> bool:
     """Run one dead letter (``edit`` replacing its key or value) through ``processor``, exactly once.
 
     True if its effects and its 'replayed' mark committed; False if it was already replayed.
-    Raises what the processor raises (nothing is committed then); see
-    :meth:`~kstore.db.deadletters.DeadLetters.replay` for the rest.
+    What the processor produces goes to the group's outbox in the same transaction (``check``
+    refuses a record that could never be published). Raises what the processor raises (nothing
+    is committed then); see :meth:`~kstore.db.deadletters.DeadLetters.replay` for the rest.
     """
     raw = edit.apply(letter) if edit else (letter.key, letter.value)
     key, value = processor.deserialize(*raw)
     msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
                   to_ms(letter.timestamp))
-    return letters.replay(letter, lambda conn: run_handler(processor, conn, [msg]),
-                          edited=raw if edit else None, reason=reason)
+    settings = letters.settings
+
+    def run(conn: Connection) -> None:
+        outgoing = Outgoing(check)
+        run_handler(processor, conn, [msg], outgoing=outgoing)
+        if outgoing.records:
+            outbox = Outbox(letters.engine, letter.consumer_group, settings.table_prefix, settings.schema)
+            outbox.ensure_shards(settings.outbox_shards)
+            outbox.write(conn, outgoing.records)
+
+    return letters.replay(letter, run, edited=raw if edit else None, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -64,19 +79,26 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
         processor.engine = letters.engine
         call_hook(processor, "setup")
         result = ReplayResult([], [], {})
-        for letter in todo:
-            if letter.consumer_group != group or letter.status != DEAD:
-                result.skipped.append(letter.id)
-                continue
-            _replay_one(letters, processor, letter, edits.get(letter.id), reason, result)
+        partitions = PartitionCounts(settings)
+        check = produce_check(partitions.count, settings.outbox_max_record_bytes,
+                              f"Kafka at {settings.bootstrap_servers}")
+        try:
+            for letter in todo:
+                if letter.consumer_group != group or letter.status != DEAD:
+                    result.skipped.append(letter.id)
+                    continue
+                _replay_one(letters, processor, letter, edits.get(letter.id), reason, result, check)
+        finally:
+            partitions.close()
         call_hook(processor, "teardown")
         return result
 
 
 def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None,
-                reason: str | None, result: ReplayResult) -> None:
+                reason: str | None, result: ReplayResult, check: Callable[[Produced], None]) -> None:
     try:
-        (result.replayed if replay(letters, processor, letter, edit, reason) else result.skipped).append(letter.id)
+        replayed = replay(letters, processor, letter, edit, reason, check)
+        (result.replayed if replayed else result.skipped).append(letter.id)
     except (CommitInDoubtError, DeadLetterStateError):
         raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
     except Exception as exc:

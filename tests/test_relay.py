@@ -1,0 +1,160 @@
+"""The outbox and its relay, driven step by step in this process against real Kafka and PostgreSQL:
+numbering in commit order, progress kept in Kafka's transaction (and only this database's),
+a relay stopped between Kafka's commit and the database's mark, leases and their fencing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from kstore import Settings
+from kstore.db.outbox import Outbox
+from kstore.db.store import Store, make_engine
+from kstore.engine.relay import Relay
+from kstore.records import Produced
+
+from .harness import wait_until
+from .test_outbox import read_all
+
+GROUP = "relayed"
+
+
+@pytest.fixture
+def engine(pg_dsn: str) -> Iterator[Any]:
+    e = make_engine(Settings(dsn=pg_dsn))
+    yield e
+    e.dispose()
+
+
+def write_batch(engine: Any, outbox: Outbox, records: list[Produced]) -> None:
+    with engine.connect() as conn, conn.begin():
+        outbox.write(conn, records)
+
+
+def relay_for(engine: Any, kafka: str, dsn: str, group: str = GROUP, **settings: Any) -> Relay:
+    s = Settings(dsn=dsn, bootstrap_servers=kafka, outbox_shards=2, outbox_lease_s=3, **settings)
+    relay = Relay(s, group, engine, Store(engine, s).database_id())
+    relay.outbox.ensure_shards(s.outbox_shards)
+    return relay
+
+
+def drain(relay: Relay) -> None:
+    """Turn the relay until every shard it can hold has nothing waiting."""
+    wait_until(lambda: not relay.turn() and not any(s.waiting for s in relay.outbox.state())
+               and relay.shards_held, 60, interval=0.05, what="the relay to publish everything")
+
+
+def values(kafka: str, topic: str) -> list[bytes]:
+    return [v for _, v in read_all(kafka, topic)]
+
+
+def test_records_are_published_once_in_commit_order_and_the_outbox_empties(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    out = new_topic(partitions=1)
+    relay = relay_for(engine, kafka, pg_dsn)
+    outbox = relay.outbox
+    for batch in range(3):
+        write_batch(engine, outbox, [Produced(out, f"{batch}-{i}".encode(), b"k") for i in range(5)])
+    drain(relay)
+    assert values(kafka, out) == [f"{b}-{i}".encode() for b in range(3) for i in range(5)]
+    state = {s.shard: s for s in outbox.state()}
+    assert sum(s.waiting for s in state.values()) == 0
+    assert sum(s.published_seq for s in state.values()) == 15
+    relay.close()
+
+
+def test_seq_follows_commit_order_not_statement_order(engine: Any, pg_dsn: str, kafka: str) -> None:
+    """T1 writes first but commits second: T2 waits for the shard's lock, then numbers after T1."""
+    outbox = Outbox(engine, GROUP)
+    outbox.ensure_shards(1)
+    t1 = engine.connect()
+    trans = t1.begin()
+    outbox.write(t1, [Produced("out", b"first-written", b"k")])
+    done = threading.Event()
+
+    def second() -> None:
+        write_batch(engine, outbox, [Produced("out", b"second-written", b"k")])
+        done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert not done.wait(1.0), "the second batch must wait for the first's shard lock"
+    trans.commit()
+    t1.close()
+    thread.join(30)
+    assert [(p.seq, p.record.value) for p in outbox.pending(0, 0, 10)] == [(1, b"first-written"),
+                                                                             (2, b"second-written")]
+    t1 = engine.connect()
+    trans = t1.begin()
+    outbox.write(t1, [Produced("out", b"rolled-back", b"k")])
+    trans.rollback()
+    t1.close()
+    write_batch(engine, outbox, [Produced("out", b"after-rollback", b"k")])
+    assert [p.seq for p in outbox.pending(0, 0, 10)] == [1, 2, 3], "no gap where a batch rolled back"
+
+
+def test_a_relay_stopped_between_kafka_commit_and_its_mark_publishes_nothing_twice(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any) -> None:
+    out = new_topic(partitions=2)
+    first = relay_for(engine, kafka, pg_dsn)
+    write_batch(engine, first.outbox, [Produced(out, f"a{i}".encode(), f"k{i}".encode()) for i in range(20)])
+    # Kafka commits, then the database's mark never lands (as if the relay died right there).
+    monkeypatch.setattr(Outbox, "mark_published", lambda *a, **k: True)
+    drain_once = [first.turn() for _ in range(10)]
+    assert any(drain_once)
+    monkeypatch.undo()
+    assert sum(s.waiting for s in first.outbox.state()) == 20, "nothing marked in the database"
+    # It is gone without a word: its lease runs out and a new relay takes the shards over.
+    first._held.clear()
+    second = relay_for(engine, kafka, pg_dsn)
+    write_batch(engine, second.outbox, [Produced(out, f"b{i}".encode(), f"k{i}".encode()) for i in range(20)])
+    drain(second)
+    got = sorted(values(kafka, out))
+    assert got == sorted([f"a{i}".encode() for i in range(20)] + [f"b{i}".encode() for i in range(20)])
+    second.close()
+
+
+def test_progress_left_in_kafka_by_another_database_counts_for_nothing(
+        engine: Any, pg_dsn: str, sqlite_dsn: str, kafka: str, new_topic: Any) -> None:
+    """Same group, a database made anew: its rows start at seq 1 again and must all be published."""
+    out = new_topic(partitions=1)
+    elsewhere = make_engine(Settings(dsn=sqlite_dsn))
+    try:
+        old = relay_for(elsewhere, kafka, sqlite_dsn, group="reborn")
+        write_batch(elsewhere, old.outbox, [Produced(out, f"old{i}".encode(), b"k") for i in range(30)])
+        drain(old)
+        old.close()
+    finally:
+        elsewhere.dispose()
+    new = relay_for(engine, kafka, pg_dsn, group="reborn")
+    write_batch(engine, new.outbox, [Produced(out, f"new{i}".encode(), b"k") for i in range(5)])
+    drain(new)
+    assert values(kafka, out) == [f"old{i}".encode() for i in range(30)] + [f"new{i}".encode() for i in range(5)]
+    new.close()
+
+
+def test_relays_share_the_shards_and_a_lease_taken_over_fences_the_old_holder(
+        engine: Any, pg_dsn: str, kafka: str) -> None:
+    one = relay_for(engine, kafka, pg_dsn)
+    one.turn()
+    assert one.shards_held == [0, 1]
+    two = relay_for(engine, kafka, pg_dsn)
+    wait_until(lambda: (one.turn(), two.turn()) and one.shards_held and two.shards_held, 30, interval=0.2,
+               what="two relays to hold a shard each")
+    assert sorted(one.shards_held + two.shards_held) == [0, 1]
+    # The database's epoch fences a holder whose lease was taken: its mark lands nowhere.
+    shard = one.shards_held[0]
+    stale = one._held[shard].epoch
+    with engine.connect() as conn, conn.begin():
+        conn.execute(sa.text("UPDATE kstore_outbox_relays SET lease_until = 0 WHERE shard = :s"), {"s": shard})
+    assert two.outbox.claim(two.member, shard, 3) == stale + 1
+    assert not one.outbox.mark_published(shard, stale, one.member, 0)
+    assert not one.outbox.holds(one.member, shard, stale)
+    wait_until(lambda: (one.turn(), shard not in one.shards_held)[1], 10, interval=0.1,
+               what="the old holder to find its lease gone")
+    one.close()
+    two.close()
