@@ -14,9 +14,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from sqlalchemy.engine import make_url
+
+from kstore.dev.broker import Cluster
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
+from .faultproxy import FaultProxy
 from .harness import WorkerProcess, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
 
@@ -161,4 +166,96 @@ def test_standalone_relays_killed_and_paused_publish_nothing_twice(
     assert w.terminate() == 0
     assert r3.terminate() == 0
     assert r2.terminate() == 0
-    assert TEST_SESSION_TIMEOUT_MS > 0
+
+
+@pytest.fixture
+def outbox_cluster() -> Iterator[Cluster]:
+    """A broker of this test's own: it is restarted mid-run."""
+    cluster = Cluster(1, extra_config={"auto.create.topics.enable": "false"})
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def pg_proxy(pg_dsn: str) -> Iterator[FaultProxy]:
+    url = make_url(pg_dsn)
+    with FaultProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        yield proxy
+
+
+def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_broker_restart(
+        outbox_cluster: Cluster, pg_dsn: str, pg_proxy: FaultProxy, tmp_path: Path) -> None:
+    """20,000 input messages on 6 partitions, each producing one or two keyed records (50 keys,
+    spread over every partition), through: COMMIT answers cut by the fault proxy (batches' and
+    relays' alike), a worker SIGKILLed while its relay publishes, a standalone relay SIGKILLed
+    mid-publish, another SIGSTOPped while it holds shards (a zombie, woken at the end), and a
+    broker restart; the relay of a worker that was there throughout publishes on. A read_committed
+    reader sees every expected record once, per key in commit order, and the outbox empties."""
+    kafka = outbox_cluster.bootstrap_servers
+    admin = KafkaAdminClient(bootstrap_servers=kafka)
+    admin.create_topics([NewTopic("payments", 6, 1), NewTopic("booked", 3, 1)])
+    admin.close()
+    booker_tables(pg_dsn)
+    producer = KafkaProducer(bootstrap_servers=kafka, acks="all", linger_ms=5, retries=20)
+
+    def send(start: int, count: int) -> list[tuple[str, int, int]]:
+        futures = [producer.send("payments", v.encode()) for v in keyed_values(count, keys=50, start=start)]
+        producer.flush()
+        return [(m.topic, m.partition, m.offset) for m in (f.get(timeout=60) for f in futures)]
+
+    env = {"KSTORE_TEST_OUT_TOPIC": "booked", "KSTORE_OUTBOX_LEASE_S": "4",
+           "KSTORE_SESSION_TIMEOUT_MS": str(TEST_SESSION_TIMEOUT_MS), "KSTORE_HEARTBEAT_INTERVAL_MS": "1000"}
+    started: list[WorkerProcess] = []
+
+    def start(name: str, *args: str) -> WorkerProcess:
+        proc = WorkerProcess(["--log-level", "DEBUG", *args, "--bootstrap-servers", kafka], env,
+                             tmp_path / f"{name}.log")
+        started.append(proc)
+        return proc
+
+    def worker(name: str, dsn: str, *args: str) -> WorkerProcess:
+        return start(name, "worker", BOOKER, "--dsn", dsn, "--group", "booker", "--topic", "payments",
+                     "--max-batch-size", "200", *args)
+
+    def relay(name: str) -> WorkerProcess:
+        return start(name, "relay", "--dsn", pg_dsn, "--group", "booker")
+
+    try:
+        sent = send(0, 10_000)
+        w1 = worker("w1", pg_proxy.dsn_through(pg_dsn))
+        w2 = worker("w2", pg_dsn)
+        r1 = relay("r1")
+        w1.wait_for_log(r"claimed", timeout=90)
+        for n in range(1, 4):
+            pg_proxy.cut_after_commit()
+            wait_until(lambda n=n: pg_proxy.commits_cut >= n, 90, what=f"COMMIT answer cut {n}")
+        w1.wait_for_log(r"published up to", timeout=90)
+        w1.kill()  # mid-run, its relay thread with it
+        r1.wait_for_log(r"outbox relay \S+ publishes shard", timeout=60)
+        r1.kill()
+        r2 = relay("r2")
+        r2.wait_for_log(r"outbox shard \d+ of group 'booker': published up to", timeout=60)
+        r2.pause()  # a zombie holding its shards' leases (and perhaps an open Kafka transaction)
+        w3 = worker("w3", pg_dsn, "--no-relay")
+        sent += send(10_000, 5_000)
+        w3.wait_for_log(r"claimed", timeout=60)
+        outbox_cluster.stop_node(0)
+        time.sleep(2)  # producers and consumers meet the outage
+        outbox_cluster.start_node(0)
+        sent += send(15_000, 5_000)
+        wait_done(pg_dsn, "booker", sent, timeout=300)
+        r2.resume()
+        r2.wait_for_log(r"taken by another relay|another relay's producer took over", timeout=60)
+        time.sleep(2)  # whatever the zombie still tries, it tries now
+        assert outbox_rows(pg_dsn) == 0
+        check_outputs(read_all(kafka, "booked"), sent)
+        assert len(sent) == 20_000
+        for proc in (w2, w3, r2):
+            assert proc.terminate() == 0
+    finally:
+        producer.close()
+        for proc in started:
+            proc.cleanup()

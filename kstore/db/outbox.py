@@ -173,6 +173,8 @@ class Outbox:
 
         The count is fixed once made: a key's records must stay in one shard for their order
         to hold. (Changing it means letting the outbox empty first, then deleting the group's rows.)
+        Safe to run again after any failure, a lost COMMIT's answer included: it makes the shards
+        only where the group has none (two workers racing to make them: one fails, both see them).
         """
         t = self.tables
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():

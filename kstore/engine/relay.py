@@ -89,6 +89,8 @@ class Relay:
         self._delay, self._not_before = RETRY_DELAY_S, 0.0
         #: The last error that stopped the relay from publishing (for the logs' dedup and `outbox show`).
         self.last_error: str | None = None
+        #: What ended the relay's thread, if anything did (a bug): the worker stops on it.
+        self.error: BaseException | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -100,12 +102,21 @@ class Relay:
     def _run_logged(self) -> None:
         try:
             self.run()
-        except Exception:
+        except BaseException as exc:  # the worker stops on it (Worker.step): nothing would publish its records
+            self.error = exc
             log.exception("the outbox relay of group %r failed; its shards are released", self.group)
 
     def run(self) -> None:
         """Publish until :meth:`request_stop`."""
-        self.outbox.ensure_shards(self.settings.outbox_shards)
+        while not self._stop.is_set():
+            try:
+                self.outbox.ensure_shards(self.settings.outbox_shards)
+                break
+            except SQLAlchemyError as exc:
+                self._failed("read the outbox's shards", exc)
+                self._stop.wait(self._delay)
+        if self._stop.is_set():
+            return
         log.info("outbox relay %s for group %r: %d shard(s)", self.member, self.group, self.outbox.shards)
         try:
             while not self._stop.is_set():

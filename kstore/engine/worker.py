@@ -41,8 +41,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
 from kstore.db.outbox import Outbox
+from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
-from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, KstoreError
+from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Processor, call_hook, check_processor, produce_check
@@ -138,7 +139,7 @@ class Worker:
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
         self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
-        self._outbox.ensure_shards(self.settings.outbox_shards)
+        self._ensure_shards(self._outbox)
         self._partitions = PartitionCounts(self.settings)
         if self.settings.relay:
             self.relay = Relay(self.settings, self.group, engine, database_id, self.metrics, member=self.worker_id)
@@ -148,6 +149,24 @@ class Worker:
                                                              self.settings.outbox_max_record_bytes,
                                                              f"Kafka at {self.settings.bootstrap_servers}"),
                                 on_produced=self.relay.wake if self.relay is not None else None)
+
+    def _ensure_shards(self, outbox: Outbox) -> None:
+        """The group's outbox shards, made if it has none. A database error (a COMMIT whose answer
+        was lost, two workers making them at once) is tried again, since it is safe to; until
+        ``connect_timeout_s``, then one clear line."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        delay = DB_RETRY_DELAY
+        while True:
+            try:
+                outbox.ensure_shards(self.settings.outbox_shards)
+                return
+            except SQLAlchemyError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise DatabaseError(f"cannot set up the outbox of group {self.group!r} in "
+                                        f"{self.settings.safe_dsn}: {first_line(exc)}") from None
+                log.warning("could not set up the outbox's shards (%s); trying again in %.1fs", first_line(exc), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, DB_RETRY_MAX_DELAY)
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -224,6 +243,9 @@ class Worker:
         self._last_turn = time.monotonic()
         if self._fetch_error is not None:
             raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
+        if self.relay is not None and self.relay.error is not None:
+            raise KstoreError(f"the outbox relay failed ({type(self.relay.error).__name__}: {self.relay.error}): "
+                              "nothing would publish what the processor produces, so the worker stops")
         if self.source.refused:
             raise ConfigurationError(
                 f"group {self.group!r} is already consumed by workers writing to another database "
