@@ -90,3 +90,26 @@ def check_outputs(records: Sequence[tuple[bytes | None, bytes]],
         firsts = [n for n, i in ns if i == 0]
         assert firsts == list(range(1, len(firsts) + 1)), f"key {key}: counts not 1..N once each: {firsts[:20]}"
     return {k: len(v) for k, v in per_key.items()}
+
+
+class Picky(Processor):
+    """Produces each message's value to the output topic, except: ``to-nowhere`` goes to a topic
+    the cluster does not have, ``huge`` is 2 MB, ``unjson`` is a set (not JSON). Each of those must
+    fail at produce(), be dead-lettered alone, and leave the rest published."""
+
+    group = "picky"
+    value_format = "str"
+    on_error = "dead_letter"
+
+    def setup(self) -> None:
+        self.out = os.environ["KSTORE_TEST_OUT_TOPIC"]
+
+    def handle(self, msg: Message) -> None:
+        if msg.value == "to-nowhere":
+            self.produce("no-such-topic-anywhere", msg.value)
+        elif msg.value == "huge":
+            self.produce(self.out, b"x" * 2_000_000)
+        elif msg.value == "unjson":
+            self.produce(self.out, {1, 2})
+        else:
+            self.produce(self.out, msg.value, key=msg.value)

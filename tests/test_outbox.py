@@ -120,11 +120,11 @@ def test_produced_records_are_published_once_in_commit_order_across_a_worker_kil
 
 def test_sqlite_one_worker_publishes_once_across_a_kill(
         sqlite_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
-    """The embedded default: one worker on SQLite, SIGKILLed while publishing, then started again."""
+    """The embedded default: one worker on SQLite, 20,000 messages, SIGKILLed while publishing, then started again."""
     source, out = new_topic(partitions=2), new_topic(partitions=2)
     booker_tables(sqlite_dsn)
     env = {"KSTORE_TEST_OUT_TOPIC": out}
-    sent = produce(source, keyed_values(4000, keys=25))
+    sent = produce(source, keyed_values(20_000, keys=25))
     w1 = workers(sqlite_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "200"])
     w1.wait_for_log(r"outbox shard \d+ of group 'booker': published up to", timeout=90)
     time.sleep(0.5)
@@ -259,3 +259,50 @@ def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_br
         producer.close()
         for proc in started:
             proc.cleanup()
+
+
+def test_records_that_could_never_be_published_dead_letter_their_message_alone(
+        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
+    """An unknown output topic, a record over the size limit, a value that is not JSON: each fails at
+    produce(), its message is dead-lettered (on_error="dead_letter"), nothing of it is published, and
+    every other message's record is published once; the relay is never stopped by them."""
+    source, out = new_topic(partitions=1), new_topic(partitions=1)
+    bad = {"to-nowhere": "does not exist", "huge": "over outbox_max_record_bytes", "unjson": "cannot serialize"}
+    values = [f"ok{i}" for i in range(30)]
+    for i, value in enumerate(bad):
+        values.insert(7 + 9 * i, value)
+    sent = produce(source, values)
+    w = workers(pg_dsn, source, "picky", "outbox_processors:Picky", env={"KSTORE_TEST_OUT_TOPIC": out})
+    wait_done(pg_dsn, "picky", sent)
+    engine = sa.create_engine(pg_dsn)
+    with engine.connect() as conn:
+        letters = {bytes(row.value).decode(): row.error for row in conn.execute(
+            sa.text("SELECT value, error FROM kstore_dead_letters WHERE consumer_group = 'picky'"))}
+    engine.dispose()
+    assert set(letters) == set(bad)
+    for value, reason in bad.items():
+        assert reason in letters[value] and "ProduceError" in letters[value], letters[value]
+    assert sorted(v for _, v in read_all(kafka, out)) == sorted(f"ok{i}".encode() for i in range(30))
+    assert "stopped on row" not in w.log
+    assert w.terminate() == 0
+
+
+def test_the_worker_stops_taking_batches_while_too_many_records_wait(
+        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, relays: Any, kafka: str) -> None:
+    """Backpressure: with no relay running, a worker processes until more than outbox_max_pending
+    records wait, then takes no more batches (and says why); a relay drains them and it goes on."""
+    source, out = new_topic(partitions=1), new_topic(partitions=1)
+    booker_tables(pg_dsn)
+    sent = produce(source, keyed_values(2000, keys=10))
+    w = workers(pg_dsn, source, "booker", BOOKER, args=["--max-batch-size", "50", "--no-relay"],
+                env={"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_OUTBOX_MAX_PENDING": "300"})
+    w.wait_for_log(r"wait to be published \(outbox_max_pending=300\): processing paused", timeout=90)
+    time.sleep(2)  # were it not paused, it would go on committing now
+    waiting = outbox_rows(pg_dsn)
+    assert 300 < waiting < 300 + 2 * 50 * 2, waiting  # at most the batch that crossed the bound, and the next
+    assert (stored_offsets(pg_dsn, "booker").get((source, 0)) or 0) < 2000
+    r = relays(pg_dsn, "booker")
+    wait_done(pg_dsn, "booker", sent)
+    assert "processing again" in w.log
+    check_outputs(read_all(kafka, out), sent)
+    assert w.terminate() == 0 and r.terminate() == 0

@@ -369,16 +369,20 @@ class Outbox:
                            max(0.0, float(row.lease_until) - float(clock)))
                 for row in rows]
 
-    def backlog(self) -> int:
-        """Records committed but not yet marked published, over all shards (cheap: two small tables)."""
+    def backlog(self) -> tuple[int, datetime | None]:
+        """Records committed but not yet marked published, over all shards, and when the oldest was
+        written. Cheap: two small tables, and one index lookup per shard (its lowest seq is its oldest)."""
         t = self.tables
-        s, r = t.shards, t.relays
+        o, s, r = t.outbox, t.shards, t.relays
         with self.engine.connect() as conn:
             total = conn.execute(
                 select(func.coalesce(func.sum(s.c.next_seq - 1 - r.c.published_seq), 0))
                 .select_from(s.join(r, (r.c.consumer_group == s.c.consumer_group) & (r.c.shard == s.c.shard)))
                 .where(s.c.consumer_group == self.group)).scalar_one()
-        return int(total)
+            oldest = [conn.execute(select(o.c.created_at).where(o.c.consumer_group == self.group, o.c.shard == shard)
+                                   .order_by(o.c.seq).limit(1)).scalar() for shard in range(self.shards)]
+        stamps = [_aware(stamp) for stamp in oldest if stamp is not None]
+        return int(total), min(stamps, default=None)
 
 
 def groups_with_outbox(conn: Connection, tables: OutboxTables) -> Iterable[str]:

@@ -100,16 +100,17 @@ class Batches:
         metrics: Metrics | None = None,
         outbox: Outbox | None = None,
         check_produced: Callable[[Produced], None] | None = None,
-        on_produced: Callable[[], None] | None = None,
+        on_produced: Callable[[int], None] | None = None,
     ) -> None:
         self.processor = processor
         #: Where the records a batch produces are written (in its transaction); without it, produce() fails.
         self.outbox = outbox
         self._check_produced = check_produced
-        #: Called after a batch that produced records committed (the relay publishes at once).
+        #: Called with their number after a batch that produced records committed (the relay publishes
+        #: at once; the worker counts them against outbox_max_pending).
         self._on_produced = on_produced
-        #: The batch in flight wrote records to the outbox.
-        self._produced_now = False
+        #: How many records the batch in flight wrote to the outbox.
+        self._produced_now = 0
         self.metrics = metrics or Metrics(group)
         #: Spans per batch and per message, if OpenTelemetry is installed and configured.
         self.tracing = Tracing(group)
@@ -212,8 +213,8 @@ class Batches:
     def _committed(self, taken: _Batch) -> None:
         self._db_failed = None
         if self._produced_now:
-            self._produced_now = False
-            self.produced()
+            self.produced(self._produced_now)
+            self._produced_now = 0
         self.ledger.committed(taken.positions)
         if self.settings.mirror_offsets:
             self.source.mirror({tp: new for tp, (_, new, _) in taken.positions.items()})
@@ -223,10 +224,10 @@ class Batches:
             log.debug("committed %d messages: %s", len(taken.records), ", ".join(
                 f"{t}[{p}]->{nxt}@{epoch}" for (t, p), (_, nxt, epoch) in sorted(taken.positions.items())))
 
-    def produced(self) -> None:
-        """Records may have been committed to the outbox: wake the relay."""
+    def produced(self, count: int) -> None:
+        """``count`` records may have been committed to the outbox: wake the relay."""
         if self._on_produced is not None:
-            self._on_produced()
+            self._on_produced(count)
 
     def _notify_committed(self, msgs: Sequence[Message]) -> None:
         if not msgs:
@@ -272,7 +273,7 @@ class Batches:
             log.warning("the COMMIT of %s (%s) lost its answer (%s) but landed: not processing it again",
                         doubt.what, _describe(positions), first_line(doubt.cause))
             self._committed(doubt.taken)
-            self.produced()  # it may have produced records: a wake-up that finds none costs one query
+            self.produced(0)  # it may have produced records: a wake-up that finds none costs one query
             if doubt.msgs:
                 self.metrics.committed(_counts(doubt.taken.records))
             else:
@@ -435,7 +436,7 @@ class Batches:
     def _write_outgoing(self, conn: Connection, outgoing: Outgoing | None) -> None:
         """The records the batch produced, into the outbox: last before the offsets, so the shards'
         row locks are held from here to COMMIT."""
-        self._produced_now = outgoing is not None and bool(outgoing.records)
+        self._produced_now = len(outgoing.records) if outgoing is not None else 0
         if outgoing is not None and outgoing.records:
             assert self.outbox is not None
             self.outbox.write(conn, outgoing.records)

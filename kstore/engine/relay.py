@@ -64,6 +64,8 @@ class _Shard:
     published: int = 0
     #: A row Kafka refused: not before this monotonic time is the shard tried again.
     blocked_until: float = 0.0
+    #: The seq of the row Kafka refused, until the shard publishes again.
+    blocked_on: int | None = None
 
 
 class Relay:
@@ -147,6 +149,11 @@ class Relay:
     def shards_held(self) -> list[int]:
         return sorted(self._held)
 
+    @property
+    def shards_blocked(self) -> list[int]:
+        """Held shards stopped on a row Kafka refused (see the ERROR line naming it)."""
+        return sorted(s for s, st in list(self._held.items()) if st.blocked_on is not None)
+
     # -- one turn ---------------------------------------------------------------
 
     def turn(self) -> bool:
@@ -227,13 +234,15 @@ class Relay:
             self._drop_publisher(shard)
             if exc.seq is not None:
                 state.blocked_until = time.monotonic() + BLOCKED_RETRY_S
-                self._say(f"outbox shard {shard} of group {self.group!r} stopped on row {exc.seq}: Kafka refused "
-                          f"it ({exc}); the rows wait, nothing is skipped (tried again in {BLOCKED_RETRY_S:g}s)",
-                          logging.ERROR)
+                state.blocked_on = exc.seq
+                # Said every time (every BLOCKED_RETRY_S), not once: an operator must act on it.
+                log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
+                          "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, BLOCKED_RETRY_S)
                 return False
             self._failed(f"publish shard {shard}", exc)
             return False
         state.published = rows[-1].seq
+        state.blocked_on = None
         self._delay, self.last_error = RETRY_DELAY_S, None
         self.metrics.published(len(rows), rows[0].created_at)
         if not self.outbox.mark_published(shard, state.epoch, self.member, state.published):

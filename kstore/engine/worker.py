@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
 from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -113,6 +114,9 @@ class Worker:
         self.relay: Relay | None = None
         #: Produced records waiting to be published, as last read, and when to read it again.
         self._outbox_backlog = 0
+        self._outbox_oldest: datetime | None = None
+        #: Processing is paused for the outbox's backlog (said once when it starts and once when it ends).
+        self._outbox_paused = False
         self._next_backlog_check = 0.0
 
     # -- lifecycle ----------------------------------------------------------
@@ -148,7 +152,7 @@ class Worker:
                                 check_produced=produce_check(self._partitions.count,
                                                              self.settings.outbox_max_record_bytes,
                                                              f"Kafka at {self.settings.bootstrap_servers}"),
-                                on_produced=self.relay.wake if self.relay is not None else None)
+                                on_produced=self._produced)
 
     def _ensure_shards(self, outbox: Outbox) -> None:
         """The group's outbox shards, made if it has none. A database error (a COMMIT whose answer
@@ -260,23 +264,31 @@ class Worker:
             return False
         return self.batches.process_next()
 
+    def _produced(self, count: int) -> None:
+        """A batch committed ``count`` records to the outbox: the relay publishes them at once, and
+        they count against outbox_max_pending until the next reading of the backlog."""
+        self._outbox_backlog += count
+        if self.relay is not None:
+            self.relay.wake()
+
     def _outbox_full(self) -> bool:
         """Backpressure: more produced records wait to be published than ``outbox_max_pending``
-        (the relay cannot reach Kafka, say). Read at most once a second; a failed read leaves the
-        last answer (the batch's own commit meets the database's trouble first)."""
+        (the relay cannot reach Kafka, say). Read at most once a second, and counted up by each
+        commit in between; a failed read leaves the last answer (the batch's own commit meets the
+        database's trouble first)."""
         now = time.monotonic()
         if now >= self._next_backlog_check and self._outbox is not None:
             self._next_backlog_check = now + 1.0
-            was_full = self._outbox_backlog > self.settings.outbox_max_pending
             try:
-                self._outbox_backlog = self._outbox.backlog()
+                self._outbox_backlog, self._outbox_oldest = self._outbox.backlog()
             except SQLAlchemyError as exc:
                 log.debug("reading the outbox's backlog failed: %s", exc)
-            full = self._outbox_backlog > self.settings.outbox_max_pending
-            if full != was_full:
-                log.warning("%d produced records wait to be published (outbox_max_pending=%d): %s",
-                            self._outbox_backlog, self.settings.outbox_max_pending,
-                            "processing paused until the relay catches up" if full else "processing again")
+        full = self._outbox_backlog > self.settings.outbox_max_pending
+        if full != self._outbox_paused:
+            self._outbox_paused = full
+            log.warning("%d produced records wait to be published (outbox_max_pending=%d): %s",
+                        self._outbox_backlog, self.settings.outbox_max_pending,
+                        "processing paused until the relay catches up" if full else "processing again")
         return self._outbox_backlog > self.settings.outbox_max_pending
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
@@ -401,7 +413,16 @@ class Worker:
             "kstore_fetch_paused": ("1 while fetching is paused because the queues are full.", float(paused)),
             "kstore_outbox_waiting": ("Produced records committed and not yet published (read once a second "
                                       "while processing).", self._outbox_backlog),
+            "kstore_outbox_oldest_seconds": ("Age of the oldest produced record not yet published (0: none).",
+                                             self._oldest_age()),
+            "kstore_outbox_shards_blocked": ("Outbox shards this worker's relay holds that are stopped on a record "
+                                             "Kafka refused (the rows wait; the log names it).",
+                                             len(self.relay.shards_blocked) if self.relay is not None else 0),
         }
+
+    def _oldest_age(self) -> float:
+        oldest = self._outbox_oldest
+        return 0.0 if oldest is None else max(0.0, (datetime.now(timezone.utc) - oldest).total_seconds())
 
     @property
     def busy(self) -> bool:
