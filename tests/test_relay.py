@@ -4,6 +4,7 @@ a relay stopped between Kafka's commit and the database's mark, leases and their
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,8 +14,8 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.db.outbox import Outbox
-from kstore.db.store import Store, make_engine
-from kstore.engine.relay import Relay
+from kstore.db.store import make_engine
+from kstore.engine.relay import Relay, share
 from kstore.records import Produced
 
 from .harness import wait_until
@@ -36,8 +37,9 @@ def write_batch(engine: Any, outbox: Outbox, records: list[Produced]) -> None:
 
 
 def relay_for(engine: Any, kafka: str, dsn: str, group: str = GROUP, **settings: Any) -> Relay:
-    s = Settings(dsn=dsn, bootstrap_servers=kafka, outbox_shards=2, outbox_lease_s=3, **settings)
-    relay = Relay(s, group, engine, Store(engine, s).database_id())
+    settings = {"outbox_shards": 2, "outbox_lease_s": 3, **settings}
+    s = Settings(dsn=dsn, bootstrap_servers=kafka, **settings)
+    relay = Relay(s, group, engine)
     relay.outbox.ensure_shards(s.outbox_shards)
     return relay
 
@@ -158,3 +160,50 @@ def test_relays_share_the_shards_and_a_lease_taken_over_fences_the_old_holder(
                what="the old holder to find its lease gone")
     one.close()
     two.close()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_relays_share_shards_evenly_from_any_start(seed: int) -> None:
+    """share(), the rule each relay applies at its heartbeat: from any holding, turns in any order
+    end with every shard held and no relay holding two more than another, and then nothing moves."""
+    rng = random.Random(seed)
+    shards, relays = rng.randint(1, 12), rng.randint(1, 6)
+    names = [f"r{i}" for i in range(relays)]
+    held = {n: 0 for n in names}
+    free = shards
+    for _ in range(rng.randint(0, shards)):  # some start holding, unevenly
+        held[rng.choice(names)] += 1
+        free -= 1
+    for _ in range(40):
+        for name in rng.sample(names, len(names)):
+            action = share(shards, dict(held), name)
+            if action < 0:
+                held[name] -= 1
+                free += 1
+            elif action > 0:
+                took = min(action, free)
+                held[name] += took
+                free -= took
+    assert free == 0 and sum(held.values()) == shards
+    assert max(held.values()) - min(held.values()) <= 1, held
+    assert all(share(shards, dict(held), n) >= 0 for n in names), "settled: nobody gives a shard up (none is free)"
+
+
+def test_shards_made_anew_in_the_same_database_publish_from_their_first_record(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """The operator's way to change the shard count: the outbox empty, the group's outbox rows deleted,
+    the shards made again. Their numbers start at 1 again; Kafka's old marks must not cover them."""
+    out = new_topic(partitions=1)
+    first = relay_for(engine, kafka, pg_dsn, group="resharded")
+    write_batch(engine, first.outbox, [Produced(out, f"before{i}".encode(), b"k") for i in range(40)])
+    drain(first)
+    first.close()
+    with engine.connect() as conn, conn.begin():
+        for table in ("outbox", "outbox_shards", "outbox_relays", "outbox_members"):
+            conn.execute(sa.text(f"DELETE FROM kstore_{table} WHERE consumer_group = 'resharded'"))
+    again = relay_for(engine, kafka, pg_dsn, group="resharded", outbox_shards=3)
+    assert again.outbox.shards == 3
+    write_batch(engine, again.outbox, [Produced(out, f"after{i}".encode(), b"k") for i in range(5)])
+    drain(again)
+    assert values(kafka, out)[40:] == [f"after{i}".encode() for i in range(5)]
+    again.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -92,6 +93,7 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTa
             Column("consumer_group", String(255), primary_key=True),
             Column("shard", Integer, primary_key=True, autoincrement=False),
             Column("next_seq", BigInteger, nullable=False),
+            Column("incarnation", String(32), nullable=False),
         ),
         Table(
             f"{prefix}outbox_relays", md,
@@ -172,7 +174,9 @@ class Outbox:
         """Make the group's shards if it has none (``wanted`` of them); return how many it has.
 
         The count is fixed once made: a key's records must stay in one shard for their order
-        to hold. (Changing it means letting the outbox empty first, then deleting the group's rows.)
+        to hold. (To change it: stop the group's workers and relays once the outbox is empty, delete
+        the group's rows of the four outbox tables, and start them with the new count. The shards
+        made then have a new incarnation: the old progress marks in Kafka count for nothing.)
         Safe to run again after any failure, a lost COMMIT's answer included: it makes the shards
         only where the group has none (two workers racing to make them: one fails, both see them).
         """
@@ -181,9 +185,10 @@ class Outbox:
             have = conn.execute(select(func.count()).select_from(t.shards)
                                 .where(t.shards.c.consumer_group == self.group)).scalar_one()
             if not have:
-                stamp = now()
+                stamp, incarnation = now(), uuid.uuid4().hex
                 conn.execute(insert(t.shards), [
-                    {"consumer_group": self.group, "shard": s, "next_seq": 1} for s in range(wanted)])
+                    {"consumer_group": self.group, "shard": s, "next_seq": 1, "incarnation": incarnation}
+                    for s in range(wanted)])
                 conn.execute(insert(t.relays), [
                     {"consumer_group": self.group, "shard": s, "owner": None, "epoch": 0, "lease_until": 0.0,
                      "published_seq": 0, "updated_at": stamp} for s in range(wanted)])
@@ -241,11 +246,12 @@ class Outbox:
             return literal_column("extract(epoch from clock_timestamp())", Float)
         return literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
 
-    def heartbeat(self, member: str, held: dict[int, int], lease_s: float) -> tuple[set[int], int]:
+    def heartbeat(self, member: str, held: dict[int, int], lease_s: float) -> tuple[set[int], dict[str, int]]:
         """Say ``member`` is alive and renew the leases it holds (``{shard: epoch}``).
 
         Returns the shards still held (a shard missing was taken by another relay: stop
-        publishing it) and how many relays of the group are alive, this one included.
+        publishing it) and, for each relay of the group alive now (this one included), how many
+        shards it holds: what the relays share the shards by.
         """
         t = self.tables
         m, r = t.members, t.relays
@@ -256,8 +262,6 @@ class Outbox:
             if seen.rowcount == 0:
                 conn.execute(insert(m).values(consumer_group=self.group, member=member, seen_until=clock + lease_s))
             conn.execute(delete(m).where(m.c.consumer_group == self.group, m.c.seen_until < clock - lease_s))
-            alive = conn.execute(select(func.count()).select_from(m)
-                                 .where(m.c.consumer_group == self.group, m.c.seen_until >= clock)).scalar_one()
             kept = set()
             for shard, epoch in held.items():
                 renewed = conn.execute(
@@ -265,7 +269,15 @@ class Outbox:
                                     r.c.epoch == epoch).values(lease_until=clock + lease_s))
                 if renewed.rowcount == 1:
                     kept.add(shard)
-        return kept, max(int(alive), 1)
+            alive = {row.member: 0 for row in conn.execute(
+                select(m.c.member).where(m.c.consumer_group == self.group, m.c.seen_until >= clock))}
+            for row in conn.execute(select(r.c.owner, func.count().label("n")).where(
+                    r.c.consumer_group == self.group, r.c.owner.is_not(None), r.c.lease_until >= clock)
+                    .group_by(r.c.owner)):
+                if row.owner in alive:
+                    alive[row.owner] = int(row.n)
+        alive[member] = len(kept)
+        return kept, alive
 
     def claim(self, member: str, shard: int, lease_s: float) -> int | None:
         """Take a shard whose lease is free or expired; its new epoch, or None if another relay holds it."""
@@ -312,12 +324,15 @@ class Outbox:
 
     # -- publishing -----------------------------------------------------------
 
-    def published_mark(self, shard: int) -> int:
-        """How far the database says the shard was published (the relay's mark; Kafka's word wins)."""
-        r = self.tables.relays
+    def published_mark(self, shard: int) -> tuple[int, str]:
+        """How far the database says the shard was published (the relay's mark; Kafka's word wins),
+        and the shards' incarnation (what the progress marks in Kafka must carry to count)."""
+        r, s = self.tables.relays, self.tables.shards
         with self.engine.connect() as conn:
-            return int(conn.execute(select(r.c.published_seq).where(
-                r.c.consumer_group == self.group, r.c.shard == shard)).scalar_one())
+            row = conn.execute(select(r.c.published_seq, s.c.incarnation).join(
+                s, (s.c.consumer_group == r.c.consumer_group) & (s.c.shard == r.c.shard)).where(
+                r.c.consumer_group == self.group, r.c.shard == shard)).one()
+        return int(row.published_seq), str(row.incarnation)
 
     def pending(self, shard: int, after: int, limit: int) -> list[Pending]:
         """The shard's rows after ``seq`` ``after``, in order, at most ``limit``."""

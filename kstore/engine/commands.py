@@ -81,7 +81,7 @@ def relay(ctx: click.Context, /, **options: Any) -> None:
             store.check_reachable()
             check_migrated(engine, settings)
             LOG_CONTEXT.group = settings.group
-            r = Relay(settings, str(settings.group), engine, store.database_id())
+            r = Relay(settings, str(settings.group), engine)
             stop_on_signals(r.request_stop)
             r.run()
         finally:

@@ -13,18 +13,26 @@ Nothing here skips a row. A row Kafka refuses stops its shard (the reason logged
 again after :data:`BLOCKED_RETRY_S`); a broker or database outage leaves the rows waiting,
 retried with a backoff; a transaction whose outcome is unknown is settled by a new producer
 (``init_transactions``) and the progress read again from Kafka.
+
+**Threads.** :meth:`Relay.run` keeps the leases (a heartbeat every third of ``outbox_lease_s``)
+and LISTENs; each shard it holds is published by a thread of its own (:meth:`Relay._shard_loop`),
+so one shard's Kafka transaction never waits for another's: a transaction is a few round trips
+to the brokers, and a record's latency is the one it lands in, plus the one before it. A shard's
+thread owns that shard's producer and state; the lease thread only tells it to stop. The
+database's "published" mark, only for clean-up and the backlog's count, is written at most once
+a :data:`MARK_INTERVAL_S` (and when the shard is idle), off the path from commit to Kafka.
+:meth:`Relay.turn` does one step of everything on the calling thread (tests drive it so).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine
@@ -43,41 +51,52 @@ log = logging.getLogger(__name__)
 MAX_ROWS_PER_TRANSACTION = 5000
 #: A shard stopped on a row Kafka refused is tried again after this long (the topic may be made).
 BLOCKED_RETRY_S = 30.0
-#: First and longest wait after the broker or the database failed the relay.
+#: First and longest wait after the broker or the database failed a shard.
 RETRY_DELAY_S = 0.5
 RETRY_MAX_DELAY_S = 10.0
-
-
 #: After a shard's producer was fenced, how long before the lease is checked and a new one made.
 FENCED_RETRY_S = 1.0
+#: How often, at most, a busy shard writes its "published" mark (and deletes what it published).
+MARK_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Shard:
+    """One held shard: written by its own thread (or by :meth:`Relay.turn`), told to stop by the lease thread."""
+
+    shard: int
+    epoch: int
+    publisher: ShardPublisher | None = None
+    #: The highest seq known published (read from Kafka when the publisher was made).
+    published: int = 0
+    #: The highest seq marked published in the database, and when.
+    marked: int = 0
+    marked_at: float = 0.0
+    #: Not before this monotonic time is the shard tried again (a failure's backoff, a refused row).
+    not_before: float = 0.0
+    delay: float = RETRY_DELAY_S
+    #: The seq of the row Kafka refused, until the shard publishes again.
+    blocked_on: int | None = None
+    #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
+    lost: bool = False
+    last_error: str | None = None
+    wake: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
 
 class _LostShard(Exception):
     """The shard's lease is no longer this relay's."""
 
 
-@dataclass
-class _Shard:
-    epoch: int
-    publisher: ShardPublisher | None = None
-    #: The highest seq known published (read from Kafka when the publisher was made).
-    published: int = 0
-    #: A row Kafka refused: not before this monotonic time is the shard tried again.
-    blocked_until: float = 0.0
-    #: The seq of the row Kafka refused, until the shard publishes again.
-    blocked_on: int | None = None
-
-
 class Relay:
     """Publishes one group's outbox. A plain object: :meth:`run` (or :meth:`start` for a thread),
     :meth:`wake` after a commit that produced records, :meth:`request_stop`, :meth:`close`."""
 
-    def __init__(self, settings: Settings, group: str, engine: Engine, database_id: str,
-                 metrics: Metrics | None = None, member: str | None = None) -> None:
+    def __init__(self, settings: Settings, group: str, engine: Engine, metrics: Metrics | None = None,
+                 member: str | None = None) -> None:
         self.settings = settings
         self.group = group
-        #: The database's identity, in every progress mark the relay commits to Kafka.
-        self.database_id = database_id
         self.outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
         self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or Metrics(group)
@@ -86,10 +105,11 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._admin: Any = None
+        self._admin_lock = threading.Lock()
         self._listener: Listener | None = None
         self._next_heartbeat = 0.0
         self._delay, self._not_before = RETRY_DELAY_S, 0.0
-        #: The last error that stopped the relay from publishing (for the logs' dedup and `outbox show`).
+        #: The last error of the lease thread (said once per distinct reason).
         self.last_error: str | None = None
         #: What ended the relay's thread, if anything did (a bug): the worker stops on it.
         self.error: BaseException | None = None
@@ -97,7 +117,7 @@ class Relay:
     # -- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
-        """Publish on a thread of its own (the worker's way)."""
+        """Publish on threads of its own (the worker's way)."""
         self._thread = threading.Thread(target=self._run_logged, name="kstore-relay", daemon=True)
         self._thread.start()
 
@@ -109,7 +129,7 @@ class Relay:
             log.exception("the outbox relay of group %r failed; its shards are released", self.group)
 
     def run(self) -> None:
-        """Publish until :meth:`request_stop`."""
+        """Publish until :meth:`request_stop`: keep the leases here, publish each held shard on a thread."""
         while not self._stop.is_set():
             try:
                 self.outbox.ensure_shards(self.settings.outbox_shards)
@@ -122,22 +142,30 @@ class Relay:
         log.info("outbox relay %s for group %r: %d shard(s)", self.member, self.group, self.outbox.shards)
         try:
             while not self._stop.is_set():
-                busy = self.turn()
-                if not busy and not self._stop.is_set():
-                    self._idle(self._wait_s())
+                if time.monotonic() >= self._next_heartbeat:
+                    self._heartbeat()
+                self._reap()
+                for state in list(self._held.values()):
+                    if state.thread is None:
+                        state.thread = threading.Thread(target=self._shard_loop, args=(state,),
+                                                        name=f"kstore-relay-{state.shard}", daemon=True)
+                        state.thread.start()
+                self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
 
     def wake(self) -> None:
         """A batch that produced records committed: publish now, not at the next poll."""
+        for state in list(self._held.values()):
+            state.wake.set()
         self._wake.set()
 
     def request_stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread (if :meth:`start` made one) and give the shards up."""
+        """Stop the threads (if :meth:`start` made them) and give the shards up."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -147,197 +175,251 @@ class Relay:
 
     @property
     def shards_held(self) -> list[int]:
-        return sorted(self._held)
+        return sorted(s for s, st in list(self._held.items()) if not st.lost)
 
     @property
     def shards_blocked(self) -> list[int]:
         """Held shards stopped on a row Kafka refused (see the ERROR line naming it)."""
         return sorted(s for s, st in list(self._held.items()) if st.blocked_on is not None)
 
-    # -- one turn ---------------------------------------------------------------
+    # -- the leases (the relay's own thread) -------------------------------------
 
     def turn(self) -> bool:
-        """Heartbeat when due, then publish what each held shard has waiting; True if anything was published."""
+        """One step of everything on the calling thread: the heartbeat when due, then one publishing
+        step of each held shard. True if anything was published. (``run`` does the same on threads.)"""
         if time.monotonic() >= self._next_heartbeat and not self._heartbeat():
             return False
-        if time.monotonic() < self._not_before:
-            return False
         busy = False
-        for shard in list(self._held):
-            try:
-                busy |= self._publish(shard)
-            except SQLAlchemyError as exc:
-                self._failed(f"read or mark shard {shard}", exc)
-                return False
-            except BrokerError as exc:
-                self._drop_publisher(shard)
-                self._failed(f"open shard {shard}'s producer", exc)
-                return False
+        for state in list(self._held.values()):
+            busy |= self._step(state)
+        self._reap()
         return busy
 
     def _heartbeat(self) -> bool:
         """Renew the held leases, give up what is more than this relay's share, take free shards up to it."""
         lease = self.settings.outbox_lease_s
         self._next_heartbeat = time.monotonic() + lease / 3
+        if time.monotonic() < self._not_before:
+            return False
         try:
-            kept, alive = self.outbox.heartbeat(self.member, {s: st.epoch for s, st in self._held.items()}, lease)
-            for shard in set(self._held) - kept:
+            held = {s: st.epoch for s, st in list(self._held.items()) if not st.lost}
+            kept, counts = self.outbox.heartbeat(self.member, held, lease)
+            for shard in set(held) - kept:
                 log.warning("outbox shard %d of group %r was taken by another relay: no longer publishing it",
                             shard, self.group)
-                self._forget(shard)
-            share = math.ceil(self.outbox.shards / alive)
-            if len(self._held) > share:
-                shard = max(self._held)
+                self._stop_shard(shard)
+            action = share(self.outbox.shards, counts, self.member)
+            if action < 0:
+                shard = max(kept)
                 log.info("outbox relay %s gives shard %d up (%d relays share %d shards)", self.member, shard,
-                         alive, self.outbox.shards)
+                         len(counts), self.outbox.shards)
                 epoch = self._held[shard].epoch
-                self._forget(shard)
+                self._stop_shard(shard)
                 self.outbox.release(self.member, shard, epoch)
-            elif len(self._held) < share:
-                for shard in self.outbox.free_shards()[: share - len(self._held)]:
+            elif action > 0:
+                for shard in self.outbox.free_shards()[:action]:
                     claimed = self.outbox.claim(self.member, shard, lease)
                     if claimed is not None:
                         log.info("outbox relay %s publishes shard %d of group %r (epoch %d)", self.member, shard,
                                  self.group, claimed)
-                        self._held[shard] = _Shard(claimed)
+                        self._held[shard] = _Shard(shard, claimed)
         except SQLAlchemyError as exc:
             self._failed("renew the outbox leases", exc)
             return False
+        self._delay, self.last_error = RETRY_DELAY_S, None
         return True
 
-    def _publish(self, shard: int) -> bool:
-        state = self._held[shard]
-        if state.blocked_until > time.monotonic():
+    def _stop_shard(self, shard: int, wait: bool = False) -> None:
+        """Tell a shard's thread to stop (it closes its producer on its way out) and forget the shard.
+
+        Not waited for but at shutdown: a thread in the middle of a Kafka call must not hold up
+        the heartbeat of the other leases. Should this relay take the shard again meanwhile, its
+        new producer fences the old one's."""
+        state = self._held.pop(shard, None)
+        if state is None:
+            return
+        state.stop.set()
+        state.wake.set()
+        if state.thread is None:
+            _close_publisher(state)
+        elif wait:
+            state.thread.join(self.settings.connect_timeout_s)
+
+    def _reap(self) -> None:
+        """Forget the shards whose own thread found the lease gone."""
+        for shard, state in list(self._held.items()):
+            if state.lost:
+                self._stop_shard(shard)
+
+    # -- one shard ----------------------------------------------------------------
+
+    def _shard_loop(self, state: _Shard) -> None:
+        """A held shard's thread: publish whenever there is something, until told to stop."""
+        try:
+            while not (state.stop.is_set() or state.lost):
+                if not self._step(state):
+                    state.wake.wait(self._shard_wait_s(state))
+                    state.wake.clear()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("publishing outbox shard %d of group %r failed", state.shard, self.group)
+        finally:
+            _close_publisher(state)
+
+    def _shard_wait_s(self, state: _Shard) -> float:
+        """Until the shard's retry is due; else until its mark is due or the next poll."""
+        now = time.monotonic()
+        if state.not_before > now:
+            return state.not_before - now
+        wait = self.settings.outbox_poll_interval_s
+        if state.published > state.marked:
+            wait = min(wait, state.marked_at + MARK_INTERVAL_S - now)
+        return max(0.001, wait)
+
+    def _step(self, state: _Shard) -> bool:
+        """One publishing step of a shard: a transaction of what waits (True), or nothing to do."""
+        if state.lost or time.monotonic() < state.not_before:
             return False
-        if state.publisher is None:
-            try:
-                self._open(shard, state)
-            except _LostShard:
-                return False
+        try:
+            if state.publisher is None:
+                self._open(state)
+            return self._publish(state)
+        except _LostShard:
+            return False
+        except SQLAlchemyError as exc:
+            self._shard_failed(state, "read or mark it", exc)
+        except BrokerError as exc:
+            _close_publisher(state)
+            self._shard_failed(state, "open its producer", exc)
+        return False
+
+    def _publish(self, state: _Shard) -> bool:
         assert state.publisher is not None
+        shard = state.shard
         rows = self.outbox.pending(shard, state.published, MAX_ROWS_PER_TRANSACTION)
         if not rows:
+            self._mark(state, due=True)
             return False
         try:
             state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
         except Fenced as exc:
             # Another producer initialised the shard's transactional id. If the lease is still ours
-            # (a relay whose lease ran out, before its heartbeat told it), a new producer of ours
-            # fences it in turn (see _open); if not, the shard is given up.
+            # (the other is a relay whose lease ran out, before its heartbeat told it), a new producer
+            # of ours fences it in turn (see _open); if not, the shard is given up there.
             log.warning("outbox shard %d of group %r: another relay's producer took over (%s)", shard, self.group,
                         exc)
             self.metrics.relay_fenced()
-            self._drop_publisher(shard)
-            state.blocked_until = time.monotonic() + FENCED_RETRY_S
+            _close_publisher(state)
+            state.not_before = time.monotonic() + FENCED_RETRY_S
             return False
         except PublishFailed as exc:
-            self._drop_publisher(shard)
-            if exc.seq is not None:
-                state.blocked_until = time.monotonic() + BLOCKED_RETRY_S
-                state.blocked_on = exc.seq
-                # Said every time (every BLOCKED_RETRY_S), not once: an operator must act on it.
-                log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
-                          "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, BLOCKED_RETRY_S)
+            _close_publisher(state)
+            if exc.seq is None:
+                self._shard_failed(state, "publish it", exc)
                 return False
-            self._failed(f"publish shard {shard}", exc)
+            state.not_before = time.monotonic() + BLOCKED_RETRY_S
+            state.blocked_on = exc.seq
+            # Said every time (every BLOCKED_RETRY_S), not once: an operator must act on it.
+            log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
+                      "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, BLOCKED_RETRY_S)
             return False
         state.published = rows[-1].seq
-        state.blocked_on = None
-        self._delay, self.last_error = RETRY_DELAY_S, None
+        state.blocked_on, state.delay, state.last_error = None, RETRY_DELAY_S, None
         self.metrics.published(len(rows), rows[0].created_at)
-        if not self.outbox.mark_published(shard, state.epoch, self.member, state.published):
-            # Published (Kafka's progress holds it); the lease moved meanwhile: the next owner reads it there.
-            log.warning("outbox shard %d of group %r was taken by another relay after publishing up to %d",
-                        shard, self.group, state.published)
-            self._forget(shard)
+        self._mark(state, due=False)
         return True
 
-    def _open(self, shard: int, state: _Shard) -> None:
+    def _mark(self, state: _Shard, due: bool) -> None:
+        """Write the shard's "published" mark and delete what it covers: when ``due`` (the shard is
+        idle), or once a MARK_INTERVAL_S. Kafka's progress is the truth; this is only clean-up."""
+        if state.published <= state.marked:
+            return
+        now = time.monotonic()
+        if not due and now < state.marked_at + MARK_INTERVAL_S:
+            return
+        if not self.outbox.mark_published(state.shard, state.epoch, self.member, state.published):
+            # Published (Kafka's progress holds it); the lease moved meanwhile: the next owner reads it there.
+            log.warning("outbox shard %d of group %r was taken by another relay after publishing up to %d",
+                        state.shard, self.group, state.published)
+            state.lost = True
+            raise _LostShard()
+        state.marked, state.marked_at = state.published, now
+
+    def _open(self, state: _Shard) -> None:
         """A new producer for the shard (fencing any earlier one), and its progress read from Kafka.
 
         Only while the lease is this relay's: a relay that lost it and does not know yet would
         otherwise fence the new holder's producer, and the two would take turns."""
+        shard = state.shard
         if not self.outbox.holds(self.member, shard, state.epoch):
             log.warning("outbox shard %d of group %r was taken by another relay: no longer publishing it",
                         shard, self.group)
-            self._forget(shard)
+            state.lost = True
             raise _LostShard()
+        marked, incarnation = self.outbox.published_mark(shard)
         publisher = ShardPublisher(self.settings, self.group, shard, self.settings.outbox_max_record_bytes,
-                                   self.database_id)
+                                   incarnation)
         try:
-            if self._admin is None:
-                self._admin = open_progress_reader(self.settings)
-            in_kafka = publisher.progress(self._admin)
+            with self._admin_lock:
+                if self._admin is None:
+                    self._admin = open_progress_reader(self.settings)
+                in_kafka = publisher.progress(self._admin)
         except BaseException:
             publisher.close()
             raise
-        marked = self.outbox.published_mark(shard)
-        state.publisher, state.published = publisher, max(in_kafka, marked)
-        if state.published > marked:
-            # Published before, not marked (the last owner stopped in between): clean up now.
-            self.outbox.mark_published(shard, state.epoch, self.member, state.published)
+        state.publisher, state.published, state.marked = publisher, max(in_kafka, marked), marked
+        # Published before, not marked (the last owner stopped in between): clean up now.
+        self._mark(state, due=True)
         log.info("outbox shard %d of group %r: published up to %d (Kafka's record), publishing on", shard,
                  self.group, state.published)
+
+    def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:
+        """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S); said once per reason."""
+        state.not_before = time.monotonic() + state.delay
+        text = (f"outbox shard {state.shard} of group {self.group!r}: could not {what}: {first_line(exc)}; "
+                f"the rows wait (retrying in {state.delay:.1f}s)")
+        if text != state.last_error:
+            log.warning(text)
+        state.last_error = text
+        state.delay = min(state.delay * 2, RETRY_MAX_DELAY_S)
 
     # -- helpers ----------------------------------------------------------------
 
     def _idle(self, seconds: float) -> None:
-        """Wait for a wake-up (this worker's commit, a NOTIFY from another's) or ``seconds``."""
-        if self._wake.is_set():
-            self._wake.clear()
-            return
+        """Wait for a wake-up (this worker's commit, a NOTIFY from another's) or ``seconds``; pass it on."""
         if self._listener is None and self.outbox.postgresql:
             try:
                 self._listener = Listener(self.outbox.engine)
             except SQLAlchemyError as exc:
                 log.debug("LISTEN failed (polling instead): %s", exc)
-        if self._listener is not None:
-            deadline = time.monotonic() + seconds
-            while not self._wake.is_set() and (left := deadline - time.monotonic()) > 0:
-                try:
-                    if self._listener.wait(min(left, 0.05)):
-                        break
-                except Exception as exc:
-                    log.debug("the LISTEN connection failed (polling instead): %s", exc)
-                    self._listener.close()
-                    self._listener = None
-                    self._wake.wait(left)
-                    break
-        else:
-            self._wake.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            if self._listener is None:
+                self._wake.wait(left)
+                break
+            try:
+                if self._listener.wait(min(left, 0.2)):
+                    self.wake()
+            except Exception as exc:
+                log.debug("the LISTEN connection failed (polling instead): %s", exc)
+                self._listener.close()
+                self._listener = None
         self._wake.clear()
 
-    def _wait_s(self) -> float:
-        until_heartbeat = max(0.0, self._next_heartbeat - time.monotonic())
-        until_retry = max(0.0, self._not_before - time.monotonic())
-        return min(self.settings.outbox_poll_interval_s, until_heartbeat, max(until_retry, 0.001))
-
     def _failed(self, what: str, exc: BaseException) -> None:
-        """Wait before trying again (doubling up to RETRY_MAX_DELAY_S); said once per distinct reason."""
+        """The lease thread waits before trying again (doubling up to RETRY_MAX_DELAY_S); said once per reason."""
         self._not_before = time.monotonic() + self._delay
-        self._say(f"outbox relay of group {self.group!r} could not {what}: {first_line(exc)}; "
-                  f"the rows wait (retrying in {self._delay:.1f}s)", logging.WARNING)
-        self._delay = min(self._delay * 2, RETRY_MAX_DELAY_S)
-
-    def _say(self, text: str, level: int) -> None:
+        text = (f"outbox relay of group {self.group!r} could not {what}: {first_line(exc)}; "
+                f"the rows wait (retrying in {self._delay:.1f}s)")
         if text != self.last_error:
-            log.log(level, text)
+            log.warning(text)
         self.last_error = text
-
-    def _drop_publisher(self, shard: int) -> None:
-        state = self._held.get(shard)
-        if state is not None and state.publisher is not None:
-            state.publisher.close()
-            state.publisher = None
-
-    def _forget(self, shard: int) -> None:
-        self._drop_publisher(shard)
-        self._held.pop(shard, None)
+        self._delay = min(self._delay * 2, RETRY_MAX_DELAY_S)
 
     def _release_all(self) -> None:
         for shard in list(self._held):
             epoch = self._held[shard].epoch
-            self._forget(shard)
+            self._stop_shard(shard, wait=True)
             try:
                 self.outbox.release(self.member, shard, epoch)
             except SQLAlchemyError as exc:
@@ -354,3 +436,27 @@ class Relay:
                     log.debug("closing failed: %s", exc)
         self._listener = self._admin = None
 
+
+def share(shards: int, counts: dict[str, int], me: str) -> int:
+    """How many shards relay ``me`` should take (> 0) or give up (-1), or 0, given how many each
+    live relay holds (``counts``, ``me`` included). Each ends with ``shards // relays`` or one more.
+
+    One that holds less than its floor takes free shards first: a relay with its floor only takes
+    one more while nobody is below theirs, and a relay above the floor gives one up while someone
+    is below it (so three relays on four shards end 2-1-1, not 2-2-0).
+    """
+    low, high = shards // len(counts), -(-shards // len(counts))
+    mine, least = counts[me], min(counts.values())
+    if mine > high or (mine > low and least < low and mine > least + 1):
+        return -1
+    if mine < low:
+        return low - mine
+    if mine < high and least >= low:
+        return high - mine
+    return 0
+
+
+def _close_publisher(state: _Shard) -> None:
+    if state.publisher is not None:
+        state.publisher.close()
+        state.publisher = None

@@ -131,9 +131,8 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
-            database_id = store.database_id()
             source = self.source_factory(self.settings, self.group, self.topics, self.worker_id,
-                                         database_id=database_id)
+                                         database_id=store.database_id())
             source.check_topics()
         except KstoreError:
             if source is not None:
@@ -146,7 +145,7 @@ class Worker:
         self._ensure_shards(self._outbox)
         self._partitions = PartitionCounts(self.settings)
         if self.settings.relay:
-            self.relay = Relay(self.settings, self.group, engine, database_id, self.metrics, member=self.worker_id)
+            self.relay = Relay(self.settings, self.group, engine, self.metrics, member=self.worker_id)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
                                 self._db_backoff, self._recheck, self.metrics, outbox=self._outbox,
                                 check_produced=produce_check(self._partitions.count,

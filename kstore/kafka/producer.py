@@ -4,11 +4,12 @@ records how far it published.
 **Progress lives in the Kafka transaction.** Each transaction that publishes a shard's rows
 also commits, through ``send_offsets_to_transaction``, one offset per output partition it
 wrote to, in a group of the shard's own (``kstore-outbox.<group>.<shard>``), whose metadata is
-the last ``seq`` published, after the database's identity (``<database id>/<seq>``: marks left
-by an outbox in another database, or in this one before its tables were made anew, count for
-nothing here). The records and that mark commit together or not at all, so a relay
-killed between Kafka's commit and the database's "published" mark (only for clean-up) never
-publishes a row twice: the next owner reads the highest mark (:meth:`ShardPublisher.progress`).
+the last ``seq`` published, after the shards' incarnation (``<incarnation>/<seq>``, a random
+id made with the group's shards: marks left by shards made before, in another database or in
+this one before they were made anew, count for nothing here). The records and that mark commit
+together or not at all, so a relay killed between Kafka's commit and the database's "published"
+mark (only for clean-up) never publishes a row twice: the next owner reads the highest mark
+(:meth:`ShardPublisher.progress`).
 
 **Fencing.** The producer's ``transactional_id`` is stable per shard (the same string as the
 progress group): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
@@ -68,10 +69,10 @@ def shard_id(group: str, shard: int) -> str:
 class ShardPublisher:
     """A transactional producer for one shard of one group's outbox."""
 
-    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, database_id: str) -> None:
+    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
         self.ident = shard_id(group, shard)
-        self._mark = f"{database_id}/"
+        self._mark = f"{incarnation}/"
         config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
         config.update(
             transactional_id=self.ident,

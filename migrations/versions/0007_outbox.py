@@ -41,6 +41,9 @@ def upgrade(table_prefix: str = "kstore_", schema: str | None = None) -> None:
         sa.Column("consumer_group", sa.String(255), primary_key=True),
         sa.Column("shard", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("next_seq", sa.BigInteger, nullable=False),
+        # Made anew with the group's shards: the relays' progress marks in Kafka carry it, so a mark
+        # left by shards made before (deleted since, or in another database) counts for nothing.
+        sa.Column("incarnation", sa.String(32), nullable=False),
         schema=schema,
     )
     op.create_table(
