@@ -1,4 +1,4 @@
-"""`kstore outbox show`: a group's outbox shards as the database holds them.
+"""`kstore outbox show`: a group's outbox shards as the database holds them (and the outbox line of `kstore top`).
 
 Rows wait while no relay runs (a ``--no-relay`` worker), and are gone once a ``kstore relay``
 drained them; a group with no outbox is one line naming the groups that have one.
@@ -85,6 +85,10 @@ def test_rows_wait_with_no_relay_and_are_gone_once_a_relay_drained_them(
     assert header.split() == COLUMNS
     assert [r.split()[:2] for r in rows] == [[str(s["shard"]), str(s["waiting"])] for s in shards]
     assert all(r.split()[-2:] == ["-", "-"] for r in rows), "no owner and no lease without a relay"
+    top = kstore("top", "--once", "--group", "booker", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
+    assert top.returncode == 0, top.stderr
+    assert f"outbox  {expected} records waiting, oldest " in top.stdout, top.stdout
+    assert f"shards held by a relay 0/{len(shards)}" in top.stdout, top.stdout
 
     # A relay takes every shard and publishes it all: nothing waits, published up to the last seq.
     r = relay(pg_dsn, "booker")
