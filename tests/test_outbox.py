@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kafka import KafkaConsumer, TopicPartition
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
-from .harness import WorkerProcess, stored_offsets, wait_until
+from .harness import WorkerProcess, read_committed, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
 
 BOOKER = "outbox_processors:Booker"
@@ -25,26 +24,6 @@ BOOKER = "outbox_processors:Booker"
 
 def keyed_values(count: int, keys: int, start: int = 0) -> list[str]:
     return [f"k{(start + i) * 7919 % keys}:{start + i}" for i in range(count)]
-
-
-def read_all(kafka: str, topic: str) -> list[tuple[bytes | None, bytes]]:
-    """Every record a read_committed reader sees in ``topic``, up to its last stable offset."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
-                             group_id=None, consumer_timeout_ms=1000)
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out: list[tuple[bytes | None, bytes]] = []
-        deadline = time.monotonic() + 120
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, "reading the output topic took too long"
-            for records in consumer.poll(timeout_ms=500).values():
-                out.extend((r.key, r.value) for r in records)
-        return out
-    finally:
-        consumer.close()
 
 
 def outbox_rows(dsn: str) -> int:
@@ -108,7 +87,7 @@ def test_produced_records_are_published_once_in_commit_order_across_a_worker_kil
     w1.kill()
     sent += produce(source, keyed_values(3000, keys=40, start=3000))
     wait_done(pg_dsn, "booker", sent)
-    per_key = check_outputs(read_all(kafka, out), sent)
+    per_key = check_outputs(read_committed(kafka, out), sent)
     assert len(per_key) == 40
     assert w2.terminate() == 0
 
@@ -126,7 +105,7 @@ def test_sqlite_one_worker_publishes_once_across_a_kill(
     w1.kill()
     w2 = workers(sqlite_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "200"])
     wait_done(sqlite_dsn, "booker", sent)
-    check_outputs(read_all(kafka, out), sent)
+    check_outputs(read_committed(kafka, out), sent)
     assert w2.terminate() == 0
 
 
@@ -157,7 +136,7 @@ def test_standalone_relays_killed_and_paused_publish_nothing_twice(
     r2.resume()
     time.sleep(3)  # the zombie's late transaction, if any, would commit now
     wait_done(pg_dsn, "booker", sent)
-    check_outputs(read_all(kafka, out), sent)
+    check_outputs(read_committed(kafka, out), sent)
     assert w.terminate() == 0
     assert r3.terminate() == 0
     assert r2.terminate() == 0
