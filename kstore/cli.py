@@ -1,8 +1,9 @@
 """The ``kstore`` command: logging, ``--debug``, and the command groups, each from beside the library it calls.
 
-``kstore worker`` is :mod:`kstore.engine.commands`, ``kstore migrate`` :mod:`kstore.db.commands`,
-``kstore offsets``, ``dead-letters``, ``exporter`` and ``top`` :mod:`kstore.ops.commands`; what
-they share (options, one-line errors, secrets kept out of output) is :mod:`kstore.commandline`.
+``kstore worker`` and ``relay`` are :mod:`kstore.engine.commands`, ``kstore migrate``
+:mod:`kstore.db.commands`, ``kstore offsets``, ``dead-letters``, ``outbox``, ``exporter`` and ``top``
+:mod:`kstore.ops.commands`; what they share (options, one-line errors, secrets kept out of output) is
+:mod:`kstore.commandline`.
 No SQL and no Kafka here. A :class:`KstoreError` is printed on one line and exits non-zero;
 ``--debug`` shows the traceback.
 """
@@ -18,7 +19,7 @@ import click
 from kstore.commandline import LOG_CONTEXT
 from kstore.db.commands import migrate
 from kstore.engine.commands import relay, worker
-from kstore.ops.commands import dead_letters, exporter, offsets, top
+from kstore.ops.commands import dead_letters, exporter, offsets, outbox, top
 
 
 @click.group()
@@ -47,7 +48,7 @@ def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> Non
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-for command in (migrate, worker, relay, offsets, dead_letters, exporter, top):
+for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top):
     cli.add_command(command)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from kafka import KafkaConsumer, TopicPartition
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
@@ -118,6 +119,26 @@ def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
     finally:
         engine.dispose()
     return {(r[0], r[1]): r[2] for r in rows}
+
+
+def read_committed(kafka: str, topic: str, timeout: float = 120) -> list[tuple[bytes | None, bytes]]:
+    """Every record a read_committed reader sees in ``topic``, up to its last stable offset: (key, value)."""
+    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
+                             group_id=None, consumer_timeout_ms=1000)
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out: list[tuple[bytes | None, bytes]] = []
+        deadline = time.monotonic() + timeout
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"reading {topic} took too long"
+            for records in consumer.poll(timeout_ms=500).values():
+                out.extend((r.key, r.value) for r in records)
+        return out
+    finally:
+        consumer.close()
 
 
 def read_in_flight(hang_file: Path) -> set[tuple[str, int, int]]:

@@ -1,6 +1,7 @@
 """The examples in examples/, run as users run them (``kstore worker examples/X.py:Class``) against
 real Kafka and PostgreSQL: their results equal what the produced messages imply, across a SIGKILL
-and restart and across an operator's replay (``kstore offsets set --shift-by -N --execute``)."""
+and restart and across an operator's replay (``kstore offsets set --shift-by -N --execute``); what
+one of them produces to Kafka is what a read_committed reader sees, once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .harness import REPO_DIR, TESTS_DIR, stored_offsets, wait_until
+from .harness import REPO_DIR, TESTS_DIR, read_committed, stored_offsets, wait_until
 
 EXAMPLES = REPO_DIR / "examples"
 Sent = tuple[str, int, int]
@@ -60,17 +61,18 @@ def replay(dsn: str, kafka: str, group: str, topic: str, shift: int) -> str:
 
 
 def kill_mid_run_and_restart(workers: Any, dsn: str, topic: str, group: str, processor: str, *, batch: int,
-                             table: str, kill_at: int, total: int, sent: Sequence[Sent]) -> tuple[Any, Any, int]:
+                             table: str, kill_at: int, total: int, sent: Sequence[Sent],
+                             env: dict[str, str] | None = None) -> tuple[Any, Any, int]:
     """SIGKILL a worker once ``kill_at`` rows are in ``table`` (before all ``total``), start another
     and wait until it has caught up; returns both workers and the rows there at the kill."""
     count = f"SELECT count(*) FROM {table}"
-    w1 = workers(dsn, topic, group, processor=processor, args=["--max-batch-size", str(batch)])
+    w1 = workers(dsn, topic, group, processor=processor, env=env, args=["--max-batch-size", str(batch)])
     wait_until(lambda: rows(dsn, f"SELECT to_regclass('{table}') IS NOT NULL")[0][0]
                and rows(dsn, count)[0][0] >= kill_at, 60, interval=0.02, what=f"{kill_at:,} rows in {table}")
     w1.kill()
     at_kill: int = rows(dsn, count)[0][0]
     assert at_kill < total, "the worker finished before the kill"
-    w2 = workers(dsn, topic, group, processor=processor, args=["--max-batch-size", str(batch)])
+    w2 = workers(dsn, topic, group, processor=processor, env=env, args=["--max-batch-size", str(batch)])
     wait_until(lambda: caught_up(dsn, group, sent), 60, interval=0.05, what="the restarted worker to catch up")
     return w1, w2, at_kill
 
@@ -262,3 +264,70 @@ def test_cdc_mirror_equals_the_final_state_per_key_and_after_a_replay(
     tombstones = sum(1 for _, v in changes if v is None)
     print(f"cdc: {n:,} changes of {keys} keys ({tombstones} tombstones) -> {len(final)} rows; "
           f"equal again after replaying the last 4x400")
+
+
+# -- 4. payments booked, and announced on Kafka ---------------------------------------------------------
+
+def payment_input(n: int, n_bad: int, accounts: int = 30) -> tuple[list[tuple[str | None, bytes]], set[int]]:
+    """``n`` payments as (account, JSON) records; ``n_bad`` of them invalid, at the indexes returned
+    (two among the last messages, so the replay meets them again)."""
+    rng = random.Random(77)
+    bad_at = set(rng.sample(range(n - 200), n_bad - 2)) | {n - 30, n - 10}
+    records: list[tuple[str | None, bytes]] = []
+    for i in range(n):
+        payment: dict[str, Any] = {"id": f"pay-{i}", "account": f"acct-{rng.randrange(accounts)}",
+                                   "amount": rng.randint(1, 100_000)}
+        if i in bad_at:
+            payment["amount"] = [0, -5, "12.50", None][i % 4]
+        records.append((payment["account"], json.dumps(payment).encode()))
+    return records, bad_at
+
+
+def test_payments_are_booked_once_and_announced_once_in_order_across_sigkill_and_replay(
+        pg_dsn: str, kafka: str, new_topic: Any, producer: Any, workers: Any) -> None:
+    n, n_bad = 5000, 12
+    topic, out, group = new_topic(4), new_topic(3), "payments"
+    records, bad_at = payment_input(n, n_bad)
+    sent = send(producer, topic, records)
+    good = [json.loads(v) for i, (_, v) in enumerate(records) if i not in bad_at]
+    processor = f"{EXAMPLES / 'payments.py'}:Payments"
+
+    # The kill takes the worker's relay with it, mid-publish; the restarted worker's relay takes over.
+    _, w2, at_kill = kill_mid_run_and_restart(workers, pg_dsn, topic, group, processor, batch=250,
+                                              table="payment_ledger", kill_at=1500, total=len(good), sent=sent,
+                                              env={"PAYMENTS_BOOKED_TOPIC": out})
+    replay(pg_dsn, kafka, group, topic, -100)
+    w2.wait_for_log(r"reset to \d+ by an operator", count=4, timeout=30)
+    wait_until(lambda: caught_up(pg_dsn, group, sent) and rows(pg_dsn, "SELECT count(*) FROM kstore_outbox")[0][0] == 0,
+               90, interval=0.1, what="the replay to catch up and the outbox to empty")
+    assert w2.terminate() == 0
+
+    # Booked once: the ledger holds every good payment, and the balances are their sums.
+    booked = rows(pg_dsn, "SELECT id, account, amount FROM payment_ledger")
+    assert sorted(booked) == sorted((p["id"], p["account"], p["amount"]) for p in good)
+    expected: Counter[str] = Counter()
+    for p in good:
+        expected[p["account"]] += p["amount"]
+    assert dict(rows(pg_dsn, "SELECT account, balance FROM account_balances")) == dict(expected)
+
+    # Announced once, per account in the order booked: each record's balance is the running sum.
+    seen = [(key, json.loads(value)) for key, value in read_committed(kafka, out)]
+    assert Counter(v["id"] for _, v in seen) == Counter(p["id"] for p in good), "a payment announced twice or never"
+    assert all(key == v["account"].encode() for key, v in seen)
+    per_account: dict[str, list[tuple[str, int]]] = {}
+    for _, v in seen:
+        per_account.setdefault(v["account"], []).append((v["id"], v["balance"]))
+    running: Counter[str] = Counter()
+    position: Counter[str] = Counter()
+    for p in good:  # one account's payments are in one input partition: booked in the order sent
+        account = p["account"]
+        running[account] += p["amount"]
+        got = per_account[account][position[account]]
+        assert got == (p["id"], running[account]), f"{account}: out of order at {p['id']}: {got}"
+        position[account] += 1
+
+    letters = dead_letters(pg_dsn, group)
+    assert {(t, p, o) for t, p, o, _ in letters} == {sent[i] for i in bad_at}
+    assert all(e.startswith("Reject: ") for *_, e in letters), letters
+    print(f"payments: {n:,} ({n_bad} bad), SIGKILL after {at_kill:,} booked, replayed 4x100; "
+          f"{len(seen):,} payment-booked records read once each, {len(expected)} accounts in order")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
@@ -22,7 +22,7 @@ from kstore.dev.broker import Cluster
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy
-from .harness import WorkerProcess, stored_offsets, wait_until
+from .harness import WorkerProcess, read_committed, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
 
 BOOKER = "outbox_processors:Booker"
@@ -30,26 +30,6 @@ BOOKER = "outbox_processors:Booker"
 
 def keyed_values(count: int, keys: int, start: int = 0) -> list[str]:
     return [f"k{(start + i) * 7919 % keys}:{start + i}" for i in range(count)]
-
-
-def read_all(kafka: str, topic: str) -> list[tuple[bytes | None, bytes]]:
-    """Every record a read_committed reader sees in ``topic``, up to its last stable offset."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
-                             group_id=None, consumer_timeout_ms=1000)
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out: list[tuple[bytes | None, bytes]] = []
-        deadline = time.monotonic() + 120
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, "reading the output topic took too long"
-            for records in consumer.poll(timeout_ms=500).values():
-                out.extend((r.key, r.value) for r in records)
-        return out
-    finally:
-        consumer.close()
 
 
 def outbox_rows(dsn: str) -> int:
@@ -113,7 +93,7 @@ def test_produced_records_are_published_once_in_commit_order_across_a_worker_kil
     w1.kill()
     sent += produce(source, keyed_values(3000, keys=40, start=3000))
     wait_done(pg_dsn, "booker", sent)
-    per_key = check_outputs(read_all(kafka, out), sent)
+    per_key = check_outputs(read_committed(kafka, out), sent)
     assert len(per_key) == 40
     assert w2.terminate() == 0
 
@@ -131,7 +111,7 @@ def test_sqlite_one_worker_publishes_once_across_a_kill(
     w1.kill()
     w2 = workers(sqlite_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "200"])
     wait_done(sqlite_dsn, "booker", sent)
-    check_outputs(read_all(kafka, out), sent)
+    check_outputs(read_committed(kafka, out), sent)
     assert w2.terminate() == 0
 
 
@@ -162,7 +142,7 @@ def test_standalone_relays_killed_and_paused_publish_nothing_twice(
     r2.resume()
     time.sleep(3)  # the zombie's late transaction, if any, would commit now
     wait_done(pg_dsn, "booker", sent)
-    check_outputs(read_all(kafka, out), sent)
+    check_outputs(read_committed(kafka, out), sent)
     assert w.terminate() == 0
     assert r3.terminate() == 0
     assert r2.terminate() == 0
@@ -251,7 +231,7 @@ def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_br
         r2.wait_for_log(r"taken by another relay|another relay's producer took over", timeout=60)
         time.sleep(2)  # whatever the zombie still tries, it tries now
         assert outbox_rows(pg_dsn) == 0
-        check_outputs(read_all(kafka, "booked"), sent)
+        check_outputs(read_committed(kafka, "booked"), sent)
         assert len(sent) == 20_000
         for proc in (w2, w3, r2):
             assert proc.terminate() == 0
@@ -282,7 +262,7 @@ def test_records_that_could_never_be_published_dead_letter_their_message_alone(
     assert set(letters) == set(bad)
     for value, reason in bad.items():
         assert reason in letters[value] and "ProduceError" in letters[value], letters[value]
-    assert sorted(v for _, v in read_all(kafka, out)) == sorted(f"ok{i}".encode() for i in range(30))
+    assert sorted(v for _, v in read_committed(kafka, out)) == sorted(f"ok{i}".encode() for i in range(30))
     assert "stopped on row" not in w.log
     assert w.terminate() == 0
 
@@ -304,5 +284,5 @@ def test_the_worker_stops_taking_batches_while_too_many_records_wait(
     r = relays(pg_dsn, "booker")
     wait_done(pg_dsn, "booker", sent)
     assert "processing again" in w.log
-    check_outputs(read_all(kafka, out), sent)
+    check_outputs(read_committed(kafka, out), sent)
     assert w.terminate() == 0 and r.terminate() == 0

@@ -51,7 +51,7 @@ def drain(relay: Relay) -> None:
 
 
 def values(kafka: str, topic: str) -> list[bytes]:
-    return [v for _, v in read_all(kafka, topic)]
+    return [v for _, v in read_committed(kafka, topic)]
 
 
 def test_records_are_published_once_in_commit_order_and_the_outbox_empties(

@@ -2,9 +2,10 @@
 
 - :mod:`~kstore.ops.offsets`: ``kstore offsets show|set|history`` from Python.
 - :mod:`~kstore.ops.replay`: dead letters replayed through a processor (``kstore dead-letters replay``).
+- :mod:`~kstore.ops.outbox`: a group's outbox shards, what waits to be published (``kstore outbox show``).
 - :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
   :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
-- :mod:`~kstore.ops.commands`: the ``offsets``, ``dead-letters``, ``exporter`` and ``top`` commands.
+- :mod:`~kstore.ops.commands`: the ``offsets``, ``dead-letters``, ``outbox``, ``exporter`` and ``top`` commands.
 
 May import the database side, the Kafka side, :mod:`kstore.telemetry` (the lag metric families),
 :mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no

@@ -1,4 +1,5 @@
-"""The operator's commands: ``kstore offsets``, ``kstore dead-letters``, ``kstore exporter``, ``kstore top``.
+"""The operator's commands: ``kstore offsets``, ``kstore dead-letters``, ``kstore outbox``, ``kstore exporter``,
+``kstore top``.
 
 Each parses its options, builds Settings and calls one function of :mod:`kstore.ops` (or of
 :mod:`kstore.db.deadletters` for a dead letter's listing and status changes), and prints
@@ -30,6 +31,7 @@ from kstore.processor import load_processor
 from kstore.settings import Settings
 
 from . import offsets as offsets_admin
+from . import outbox as outbox_admin
 from . import replay as replays
 
 
@@ -100,6 +102,33 @@ def offsets_history(ctx: click.Context, /, group: str, topic: str | None, limit:
     click.echo(table(["AT", "TOPIC", "PARTITION", "FROM", "TO", "EPOCH", "BY", "REQUEST", "REASON"],
                       [[r.at.strftime("%Y-%m-%d %H:%M:%S"), r.topic, r.partition_id, r.from_offset, r.to_offset,
                         r.epoch, f"{r.by_user}@{r.by_host}", r.request_id, r.reason] for r in rows]))
+
+
+@click.group()
+def outbox() -> None:
+    """What a group's processor produced and its relays have not yet published to Kafka."""
+
+
+@outbox.command("show")
+@dsn_option
+@click.option("--group", required=True, help="Pipeline name (Kafka group id).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def outbox_show(ctx: click.Context, /, group: str, as_json: bool, **db: Any) -> None:
+    """Rows waiting, the oldest's age, next and published seq, relay and lease left of each outbox shard."""
+    rows = run(ctx, lambda: Settings.from_env(**db), lambda s: outbox_admin.show_outbox(s, group))
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    click.echo(table(["SHARD", "WAITING", "OLDEST", "NEXT_SEQ", "PUBLISHED_SEQ", "OWNER", "LEASE_LEFT"],
+                      [[r.shard, r.waiting, None if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s",
+                        r.next_seq, r.published_seq, r.owner, _lease(r)] for r in rows]))
+
+
+def _lease(r: outbox_admin.ShardStatus) -> str | None:
+    if r.owner is None:
+        return None
+    return f"{r.lease_left_s:.1f}s" if r.lease_left_s > 0 else "expired"
 
 
 @click.group("dead-letters")

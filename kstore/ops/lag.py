@@ -8,7 +8,8 @@ cached per (topic, partition, offset), so a steady scrape of a partition whose
 offset has not moved asks the brokers only for the log bounds.
 
 Used by ``kstore exporter`` and ``kstore top``; :class:`LagReader` keeps its
-connections between readings and opens them again after an outage.
+connections between readings and opens them again after an outage. With ``outbox=True`` (``kstore
+top``) a reading also holds the group's outbox shards, read in the same visit to the database.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
 from kstore.db.migration import check_migrated
+from kstore.db.outbox import Outbox, ShardState
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
@@ -76,17 +78,19 @@ class GroupReading:
     partitions: list[PartitionReading]
     #: All the group's dead letters not yet replayed (also those of topics it no longer reads).
     dead_letters: int
+    #: The group's outbox shards (read only with ``outbox=True``; none if the group has no outbox).
+    outbox: list[ShardState] = field(default_factory=list)
 
 
 class LagReader:
     """Reads groups' lag; one per process, not thread-safe (callers take a lock)."""
 
-    def __init__(self, settings: Settings, *, owners: bool = False, fetch_timeout_s: float = FETCH_TIMEOUT_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, *, owners: bool = False, outbox: bool = False,
+                 fetch_timeout_s: float = FETCH_TIMEOUT_S, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         # A mistake in the Kafka settings (TLS files, a token provider) is named now, not at the first reading.
         self._kafka = LogReader(settings, settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS))
-        self.owners, self.fetch_timeout_s, self.clock = owners, fetch_timeout_s, clock
+        self.owners, self.outbox, self.fetch_timeout_s, self.clock = owners, outbox, fetch_timeout_s, clock
         self.engine = make_engine(self.settings)
         self.store = Store(self.engine, self.settings)
         self.dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
@@ -96,9 +100,9 @@ class LagReader:
 
     def read(self, group: str) -> GroupReading:
         """The group now. Raises :class:`DatabaseError` or :class:`BrokerError` (the next call reconnects)."""
-        rows, dead = self._read_database(group)
+        rows, dead, shards = self._read_database(group)
         try:
-            return self._read_brokers(group, rows, dead)
+            return self._read_brokers(group, rows, dead, shards)
         except BrokerError:  # every error of the brokers' (kstore.kafka.logreader)
             self._close_kafka()
             raise
@@ -114,7 +118,7 @@ class LagReader:
 
     # -- the database --------------------------------------------------------------------------
 
-    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int]]:
+    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int], list[ShardState]]:
         try:
             if not self._migrated:
                 check_migrated(self.engine, self.settings)
@@ -126,6 +130,8 @@ class LagReader:
                     .group_by(t.c.topic, t.c.partition_id))
             with self.engine.connect() as conn:
                 dead = {(topic, p): n for topic, p, n in conn.execute(stmt)}
+            outbox = Outbox(self.engine, group, self.settings.table_prefix, self.settings.schema)
+            shards = outbox.state() if self.outbox else []
         except SQLAlchemyError as exc:
             # Drop pooled connections that may be dead, so the next reading starts afresh.
             self.engine.dispose()
@@ -133,11 +139,12 @@ class LagReader:
         except DatabaseError:
             self._migrated = False
             raise
-        return rows, dead
+        return rows, dead, shards
 
     # -- the brokers ---------------------------------------------------------------------------
 
-    def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int]) -> GroupReading:
+    def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int],
+                      shards: list[ShardState]) -> GroupReading:
         tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
         bounds = self._kafka.log_bounds(tps)
         owners = self._kafka.live_owners(group, self.store.database_id()) if self.owners else {}
@@ -157,7 +164,7 @@ class LagReader:
                 lag_seconds=_age(now, stamps.get(tp)) if behind else 0.0,
                 epoch=row.epoch if row else None, owner=owners.get(tp), dead_letters=dead.get(tp, 0),
             ))
-        return GroupReading(group, now, out, sum(dead.values()))
+        return GroupReading(group, now, out, sum(dead.values()), shards)
 
     def _oldest_timestamps(self, wanted: Mapping[TP, int]) -> dict[TP, int]:
         """The timestamp (ms) of the record at each partition's next offset, from the cache or the brokers."""

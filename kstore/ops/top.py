@@ -3,7 +3,9 @@
 Per partition: the stored offset, the log end, the lag in messages and in seconds
 (:mod:`kstore.ops.lag`), the live owner and epoch, the throughput over the last minute
 (from the stored offset's movement between refreshes) and the dead letters
-waiting. Workers may come and go (a partition nobody holds has a blank owner);
+waiting. Once the group's processor has produced records (``Processor.produce``), a
+line about its outbox: records waiting to be published, the oldest's age, the shards
+a relay holds. Workers may come and go (a partition nobody holds has a blank owner);
 while the database or the brokers cannot be read, a line says so above the last
 table read, and every refresh tries again.
 """
@@ -15,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -68,7 +70,7 @@ class Top:
     def __init__(self, settings: Settings, group: str, interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.group, self.interval, self.clock = group, interval, clock
-        self.reader = LagReader(settings, owners=True)
+        self.reader = LagReader(settings, owners=True, outbox=True)
         self.throughput = Throughput()
         self.last: GroupReading | None = None
         #: Why the last refresh failed (None: it did not).
@@ -94,8 +96,10 @@ class Top:
         self.throughput.update(self.clock(), {(p.topic, p.partition): p.stored_offset for p in reading.partitions})
 
     def render(self) -> RenderableType:
-        """The frame: a summary line, a line about a failure if any, the table."""
+        """The frame: a summary line, the outbox's if the group has one, a line about a failure if any, the table."""
         parts: list[RenderableType] = [self._summary()]
+        if self.last is not None and any(s.next_seq > 1 for s in self.last.outbox):  # it has produced
+            parts.append(outbox_line(self.last))
         if self.problem is not None:
             parts.append(Text(f"{self.problem} (retrying every {self.interval:g}s)", style="bold red"))
         if self.last is not None:
@@ -156,6 +160,18 @@ class Top:
                 Text(str(p.dead_letters), style="red" if p.dead_letters else ""),
             )
         return table
+
+
+def outbox_line(reading: GroupReading) -> Text:
+    """Records the group produced and its relays have not yet published, the oldest's age, the shards held."""
+    shards = reading.outbox
+    waiting = sum(s.waiting for s in shards)
+    stamps = [s.oldest if s.oldest.tzinfo else s.oldest.replace(tzinfo=timezone.utc)  # SQLite's are naive UTC
+              for s in shards if s.oldest is not None]
+    age = max(0.0, reading.at - min(stamps).timestamp()) if stamps else 0.0
+    held = sum(1 for s in shards if s.owner is not None and s.lease_left_s > 0)
+    return Text.assemble(("outbox", "bold"), "  ", (f"{waiting} records waiting", "yellow" if waiting else ""),
+                         f", oldest {age:.1f}s  shards held by a relay {held}/{len(shards)}")
 
 
 def _or_dash(value: int | None) -> str:

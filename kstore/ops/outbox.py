@@ -1,0 +1,93 @@
+"""A group's outbox as an operator sees it: ``kstore outbox show`` is :func:`show_outbox`.
+
+Read from the database alone, no broker needed: per shard, the records committed and not yet
+published (rows waiting, and the age of the oldest), how far the shard has been numbered
+(``next_seq``) and published (``published_seq``, the relay's mark in the database), and which
+relay holds it, with how long its lease has left. The published mark is the database's copy:
+the relay's progress is committed first inside each Kafka transaction and marked here just
+after, so it can lag by one transaction while a relay that stopped in between is replaced; the
+next owner reads Kafka's record and catches the mark up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from kstore.db.migration import check_migrated
+from kstore.db.outbox import Outbox, ShardState, groups_with_outbox
+from kstore.db.sqlerrors import first_line
+from kstore.db.store import Store, make_engine
+from kstore.errors import ConfigurationError, DatabaseError
+from kstore.settings import Settings
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """One outbox shard of a group."""
+
+    shard: int
+    #: Records committed and not yet published (their rows are deleted once marked published).
+    waiting: int
+    #: When the oldest of them was written (its batch's commit), or None if none waits.
+    oldest: datetime | None
+    #: Seconds since then, by this machine's clock; None if none waits.
+    oldest_age_s: float | None
+    #: The seq the shard's next record gets (records are numbered from 1, in commit order).
+    next_seq: int
+    #: The last seq the database records as published.
+    published_seq: int
+    #: The relay holding the shard's lease (``host:pid:id``, a worker's id for a worker's own relay), or None.
+    owner: str | None
+    epoch: int
+    #: Seconds left on the owner's lease; 0 once it ran out (another relay may take the shard).
+    lease_left_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["oldest"] = self.oldest.isoformat() if self.oldest else None
+        return d
+
+
+def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> list[ShardStatus]:
+    """Rows waiting, the oldest's age, next and published seq, relay and lease left of each outbox shard of a group.
+
+    A group with no outbox shards in this database (no worker or relay of it has started
+    here) raises :class:`ConfigurationError` naming the groups that have some.
+    """
+    engine = make_engine(settings)
+    try:
+        store = Store(engine, settings)
+        store.check_reachable()
+        check_migrated(engine, settings)
+        outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
+        try:
+            shards = outbox.state()
+            if not shards:
+                with engine.connect() as conn:
+                    known = sorted(groups_with_outbox(conn, outbox.tables))
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
+    finally:
+        engine.dispose()
+    if not shards:
+        others = f"groups that have one: {', '.join(known)}" if known else "no group has one yet"
+        raise ConfigurationError(f"group {group!r} has no outbox in this database (its shards are made when its "
+                                 f"first worker or relay starts); {others}")
+    at = now or datetime.now(timezone.utc)
+    return [_status(s, at) for s in shards]
+
+
+def _status(state: ShardState, at: datetime) -> ShardStatus:
+    oldest = None if state.oldest is None else _aware(state.oldest)
+    age = None if oldest is None else max(0.0, (at - oldest).total_seconds())
+    return ShardStatus(state.shard, state.waiting, oldest, age, state.next_seq, state.published_seq, state.owner,
+                       state.epoch, state.lease_left_s)
+
+
+def _aware(stamp: datetime) -> datetime:
+    """SQLite gives back a naive datetime for a time written in UTC."""
+    return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=timezone.utc)
