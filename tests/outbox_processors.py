@@ -55,7 +55,7 @@ class Booker(Processor):
         for key in sorted(counts):  # in key order: two batches never deadlock on the counts' rows
             end = self.session.execute(UPSERT, {"key": key, "count": counts[key]}).scalar_one()
             next_n[key] = end - counts[key] + 1
-        for msg, key in zip(msgs, keys):
+        for msg, key in zip(msgs, keys, strict=True):
             n = next_n[key]
             next_n[key] += 1
             for i in range(copies(msg.offset)):
@@ -70,7 +70,8 @@ def expected_outputs(sent: Sequence[tuple[str, int, int]]) -> Counter[tuple[str,
     return Counter({tuple(s): copies(s[2]) for s in sent})
 
 
-def check_outputs(records: Sequence[tuple[bytes | None, bytes]], sent: Sequence[tuple[str, int, int]]) -> dict[str, int]:
+def check_outputs(records: Sequence[tuple[bytes | None, bytes]],
+                  sent: Sequence[tuple[str, int, int]]) -> dict[str, int]:
     """Assert exactly once and per-key commit order of what a read_committed reader saw; per key, its count."""
     per_key: dict[str, list[tuple[int, int]]] = {}
     seen: Counter[tuple[str, int, int]] = Counter()
