@@ -18,8 +18,7 @@ from kstore.db.store import make_engine
 from kstore.engine.relay import Relay, share
 from kstore.records import Produced
 
-from .harness import wait_until
-from .test_outbox import read_all
+from .harness import read_committed, wait_until
 
 GROUP = "relayed"
 

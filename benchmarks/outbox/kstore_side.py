@@ -64,7 +64,7 @@ class ProducingProcessor(Processor):
 def _stop_when_published(worker: Worker, processor: ProducingProcessor, outbox: Outbox) -> None:
     """Once every message committed, wait for the relay to empty the outbox, then stop the worker."""
     processor.all_committed.wait()
-    while outbox.backlog() > 0:
+    while outbox.backlog()[0] > 0:
         time.sleep(0.02)
     worker.request_stop()
 
