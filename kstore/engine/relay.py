@@ -142,6 +142,8 @@ class Relay:
         log.info("outbox relay %s for group %r: %d shard(s)", self.member, self.group, self.outbox.shards)
         try:
             while not self._stop.is_set():
+                if self.error is not None:  # a shard's thread died: its shard would be held and never published
+                    raise self.error
                 if time.monotonic() >= self._next_heartbeat:
                     self._heartbeat()
                 self._reap()

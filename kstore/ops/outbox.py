@@ -4,9 +4,10 @@ Read from the database alone, no broker needed: per shard, the records committed
 published (rows waiting, and the age of the oldest), how far the shard has been numbered
 (``next_seq``) and published (``published_seq``, the relay's mark in the database), and which
 relay holds it, with how long its lease has left. The published mark is the database's copy:
-the relay's progress is committed first inside each Kafka transaction and marked here just
-after, so it can lag by one transaction while a relay that stopped in between is replaced; the
-next owner reads Kafka's record and catches the mark up.
+the relay's progress is committed first inside each Kafka transaction and marked here at most
+a second later (at once when the shard is idle), so the mark and the rows waiting can lag by
+that much; a relay that stopped in between is replaced by one that reads Kafka's record and
+catches the mark up.
 """
 
 from __future__ import annotations
