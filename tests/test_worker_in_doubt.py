@@ -25,6 +25,8 @@ from sqlalchemy.engine import make_url
 
 import kstore.engine.worker
 from kstore import Message, Settings, Worker
+from kstore.db.outbox import Outbox
+from kstore.db.store import make_engine
 
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
@@ -159,11 +161,15 @@ def test_dead_letter_commit_in_doubt_writes_one_dead_letter(pg_dsn: str, pg_prox
 def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
                                                                 produce: Any, workers: Any) -> None:
     """The first COMMIT of a worker is its claim (and where each partition starts): cut it. Nothing
-    may be delivered under that claim; the worker claims again and everything lands once."""
+    may be delivered under that claim; the worker claims again and everything lands once. (The
+    group's outbox shards exist already and its relay is off, so no other COMMIT comes first.)"""
     topic = new_topic(2)
     expected = set(produce(topic, [f"c{i}" for i in range(200)]))
+    engine = make_engine(Settings(dsn=pg_dsn))
+    Outbox(engine, "indoubt-claim").ensure_shards(4)
+    engine.dispose()
     pg_proxy.cut_after_commit()
-    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "indoubt-claim")
+    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "indoubt-claim", args=["--no-relay"])
     wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 60, what="every message processed")
     assert w.terminate() == 0
     assert pg_proxy.commits_cut == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import uuid
 import zlib
 from collections import defaultdict
@@ -59,6 +60,8 @@ from kstore.errors import KstoreError
 from kstore.records import Produced
 
 from .writes import WRITES, now
+
+log = logging.getLogger(__name__)
 
 #: The PostgreSQL channel a batch that produced records notifies when it commits (payload: its group).
 CHANNEL = "kstore_outbox"
@@ -181,9 +184,14 @@ class Outbox:
         only where the group has none (two workers racing to make them: one fails, both see them).
         """
         t = self.tables
+        count = select(func.count()).select_from(t.shards).where(t.shards.c.consumer_group == self.group)
+        with self.engine.connect() as conn:  # read first, outside a write: no COMMIT when they exist
+            have = conn.execute(count).scalar_one()
+        if have:
+            self.shards = int(have)
+            return self.shards
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
-            have = conn.execute(select(func.count()).select_from(t.shards)
-                                .where(t.shards.c.consumer_group == self.group)).scalar_one()
+            have = conn.execute(count).scalar_one()
             if not have:
                 stamp, incarnation = now(), uuid.uuid4().hex
                 conn.execute(insert(t.shards), [
@@ -433,10 +441,12 @@ class Listener:
         return any(True for _ in self._conn.notifies(timeout=timeout_s, stop_after=1))
 
     def close(self) -> None:
+        """Drop the connection (never back into the pool: it LISTENs); a dead one is no error."""
         try:
             self._raw.invalidate()
-        finally:
             self._raw.close()
+        except Exception as exc:
+            log.debug("closing the LISTEN connection failed: %s", exc)
 
 
 def _aware(stamp: datetime) -> datetime:

@@ -109,8 +109,9 @@ class Relay:
         self._listener: Listener | None = None
         self._next_heartbeat = 0.0
         self._delay, self._not_before = RETRY_DELAY_S, 0.0
-        #: The last error of the lease thread (said once per distinct reason).
+        #: The last error of the lease thread, and of any shard (each said once per distinct reason).
         self.last_error: str | None = None
+        self._shard_reason: str | None = None
         #: What ended the relay's thread, if anything did (a bug): the worker stops on it.
         self.error: BaseException | None = None
 
@@ -327,6 +328,7 @@ class Relay:
             return False
         state.published = rows[-1].seq
         state.blocked_on, state.delay, state.last_error = None, RETRY_DELAY_S, None
+        self._shard_reason = None
         self.metrics.published(len(rows), rows[0].created_at)
         self._mark(state, due=False)
         return True
@@ -376,13 +378,15 @@ class Relay:
                  self.group, state.published)
 
     def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:
-        """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S); said once per reason."""
+        """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S). Said once per
+        reason, whichever shard meets it first (an outage fails them all alike), until a shard
+        publishes again."""
         state.not_before = time.monotonic() + state.delay
-        text = (f"outbox shard {state.shard} of group {self.group!r}: could not {what}: {first_line(exc)}; "
-                f"the rows wait (retrying in {state.delay:.1f}s)")
-        if text != state.last_error:
-            log.warning(text)
-        state.last_error = text
+        reason = f"could not {what}: {first_line(exc)}"
+        level = logging.WARNING if reason not in (state.last_error, self._shard_reason) else logging.DEBUG
+        log.log(level, "outbox shard %d of group %r: %s; the rows wait (retrying in %.1fs)", state.shard, self.group,
+                reason, state.delay)
+        state.last_error = self._shard_reason = reason
         state.delay = min(state.delay * 2, RETRY_MAX_DELAY_S)
 
     # -- helpers ----------------------------------------------------------------
@@ -392,7 +396,7 @@ class Relay:
         if self._listener is None and self.outbox.postgresql:
             try:
                 self._listener = Listener(self.outbox.engine)
-            except SQLAlchemyError as exc:
+            except Exception as exc:  # the pool raises the driver's own error, unwrapped
                 log.debug("LISTEN failed (polling instead): %s", exc)
         deadline = time.monotonic() + seconds
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
