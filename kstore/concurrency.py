@@ -303,31 +303,24 @@ def set_slot(index: int) -> None:
     _slot.set(index)
 
 
-class _LoopHolder:
-    __slots__ = ("loop",)
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-
-_loops: weakref.WeakKeyDictionary[Any, _LoopHolder] = weakref.WeakKeyDictionary()
+_loops: weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 
 
 def loop_of(owner: Any) -> asyncio.AbstractEventLoop:
     """The event loop ``owner`` (a processor) runs on, made once and kept for its life: clients a
     processor makes (an ``httpx.AsyncClient``) stay bound to the loop they were first used on."""
-    holder = _loops.get(owner)
-    if holder is None or holder.loop.is_closed():
-        holder = _loops[owner] = _LoopHolder()
-        weakref.finalize(holder, holder.loop.close)
-    return holder.loop
+    loop = _loops.get(owner)
+    if loop is None or loop.is_closed():
+        loop = _loops[owner] = asyncio.new_event_loop()
+        weakref.finalize(owner, loop.close)
+    return loop
 
 
 def close_loop(owner: Any) -> None:
-    holder = _loops.pop(owner, None)
-    if holder is not None and not holder.loop.is_closed():
-        holder.loop.run_until_complete(holder.loop.shutdown_asyncgens())
-        holder.loop.close()
+    loop = _loops.pop(owner, None)
+    if loop is not None and not loop.is_closed():
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def run_on_loop(owner: Any, coro: Coroutine[Any, Any, _T]) -> _T:

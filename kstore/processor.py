@@ -327,7 +327,8 @@ def check_returned(processor: Processor, hook: str, result: Any) -> None:
     raise ProcessorContractError(
         f"{type(processor).__name__}.{hook} returned {type(result).__name__} {getattr(result, '__qualname__', '')}"
         .rstrip() + ": kstore calls hooks synchronously, so it never ran and nothing of the batch was committed; "
-        "make it a plain `def` (an `async def` behind a decorator is still a coroutine function)")
+        "make it a plain `def` (an `async def` behind a decorator is still a coroutine function; an "
+        "undecorated `async def handle` runs concurrently, see docs/concurrency.md)")
 
 
 def call_hook(processor: Processor, hook: str, *args: Any) -> Any:

@@ -147,10 +147,16 @@ class Validating(Processor):
             raise Reject(f"found invalid after writing: {msg.value!r}")
 
 
-class AsyncHandler(Processor):
+class AsyncHook(Processor):
+    """An ``async def`` hook that kstore does not run on its event loop (only handle, handle_batch,
+    setup and teardown may be async)."""
+
     group = "async"
 
-    async def handle(self, msg: Message) -> None:  # type: ignore[override]
+    def handle(self, msg: Message) -> None:
+        pass
+
+    async def on_committed(self, msgs: Sequence[Message]) -> None:  # type: ignore[override]
         pass
 
 
