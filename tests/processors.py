@@ -198,3 +198,34 @@ class NotedInserts(Processor):
         else:
             for row in rows:
                 self.session.execute(NOTED_INSERT, row)
+
+
+class AsyncKeyed(Processor):
+    """``async def handle``: awaits a random 0-``KSTORE_TEST_MAX_SLEEP_MS`` ms (a slow call per message),
+    then writes its effect through the async session. Values are ``<key>:<n>``; "poison" in a value
+    fails the message after it wrote (the batch fails and is narrowed down), "reject" in a value
+    raises :class:`Reject` before it touched anything (dead-lettered inside its batch). The effects'
+    ids are the order the handlers wrote in: per key, they must follow the offsets."""
+
+    group = "async-keyed"
+    value_format = "str"
+    key_format = "str"
+
+    def setup(self) -> None:
+        import random
+
+        self.rng = random.Random()
+        self.max_sleep = float(os.environ.get("KSTORE_TEST_MAX_SLEEP_MS", "5")) / 1000
+        self.name = os.environ.get("KSTORE_TEST_WORKER_NAME", str(os.getpid()))
+
+    async def handle(self, msg: Message) -> None:
+        import asyncio
+
+        if "reject" in msg.value:
+            raise Reject(f"unusable value {msg.value!r}")
+        await asyncio.sleep(self.rng.random() * self.max_sleep)
+        await self.session.execute(effects.insert(), {"topic": msg.topic, "partition_id": msg.partition,
+                                                      "kafka_offset": msg.offset, "value": msg.value,
+                                                      "worker": self.name})
+        if "poison" in msg.value:
+            raise ValueError(f"poison message {msg.value!r}")
