@@ -19,6 +19,9 @@ import contextlib
 import contextvars
 import inspect
 import json
+import math
+import selectors
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
@@ -303,6 +306,32 @@ def set_slot(index: int) -> None:
     _slot.set(index)
 
 
+class _FineTimers(selectors.DefaultSelector):
+    """The loop's selector, with timers to a tenth of a millisecond instead of one.
+
+    epoll takes its timeout in whole milliseconds, rounded up, so every ``await asyncio.sleep(t)``
+    (and every timeout) on a stock loop overshoots by half a millisecond on average, 0.75 ms
+    measured: a handler that awaits a 2.5 ms call takes 3.25 ms, 30% more. Here epoll waits the
+    whole milliseconds and ``time.sleep`` the rest (a precise nanosleep), with no busy polling.
+    The cost: a socket that becomes readable during that last fraction of a millisecond is
+    seen at its end, less than 1 ms late.
+    """
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None or timeout <= 0:
+            return super().select(timeout)
+        start = time.monotonic()
+        whole = math.floor(timeout * 1000) / 1000
+        if whole > 0:
+            ready = super().select(whole)
+            if ready:
+                return ready
+        left = timeout - (time.monotonic() - start)
+        if left > 0:
+            time.sleep(left)
+        return super().select(0)
+
+
 _loops: weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 
 
@@ -311,7 +340,7 @@ def loop_of(owner: Any) -> asyncio.AbstractEventLoop:
     processor makes (an ``httpx.AsyncClient``) stay bound to the loop they were first used on."""
     loop = _loops.get(owner)
     if loop is None or loop.is_closed():
-        loop = _loops[owner] = asyncio.new_event_loop()
+        loop = _loops[owner] = asyncio.SelectorEventLoop(_FineTimers())
         weakref.finalize(owner, loop.close)
     return loop
 
