@@ -229,3 +229,10 @@ class AsyncKeyed(Processor):
                                                       "worker": self.name})
         if "poison" in msg.value:
             raise ValueError(f"poison message {msg.value!r}")
+        if "hang" in msg.value:  # written; now waits forever (a call that never answers)
+            Path(os.environ["KSTORE_TEST_HANG_FILE"]).touch()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                print(f"handler of offset {msg.offset} cancelled", flush=True)
+                raise

@@ -5,10 +5,12 @@ messages and an online reset."""
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,3 +124,23 @@ def _ends(kafka: str, topic: str) -> dict[int, int]:
         return {tp.partition: end for tp, end in consumer.end_offsets(tps).items()}
     finally:
         consumer.close()
+
+
+def test_a_stop_signal_cancels_an_async_batch_that_outlives_the_shutdown_timeout_and_rolls_it_back(
+    pg_dsn: str, new_topic: Callable[..., str], producer: Any, workers: Callable[..., Any], tmp_path: Path,
+) -> None:
+    """One handler never returns; the others finished and wrote. SIGTERM waits for the batch at most
+    ``shutdown_timeout_s``, then its tasks are cancelled and its transaction rolled back: nothing of
+    it commits, and the worker still leaves cleanly."""
+    topic = new_topic(partitions=1)
+    send(producer, topic, 0, 50, {0: "-hang"})
+    hang = tmp_path / "hang"
+    w = workers(pg_dsn, topic, GROUP, processor="processors:AsyncKeyed",
+                env={"KSTORE_TEST_HANG_FILE": str(hang), "KSTORE_SHUTDOWN_TIMEOUT_S": "1"})
+    wait_until(hang.exists, 60, what="the handler that hangs")
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.wait(60) == 0
+    assert "did not finish within 1s of the stop signal: rolled back" in w.log
+    assert "handler of offset 0 cancelled" in w.log
+    assert rows(pg_dsn, "SELECT count(*) FROM effects")[0][0] == 0
+    assert stored_offsets(pg_dsn, GROUP).get((topic, 0)) in (None, 0)
