@@ -4,8 +4,13 @@ with ``asyncio.sleep(0)``, and async processors run by ``run_batch`` / ``run_han
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import threading
+import time
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +19,7 @@ import sqlalchemy as sa
 from kstore import Message, Processor, Reject
 from kstore.concurrency import BatchTimeout, HandlerCancelled, lanes, run_lanes
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
-from kstore.processor import Outgoing, check_processor, run_handler
+from kstore.processor import Outgoing, call_hook, check_processor, run_handler
 from kstore.testing import make_message, run_batch
 
 metadata = sa.MetaData()
@@ -345,3 +350,56 @@ def test_async_hooks_kstore_cannot_run_are_still_refused() -> None:
     with pytest.raises(ConfigurationError, match="max_concurrency"):
         check_processor(BadLimit())
     check_processor(Sequencer())
+
+
+# -- the worked example: examples/enrich.py against a local HTTP service ------------------------------
+
+
+class _Prices(BaseHTTPRequestHandler):
+    calls = 0
+    in_flight = peak = 0
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        with cls.lock:
+            cls.calls += 1
+            cls.in_flight += 1
+            cls.peak = max(cls.peak, cls.in_flight)
+        time.sleep(0.02)  # a slow service: concurrent calls overlap
+        body = json.dumps({"price": 2.5}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        with cls.lock:
+            cls.in_flight -= 1
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_enrich_example_calls_its_http_service_concurrently_and_writes_each_order_once(
+        sqlite_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Prices)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PRICES_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    from enrich import OrderPricer  # type: ignore[import-not-found]
+
+    engine = sa.create_engine(sqlite_dsn)
+    pricer = OrderPricer()
+    try:
+        for first in (0, 40):  # two batches: the client made in setup() works in both
+            orders = [make_message({"order": f"o{i}", "sku": "A-1", "qty": 2}, key=f"c{i % 10}", offset=i)
+                      for i in range(first, first + 40)]
+            run_batch(pricer, orders, engine)
+        call_hook(pricer, "teardown")
+    finally:
+        server.shutdown()
+    with engine.connect() as conn:
+        got = conn.execute(sa.text("SELECT order_id, total FROM priced_orders")).all()
+    assert sorted(got) == sorted((f"o{i}", 5.0) for i in range(80))
+    assert _Prices.calls == 80
+    assert _Prices.peak > 1  # the calls overlapped
