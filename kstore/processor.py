@@ -13,7 +13,7 @@ import json
 import operator
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, cast
@@ -289,17 +289,20 @@ class Processor:
         """Turn a record's raw key and value into what :meth:`handle` receives."""
         return decode(key, self.key_format), decode(value, self.value_format)
 
-    def handle(self, msg: Message) -> None:
-        """Process one message; write its effects through :attr:`session`."""
+    def handle(self, msg: Message) -> Awaitable[None] | None:
+        """Process one message; write its effects through :attr:`session`. May be ``async def``:
+        then a batch's messages run concurrently (see :mod:`kstore.concurrency`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement handle() or handle_batch()")
 
-    def handle_batch(self, msgs: Sequence[Message]) -> None:
-        """Process a batch; the default calls :meth:`handle` for each message in order."""
+    def handle_batch(self, msgs: Sequence[Message]) -> Awaitable[None] | None:
+        """Process a batch; the default calls :meth:`handle` for each message in order (an ``async def
+        handle``: concurrently, by :attr:`max_concurrency` and :attr:`ordering`)."""
         handle = self.handle
         for msg in msgs:
             result = handle(msg)
             if result is not None:
                 check_returned(self, "handle", result)
+        return None
 
 
 #: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs)...
