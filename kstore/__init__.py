@@ -19,6 +19,7 @@ Imports run one way, down that list (the engine and the operator's tools never i
 other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.
 """
 
+from kstore.concurrency import AsyncSession
 from kstore.db.dbapi import BatchTransactionError
 from kstore.db.deadletters import DeadLetterStateError
 from kstore.db.migration import migrate
@@ -43,6 +44,7 @@ from kstore.targets import EARLIEST, LATEST
 
 __all__ = [
     # writing a pipeline
+    "AsyncSession",
     "Message",
     "Processor",
     "Reject",

@@ -4,14 +4,16 @@ processor (:func:`run_handler`, the checks of what its hooks return) and finds o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import importlib.util
 import inspect
 import json
+import operator
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, cast
@@ -21,6 +23,17 @@ from sqlalchemy import Connection
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+from kstore.concurrency import (
+    ORDERINGS,
+    AsyncSession,
+    Ordering,
+    current_slot,
+    is_async,
+    lanes,
+    run_lanes,
+    run_on_loop,
+    set_slot,
+)
 from kstore.db.session import BatchSession, batch_session
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
 from kstore.records import Produced
@@ -139,6 +152,10 @@ class Outgoing:
         self._check = check
 
     def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
+        self.records.append(self.make(topic, value, key, headers, partition))
+
+    def make(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> Produced:
+        """The record, serialized and checked (:class:`ProduceError` if it could never be published)."""
         if not isinstance(topic, str) or not topic:
             raise ProduceError(f"produce() needs a topic name, got {topic!r}")
         if partition is not None and (not isinstance(partition, int) or partition < 0):
@@ -146,7 +163,33 @@ class Outgoing:
         record = Produced(topic, encode(value, "value"), encode(key, "key"), _headers(headers), partition)
         if self._check is not None:
             self._check(record)
-        self.records.append(record)
+        return record
+
+
+class _PerMessage:
+    """What :meth:`Processor.produce` adds to in a batch of concurrent handlers: each message's
+    records apart, joined in the messages' order when the batch ends, so the outbox holds what
+    running them one by one would have written (one key's records in that key's order), and a
+    rejected message's records are simply left out."""
+
+    def __init__(self, outgoing: Outgoing) -> None:
+        self.outgoing = outgoing
+        self.by_message: dict[int, list[Produced]] = {}
+
+    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
+        record = self.outgoing.make(topic, value, key, headers, partition)
+        slot = current_slot()
+        if slot is None:  # a custom async handle_batch: in the order it produced them
+            self.outgoing.records.append(record)
+        else:
+            self.by_message.setdefault(slot, []).append(record)
+
+    def drop(self, slot: int) -> None:
+        self.by_message.pop(slot, None)
+
+    def join(self) -> None:
+        for slot in sorted(self.by_message):
+            self.outgoing.records.extend(self.by_message[slot])
 
 
 class _OutsideBatch:
@@ -187,6 +230,11 @@ class Processor:
     #: Send one-row INSERTs executed through :attr:`session` together, as multi-row
     #: INSERTs, when anything else needs the database (see :mod:`kstore.db.session`).
     defer_inserts: ClassVar[bool] = True
+    #: With ``async def handle``: most messages of a batch handled at once (setting ``max_concurrency``).
+    max_concurrency: ClassVar[int] = 64
+    #: With ``async def handle``: which messages run one after another, in offset order (setting
+    #: ``ordering``): ``"key"`` (each key's; keyless ones their partition's), ``"partition"``, ``"none"``.
+    ordering: ClassVar[Ordering] = "key"
 
     #: The SQLAlchemy session of the batch in flight; set by the worker for the length of
     #: ``handle``/``handle_batch`` only. Outside a batch it raises a clear error: a session
@@ -241,21 +289,32 @@ class Processor:
         """Turn a record's raw key and value into what :meth:`handle` receives."""
         return decode(key, self.key_format), decode(value, self.value_format)
 
-    def handle(self, msg: Message) -> None:
-        """Process one message; write its effects through :attr:`session`."""
+    def handle(self, msg: Message) -> Awaitable[None] | None:
+        """Process one message; write its effects through :attr:`session`. May be ``async def``:
+        then a batch's messages run concurrently (see :mod:`kstore.concurrency`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement handle() or handle_batch()")
 
-    def handle_batch(self, msgs: Sequence[Message]) -> None:
-        """Process a batch; the default calls :meth:`handle` for each message in order."""
+    def handle_batch(self, msgs: Sequence[Message]) -> Awaitable[None] | None:
+        """Process a batch; the default calls :meth:`handle` for each message in order (an ``async def
+        handle``: concurrently, by :attr:`max_concurrency` and :attr:`ordering`)."""
         handle = self.handle
         for msg in msgs:
             result = handle(msg)
             if result is not None:
                 check_returned(self, "handle", result)
+        return None
 
 
-#: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs).
+#: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs)...
 HOOKS = ("setup", "teardown", "on_assigned", "on_revoked", "on_committed", "deserialize", "handle", "handle_batch")
+#: ... but these, which kstore runs on the processor's event loop (:mod:`kstore.concurrency`).
+ASYNC_HOOKS = ("setup", "teardown", "handle", "handle_batch")
+
+
+def is_async_processor(processor: Processor) -> bool:
+    """True if the processor's batches run on its event loop: ``async def handle`` or ``handle_batch``."""
+    cls = type(processor)
+    return is_async(cls.handle_batch) or (cls.handle_batch is Processor.handle_batch and is_async(cls.handle))
 
 
 def check_returned(processor: Processor, hook: str, result: Any) -> None:
@@ -271,12 +330,17 @@ def check_returned(processor: Processor, hook: str, result: Any) -> None:
     raise ProcessorContractError(
         f"{type(processor).__name__}.{hook} returned {type(result).__name__} {getattr(result, '__qualname__', '')}"
         .rstrip() + ": kstore calls hooks synchronously, so it never ran and nothing of the batch was committed; "
-        "make it a plain `def` (an `async def` behind a decorator is still a coroutine function)")
+        "make it a plain `def` (an `async def` behind a decorator is still a coroutine function; an "
+        "undecorated `async def handle` runs concurrently, see docs/concurrency.md)")
 
 
 def call_hook(processor: Processor, hook: str, *args: Any) -> Any:
-    """Call ``processor.<hook>(*args)`` and check what it returned (see :func:`check_returned`)."""
-    result = getattr(processor, hook)(*args)
+    """Call ``processor.<hook>(*args)`` and check what it returned (see :func:`check_returned`); an
+    ``async def setup`` or ``teardown`` runs on the processor's event loop."""
+    fn = getattr(processor, hook)
+    if hook in ("setup", "teardown") and is_async(fn):
+        return run_on_loop(processor, fn(*args))
+    result = fn(*args)
     if result is not None:
         check_returned(processor, hook, result)
     return result
@@ -284,13 +348,27 @@ def call_hook(processor: Processor, hook: str, *args: Any) -> Any:
 
 def check_processor(processor: Processor) -> None:
     """Refuse what kstore cannot run: an ``async def`` hook would return a coroutine that never
-    runs, and the offsets of its messages would commit with no effect at all."""
+    runs, and the offsets of its messages would commit with no effect at all. ``async def`` is
+    for ``handle``, ``handle_batch``, ``setup`` and ``teardown`` only (:mod:`kstore.concurrency`)."""
+    cls, name_ = type(processor), type(processor).__name__
     for name in HOOKS:
-        fn = getattr(type(processor), name, None)
-        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        fn = getattr(cls, name, None)
+        if inspect.isasyncgenfunction(fn) or (inspect.iscoroutinefunction(fn) and name not in ASYNC_HOOKS):
             raise ConfigurationError(
-                f"{type(processor).__name__}.{name} is `async def`: kstore calls hooks synchronously, so its "
-                "coroutine would never run and the messages would be committed with no effect; use `def`")
+                f"{name_}.{name} is `async def`: kstore calls it synchronously, so its coroutine would never "
+                f"run; use `def` (`async def` is for {', '.join(ASYNC_HOOKS)})")
+    if is_async(cls.handle) and not is_async(cls.handle_batch) and cls.handle_batch is not Processor.handle_batch:
+        raise ConfigurationError(
+            f"{name_}.handle is `async def` but its handle_batch is a plain `def`, which would get coroutines "
+            "it never runs; make handle_batch `async def` too, or remove it (the default runs handle concurrently)")
+    check_concurrency(name_, processor.max_concurrency, processor.ordering)
+
+
+def check_concurrency(where: str, max_concurrency: Any, ordering: Any) -> None:
+    if not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise ConfigurationError(f"{where}: max_concurrency must be a positive int, got {max_concurrency!r}")
+    if ordering not in ORDERINGS:
+        raise ConfigurationError(f"{where}: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
 
 
 class Spans(Protocol):
@@ -308,7 +386,7 @@ class Spans(Protocol):
 
 def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
                 tracing: Spans | None = None, rejects: list[tuple[int, Exception]] | None = None,
-                outgoing: Outgoing | None = None) -> None:
+                outgoing: Outgoing | None = None, concurrency: Concurrency | None = None) -> None:
     """Call ``processor.handle_batch(msgs)`` with a session inside ``conn``'s open transaction.
 
     The session joins the caller's transaction as ``rollback_only``: a
@@ -326,6 +404,10 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
 
     ``outgoing``: collects what the processor produces (:meth:`Processor.produce`); the
     caller writes it to the outbox before committing. Without it, ``produce()`` raises.
+
+    An async processor (``async def handle``) runs the batch's messages concurrently on its
+    event loop, as ``concurrency`` says (default: the processor's own attributes); it returns
+    only once every message has finished, and raises if any failed (see :mod:`kstore.concurrency`).
     """
     default = type(processor).handle_batch is Processor.handle_batch
     span = tracing if tracing is not None and tracing.enabled else None
@@ -335,7 +417,10 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
             if outgoing is not None:
                 vars(processor)["_outgoing"] = outgoing
             with span.batch(msgs) if span is not None else contextlib.nullcontext():
-                if not default or (span is None and rejects is None):
+                if is_async_processor(processor):
+                    _run_async(processor, session, msgs, span, rejects, outgoing,
+                               concurrency or Concurrency.of(processor))
+                elif not default or (span is None and rejects is None):
                     # A coroutine, if it is an `async def` behind a plain decorator.
                     result: Any = cast(Any, processor).handle_batch(msgs)
                     if result is not None:
@@ -347,6 +432,81 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
         # transaction on the worker's connection that nothing ends.
         vars(processor).pop("session", None)
         vars(processor).pop("_outgoing", None)
+
+
+class Concurrency(NamedTuple):
+    """How an async processor's batch runs: at most ``limit`` messages at once, in ``ordering``, and
+    failed (its messages cancelled) if they have not all finished after ``timeout`` seconds."""
+
+    limit: int
+    ordering: Ordering
+    timeout: float | None = None
+
+    @classmethod
+    def of(cls, processor: Processor, max_concurrency: int | None = None, ordering: str | None = None,
+           timeout: float | None = None) -> Concurrency:
+        """The processor's own, overridden by settings given here (``None``: the processor's)."""
+        chosen = cast(Ordering, ordering or processor.ordering)
+        limit = max_concurrency or processor.max_concurrency
+        check_concurrency(type(processor).__name__, limit, chosen)
+        return cls(limit, chosen, timeout)
+
+
+def _run_async(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Spans | None,
+               rejects: list[tuple[int, Exception]] | None, outgoing: Outgoing | None,
+               concurrency: Concurrency) -> None:
+    """An async processor's batch, on its event loop: ``self.session`` is the batch's session behind
+    an :class:`AsyncSession`, and what it produces is kept per message (see :class:`_PerMessage`)."""
+    face = AsyncSession(session)
+    processor.session = cast(BatchSession, face)
+    produced = _PerMessage(outgoing) if outgoing is not None else None
+    if produced is not None:
+        vars(processor)["_outgoing"] = produced
+    owner = type(processor).__name__
+    if type(processor).handle_batch is Processor.handle_batch:
+        run_on_loop(processor, _handle_concurrently(processor, face, msgs, span, rejects, produced, concurrency))
+    else:
+        run_on_loop(processor, _bounded(cast(Any, processor).handle_batch(msgs), concurrency.timeout))
+        face.check_awaited(None, f"{owner}.handle_batch")
+    if produced is not None:
+        produced.join()
+
+
+async def _bounded(coro: Any, timeout: float | None) -> None:
+    await asyncio.wait_for(coro, timeout)
+
+
+async def _handle_concurrently(processor: Processor, face: AsyncSession, msgs: Sequence[Message],
+                               span: Spans | None, rejects: list[tuple[int, Exception]] | None,
+                               produced: _PerMessage | None, concurrency: Concurrency) -> None:
+    """``await handle(msg)`` for every message, concurrently (:func:`run_lanes`). A final error raised
+    before the message used the session is set aside in ``rejects`` (as :func:`_handle_each` does)."""
+    handle = processor.handle
+    owner = f"{type(processor).__name__}.handle"
+
+    async def one(index: int) -> None:
+        set_slot(index)  # this task's own context: the session and produce() know the message
+        msg = msgs[index]
+        try:
+            if span is None:
+                await cast(Any, handle(msg))
+            else:
+                with span.message(msg):
+                    await cast(Any, handle(msg))
+        except ProcessorContractError:
+            raise
+        except Exception as exc:
+            if rejects is None or not processor.retry.gives_up_on(exc) or index in face.touched:
+                raise
+            if produced is not None:
+                produced.drop(index)  # a rejected message produces nothing
+            rejects.append((index, exc))
+            return
+        face.check_awaited(index, owner)
+
+    await run_lanes(lanes(msgs, concurrency.ordering), one, concurrency.limit, concurrency.timeout)
+    if rejects:
+        rejects.sort(key=operator.itemgetter(0))  # dead-lettered in offset order, as one by one
 
 
 def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Message], span: Spans | None,

@@ -74,6 +74,12 @@ class Settings:
     start_from: str = "earliest"
     #: Overrides the processor's ``on_error``: "stop" or "dead_letter".
     on_error: str | None = None
+    #: Async processors (``async def handle``): overrides the processor's ``max_concurrency``, the
+    #: most messages of a batch handled at once.
+    max_concurrency: int | None = None
+    #: Async processors: overrides the processor's ``ordering`` ("key", "partition" or "none"):
+    #: which messages of a batch run one after another, in offset order.
+    ordering: str | None = None
     #: Overrides the processor's ``retry.max_attempts``.
     max_attempts: int | None = None
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
@@ -171,6 +177,7 @@ class Settings:
         parse_start_policy(self.start_from)
         if self.on_error not in (None, "stop", "dead_letter"):
             raise ConfigurationError(f"on_error must be stop or dead_letter, got {self.on_error!r}")
+        _check_concurrency(self.max_concurrency, self.ordering)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
         try:
@@ -223,6 +230,13 @@ class Settings:
         if unknown:
             raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+
+def _check_concurrency(max_concurrency: int | None, ordering: str | None) -> None:
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    if ordering not in (None, "key", "partition", "none"):
+        raise ConfigurationError(f"ordering must be key, partition or none, got {ordering!r}")
 
 
 def _read_environ(env: Mapping[str, str], types: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,6 +13,8 @@
 ``run_batch`` runs ``handle_batch`` the way the worker does: in one transaction,
 through ``processor.session`` (a ``session.commit()`` inside only flushes), with
 ``setup()`` called first; if the processor raises, nothing of the batch commits.
+An ``async def handle`` runs as in the worker too: the messages concurrently, on the
+processor's event loop, by its ``max_concurrency`` and ``ordering``.
 What the processor produced (``self.produce``) comes back in the outcome, serialized as the
 relay would publish it (nothing is published)::
 

@@ -147,10 +147,16 @@ class Validating(Processor):
             raise Reject(f"found invalid after writing: {msg.value!r}")
 
 
-class AsyncHandler(Processor):
+class AsyncHook(Processor):
+    """An ``async def`` hook that kstore does not run on its event loop (only handle, handle_batch,
+    setup and teardown may be async)."""
+
     group = "async"
 
-    async def handle(self, msg: Message) -> None:  # type: ignore[override]
+    def handle(self, msg: Message) -> None:
+        pass
+
+    async def on_committed(self, msgs: Sequence[Message]) -> None:  # type: ignore[override]
         pass
 
 
@@ -192,3 +198,41 @@ class NotedInserts(Processor):
         else:
             for row in rows:
                 self.session.execute(NOTED_INSERT, row)
+
+
+class AsyncKeyed(Processor):
+    """``async def handle``: awaits a random 0-``KSTORE_TEST_MAX_SLEEP_MS`` ms (a slow call per message),
+    then writes its effect through the async session. Values are ``<key>:<n>``; "poison" in a value
+    fails the message after it wrote (the batch fails and is narrowed down), "reject" in a value
+    raises :class:`Reject` before it touched anything (dead-lettered inside its batch). The effects'
+    ids are the order the handlers wrote in: per key, they must follow the offsets."""
+
+    group = "async-keyed"
+    value_format = "str"
+    key_format = "str"
+
+    def setup(self) -> None:
+        import random
+
+        self.rng = random.Random()
+        self.max_sleep = float(os.environ.get("KSTORE_TEST_MAX_SLEEP_MS", "5")) / 1000
+        self.name = os.environ.get("KSTORE_TEST_WORKER_NAME", str(os.getpid()))
+
+    async def handle(self, msg: Message) -> None:
+        import asyncio
+
+        if "reject" in msg.value:
+            raise Reject(f"unusable value {msg.value!r}")
+        await asyncio.sleep(self.rng.random() * self.max_sleep)
+        await self.session.execute(effects.insert(), {"topic": msg.topic, "partition_id": msg.partition,
+                                                      "kafka_offset": msg.offset, "value": msg.value,
+                                                      "worker": self.name})
+        if "poison" in msg.value:
+            raise ValueError(f"poison message {msg.value!r}")
+        if "hang" in msg.value:  # written; now waits forever (a call that never answers)
+            Path(os.environ["KSTORE_TEST_HANG_FILE"]).touch()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                print(f"handler of offset {msg.offset} cancelled", flush=True)
+                raise

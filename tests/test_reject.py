@@ -1,7 +1,7 @@
 """Messages that can never succeed: `Reject` (or an error the retry policy gives up on) is
 dead-lettered at once, without backoff; one that wrote nothing is dead-lettered inside its
-batch's own transaction, so bad messages cost almost nothing. And an `async def` handler is
-refused at start instead of committing offsets with no effects."""
+batch's own transaction, so bad messages cost almost nothing. And an `async def` hook kstore
+cannot run (only handle, handle_batch, setup and teardown may be async) is refused at start."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from kstore import ConfigurationError, Processor, Worker
+from kstore import ConfigurationError, Worker
 from kstore.testing import make_message, run_batch
 
 from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
-from .processors import AsyncHandler
+from .processors import AsyncHook
 
 
 def dead_letters(dsn: str, group: str) -> list[tuple[str, int, int, str]]:
@@ -52,27 +52,16 @@ def count_effects(dsn: str, topic: str) -> int:
         engine.dispose()
 
 
-def test_an_async_handler_is_refused_at_start() -> None:
-    with pytest.raises(ConfigurationError, match=r"AsyncHandler.handle is `async def`"):
-        Worker(AsyncHandler())
+def test_an_async_hook_kstore_cannot_run_is_refused_at_start() -> None:
+    with pytest.raises(ConfigurationError, match=r"AsyncHook.on_committed is `async def`"):
+        Worker(AsyncHook())
     with pytest.raises(ConfigurationError, match=r"`async def`"):
-        run_batch(AsyncHandler(), [make_message("x")], "sqlite://")
-    r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:AsyncHandler", "--topic", "t"],
+        run_batch(AsyncHook(), [make_message("x")], "sqlite://")
+    r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:AsyncHook", "--topic", "t"],
                        capture_output=True, text=True, cwd=TESTS_DIR, timeout=60,
                        env={"PYTHONPATH": str(TESTS_DIR), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "is `async def`" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_an_async_handle_batch_is_refused_too() -> None:
-    class AsyncBatch(Processor):
-        group, topics = "g", ["t"]
-
-        async def handle_batch(self, msgs: Any) -> None:  # type: ignore[override]
-            pass
-
-    with pytest.raises(ConfigurationError, match=r"AsyncBatch.handle_batch is `async def`"):
-        Worker(AsyncBatch())
 
 
 def test_rejected_messages_are_dead_lettered_in_the_batch_transaction(pg_dsn: str, new_topic: Any, produce: Any,

@@ -27,7 +27,7 @@ from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
 from kstore.db.writes import WRITES
 from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
 from kstore.kafka.consumer import TP, KafkaSource
-from kstore.processor import Message, Outgoing, Processor, call_hook, run_handler
+from kstore.processor import Concurrency, Message, Outgoing, Processor, call_hook, is_async_processor, run_handler
 from kstore.records import Produced, Record
 from kstore.retry import Failure
 from kstore.settings import Settings
@@ -125,6 +125,11 @@ class Batches:
             policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
         self.failures = Failures(policy)
         self.on_error = settings.on_error or processor.on_error
+        #: An async processor's batches: how many at once, in what order, and bounded by the liveness
+        #: timeout (a handler that never returns fails its batch, which is then narrowed down).
+        self._concurrency = (Concurrency.of(processor, settings.max_concurrency, settings.ordering,
+                                            settings.liveness_timeout_s)
+                             if is_async_processor(processor) else None)
         # Raw bytes with the default deserialize(): skip a call per message.
         self._raw = (type(processor).deserialize is Processor.deserialize
                      and processor.key_format == "bytes" and processor.value_format == "bytes")
@@ -404,7 +409,7 @@ class Batches:
             nonlocal msgs
             try:
                 msgs = self._messages(taken.records)
-                run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing)
+                run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing, self._concurrency)
             except ProcessorContractError:
                 raise  # stops the worker: no message is to blame
             except Exception as exc:

@@ -45,6 +45,10 @@ from .worker import Worker
 @click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
               help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
 @click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
+@click.option("--max-concurrency", type=int, default=None,
+              help="Async processors: most messages of a batch handled at once; overrides the processor's.")
+@click.option("--ordering", type=click.Choice(["key", "partition", "none"]), default=None,
+              help="Async processors: which messages run one after another; overrides the processor's.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
 @click.option("--relay/--no-relay", default=None,

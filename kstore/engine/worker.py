@@ -40,6 +40,7 @@ from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from kstore.concurrency import close_loop
 from kstore.db.migration import check_migrated
 from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
@@ -327,6 +328,7 @@ class Worker:
         try:
             call_hook(self.processor, "teardown")
         finally:
+            close_loop(self.processor)  # an async processor's event loop, after its teardown
             if self.relay is not None:
                 self.relay.close()
             if self._partitions is not None:
