@@ -118,6 +118,8 @@ class Worker:
         self._outbox_oldest: datetime | None = None
         #: Processing is paused for the outbox's backlog (said once when it starts and once when it ends).
         self._outbox_paused = False
+        #: This worker's batches have produced records (only then is the backlog read and bounded).
+        self._has_produced = False
         self._next_backlog_check = 0.0
 
     # -- lifecycle ----------------------------------------------------------
@@ -268,14 +270,17 @@ class Worker:
         """A batch committed ``count`` records to the outbox: the relay publishes them at once, and
         they count against outbox_max_pending until the next reading of the backlog."""
         self._outbox_backlog += count
+        self._has_produced = self._has_produced or count > 0
         if self.relay is not None:
             self.relay.wake()
 
     def _outbox_full(self) -> bool:
         """Backpressure: more produced records wait to be published than ``outbox_max_pending``
-        (the relay cannot reach Kafka, say). Read at most once a second, and counted up by each
-        commit in between; a failed read leaves the last answer (the batch's own commit meets the
-        database's trouble first)."""
+        (the relay cannot reach Kafka, say). Read at most once a second once this worker has produced
+        anything, and counted up by each commit in between; a failed read leaves the last answer
+        (the batch's own commit meets the database's trouble first)."""
+        if not self._has_produced:
+            return False  # a worker that produces nothing adds nothing to wait for: no query
         now = time.monotonic()
         if now >= self._next_backlog_check and self._outbox is not None:
             self._next_backlog_check = now + 1.0
