@@ -131,9 +131,10 @@ class Settings:
     #: off only where ``kstore relay`` runs apart.
     relay: bool = True
     #: Outbox shards of a group, fixed when its first worker or relay starts: one key's records
-    #: are in one shard, published in commit order by one relay at a time; more shards let more
-    #: relays publish side by side.
-    outbox_shards: int = 4
+    #: are in one shard, published in commit order by one relay at a time. More shards let relays
+    #: in several processes publish side by side; in one process they share its one interpreter
+    #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.
+    outbox_shards: int = 1
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0
     #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit

@@ -84,7 +84,7 @@ def test_produced_records_are_published_once_in_commit_order_across_a_worker_kil
     mid-run (its relay with it): every record once, per key in commit order, the outbox empty."""
     source, out = new_topic(partitions=4), new_topic(partitions=3)
     booker_tables(pg_dsn)
-    env = {"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_TEST_BATCH_SLEEP": "0.01"}
+    env = {"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_TEST_BATCH_SLEEP": "0.01", "KSTORE_OUTBOX_SHARDS": "4"}
     sent = produce(source, keyed_values(3000, keys=40))
     w1 = workers(pg_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "100"])
     w2 = workers(pg_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "100"])
@@ -123,8 +123,8 @@ def test_standalone_relays_killed_and_paused_publish_nothing_twice(
     publishes nothing: every record once, in commit order."""
     source, out = new_topic(partitions=4), new_topic(partitions=3)
     booker_tables(pg_dsn)
-    env = {"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_OUTBOX_LEASE_S": "4"}
-    relay_env = {"KSTORE_OUTBOX_LEASE_S": "4"}
+    env = {"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_OUTBOX_LEASE_S": "4", "KSTORE_OUTBOX_SHARDS": "4"}
+    relay_env = {"KSTORE_OUTBOX_LEASE_S": "4", "KSTORE_OUTBOX_SHARDS": "4"}
     sent = produce(source, keyed_values(2000, keys=30))
     w = workers(pg_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "50", "--no-relay"])
     w.wait_for_log(r"committed \d+ messages", timeout=90)
@@ -186,7 +186,7 @@ def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_br
         producer.flush()
         return [(m.topic, m.partition, m.offset) for m in (f.get(timeout=60) for f in futures)]
 
-    env = {"KSTORE_TEST_OUT_TOPIC": "booked", "KSTORE_OUTBOX_LEASE_S": "4",
+    env = {"KSTORE_TEST_OUT_TOPIC": "booked", "KSTORE_OUTBOX_LEASE_S": "4", "KSTORE_OUTBOX_SHARDS": "4",
            "KSTORE_SESSION_TIMEOUT_MS": str(TEST_SESSION_TIMEOUT_MS), "KSTORE_HEARTBEAT_INTERVAL_MS": "1000"}
     started: list[WorkerProcess] = []
 

@@ -372,10 +372,11 @@ class Relay:
             publisher.close()
             raise
         state.publisher, state.published, state.marked = publisher, max(in_kafka, marked), marked
-        # Published before, not marked (the last owner stopped in between): clean up now.
-        self._mark(state, due=True)
         log.info("outbox shard %d of group %r: published up to %d (Kafka's record), publishing on", shard,
                  self.group, state.published)
+        # Published before, not marked (the last owner stopped in between): clean up now. (Should
+        # this fail, the shard publishes on after its backoff, and marks with its next transaction.)
+        self._mark(state, due=True)
 
     def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:
         """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S). Said once per

@@ -2,9 +2,10 @@
 records how far it published.
 
 **Progress lives in the Kafka transaction.** Each transaction that publishes a shard's rows
-also commits, through ``send_offsets_to_transaction``, one offset per output partition it
-wrote to, in a group of the shard's own (``kstore-outbox.<group>.<shard>``), whose metadata is
-the last ``seq`` published, after the shards' incarnation (``<incarnation>/<seq>``, a random
+also commits, through ``send_offsets_to_transaction``, an offset in a group of the shard's own
+(``kstore-outbox.<group>.<shard>``): on partition 0 of the first record's topic (a partition
+that exists, as the broker asks), the last ``seq`` published as the offset, and as metadata that
+``seq`` after the shards' incarnation (``<incarnation>/<seq>``, a random
 id made with the group's shards: marks left by shards made before, in another database or in
 this one before they were made anew, count for nothing here). The records and that mark commit
 together or not at all, so a relay killed between Kafka's commit and the database's "published"
@@ -20,7 +21,7 @@ the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kafka import KafkaProducer, TopicPartition
@@ -120,16 +121,16 @@ class ShardPublisher:
             producer.begin_transaction()
             futures = [(seq, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
                                            partition=r.partition)) for seq, r in rows]
+            # The progress mark goes while the records are on their way (its round trips overlap
+            # theirs): partition 0 of the first record's topic, which exists, with the seq as offset.
+            last = rows[-1][0]
+            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, f"{self._mark}{last}", -1)}
+            self._bounded("send the progress mark", lambda tm: tm.send_offsets_to_transaction(offsets, self.ident),
+                          lambda: producer.send_offsets_to_transaction(offsets, self.ident), timeout_s)
             producer.flush(timeout=timeout_s)
-            ends: dict[TopicPartition, int] = {}
             for seq, future in futures:
-                meta = _result(future, seq)
-                tp = TopicPartition(meta.topic, meta.partition)
-                ends[tp] = max(ends.get(tp, -1), meta.offset)
-            last = f"{self._mark}{rows[-1][0]}"
-            producer.send_offsets_to_transaction(
-                {tp: OffsetAndMetadata(end + 1, last, -1) for tp, end in ends.items()}, self.ident)
-            producer.commit_transaction()
+                _result(future, seq)
+            self._bounded("commit", lambda tm: tm.begin_commit(), producer.commit_transaction, timeout_s)
         except (ProducerFencedError, InvalidProducerEpochError, TransactionalIdAuthorizationFailedError) as exc:
             raise Fenced(str(exc)) from None
         except PublishFailed:
@@ -141,9 +142,28 @@ class ShardPublisher:
             self._abort()
             raise PublishFailed(_first_line(exc)) from None
 
+    def _bounded(self, what: str, start: Callable[[Any], Any], public: Callable[[], Any], timeout_s: float) -> None:
+        """A transactional request, waited for at most ``timeout_s``: kafka-python's own
+        ``send_offsets_to_transaction``, ``commit_transaction`` and ``abort_transaction`` wait for
+        ever, and one that lost its broker mid-request (a restart) was seen never to end, holding
+        its shard (and the lease the relay goes on renewing) for good. This starts the request as
+        those methods do and bounds the wait; an unknown kafka-python without those parts gets the
+        plain call. A timeout fails the transaction: its producer is closed, and a new one settles
+        it (``init_transactions``) and reads the progress again."""
+        producer = self._producer
+        manager, sender = getattr(producer, "_transaction_manager", None), getattr(producer, "_sender", None)
+        if manager is None or sender is None:
+            public()
+            return
+        result = start(manager)
+        sender.wakeup()
+        if not result.wait(timeout_ms=int(timeout_s * 1000)):
+            raise PublishFailed(f"no answer to {what} within {timeout_s:g}s")
+
     def _abort(self) -> None:
         try:
-            self._producer.abort_transaction()
+            self._bounded("abort", lambda tm: tm.begin_abort(), self._producer.abort_transaction,
+                          self.settings.connect_timeout_s)
         except Exception as exc:  # the producer is closed next; a new one settles the transaction
             log.debug("aborting %s's transaction failed: %s", self.ident, exc)
 
