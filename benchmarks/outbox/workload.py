@@ -8,38 +8,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from confluent_kafka import Producer
 from kafka import KafkaConsumer, TopicPartition
 
-from ..workload import LATENCY_LINGER_MS
+from ..workload import LATENCY_LINGER_MS, _flush, _producer, _send
 from .records import input_value
-
-
-def _producer(bootstrap: str, linger_ms: int) -> Producer:
-    return Producer({"bootstrap.servers": bootstrap, "linger.ms": linger_ms, "acks": "all",
-                     "queue.buffering.max.messages": 1_000_000})
-
-
-def _send(producer: Producer, topic: str, i: int, partitions: int, size: int) -> None:
-    while True:
-        try:
-            producer.produce(topic, value=input_value(i, size), partition=i % partitions)
-            return
-        except BufferError:  # the local queue is full: let deliveries drain it
-            producer.poll(0.05)
-
-
-def _flush(producer: Producer) -> None:
-    left = producer.flush(120)
-    if left:
-        raise RuntimeError(f"{left} messages were not delivered to Kafka within 120 s")
 
 
 def prefill(bootstrap: str, topic: str, partitions: int, messages: int, size: int) -> None:
     """Messages ``0 .. messages-1``, round-robin over the partitions, as fast as the broker takes them."""
     producer = _producer(bootstrap, linger_ms=20)
     for i in range(messages):
-        _send(producer, topic, i, partitions, size)
+        _send(producer, topic, input_value(i, size), i % partitions)
         if i % 10_000 == 0:
             producer.poll(0)
     _flush(producer)
@@ -55,7 +34,7 @@ def produce_at_rate(bootstrap: str, topic: str, partitions: int, messages: int, 
     while sent < messages:
         due = min(messages, int((time.monotonic() - start) * rate) + 1)
         while sent < due:
-            _send(producer, topic, sent, partitions, size)
+            _send(producer, topic, input_value(sent, size), sent % partitions)
             sent += 1
         producer.poll(0)
         time.sleep(max(0.0, start + sent / rate - time.monotonic()))
