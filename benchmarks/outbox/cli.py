@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from .. import report as side_by_side
-from .. import services
-from ..cli import DEFAULT_OUT
+from ..cli import DEFAULT_OUT, services_for
 from ..runner import say
 from ..spawn import BenchmarkError
 from . import report
@@ -71,21 +69,6 @@ def select(only: str | None) -> list[Contender]:
     return [c for c in CONTENDERS if c.name in keys or str(c.number) in keys]
 
 
-@contextlib.contextmanager
-def _services(args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]]]:
-    with contextlib.ExitStack() as stack:
-        bootstrap = args.bootstrap_servers
-        if bootstrap is None:
-            say("starting a local Apache Kafka broker (kstore.dev.broker, full JIT, 1 GB heap)")
-            bootstrap = stack.enter_context(services.local_kafka())
-        dsn, pids = args.dsn, []
-        if dsn is None:
-            say("starting a throwaway PostgreSQL (initdb + pg_ctl in a temp dir, default settings)")
-            pg = stack.enter_context(services.local_postgres())
-            dsn, pids = pg.dsn, [pg.pid]
-        yield bootstrap, dsn, pids
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM takes Ctrl-C's path: the children and the services are stopped
 
@@ -116,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     code = 0
     try:
-        with _services(args) as (bootstrap, dsn, pids):
+        with services_for(args) as (bootstrap, dsn, pids):
             runner = OutboxRunner(opts, bootstrap, dsn, pids)
             try:
                 _run_all(runner, contenders, opts, results)
