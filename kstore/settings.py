@@ -135,6 +135,10 @@ class Settings:
     #: in several processes publish side by side; in one process they share its one interpreter
     #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.
     outbox_shards: int = 1
+    #: The Kafka client the relay publishes with: ``"confluent"`` (librdkafka, in C, on threads
+    #: of its own: the lowest latency, ``pip install kstore[confluent]``), ``"kafka-python"``, or
+    #: ``"auto"``: confluent-kafka when it is installed.
+    relay_client: str = "auto"
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0
     #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit
@@ -178,7 +182,7 @@ class Settings:
         parse_start_policy(self.start_from)
         if self.on_error not in (None, "stop", "dead_letter"):
             raise ConfigurationError(f"on_error must be stop or dead_letter, got {self.on_error!r}")
-        _check_concurrency(self.max_concurrency, self.ordering)
+        _check_choices(self.max_concurrency, self.ordering, self.relay_client)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
         try:
@@ -233,11 +237,13 @@ class Settings:
         return cls(**values)
 
 
-def _check_concurrency(max_concurrency: int | None, ordering: str | None) -> None:
+def _check_choices(max_concurrency: int | None, ordering: str | None, relay_client: str) -> None:
     if max_concurrency is not None and max_concurrency < 1:
         raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency}")
     if ordering not in (None, "key", "partition", "none"):
         raise ConfigurationError(f"ordering must be key, partition or none, got {ordering!r}")
+    if relay_client not in ("auto", "confluent", "kafka-python"):
+        raise ConfigurationError(f"relay_client must be auto, confluent or kafka-python, got {relay_client!r}")
 
 
 def _read_environ(env: Mapping[str, str], types: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

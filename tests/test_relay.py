@@ -21,6 +21,22 @@ from kstore.records import Produced
 from .harness import read_committed, wait_until
 
 GROUP = "relayed"
+#: The relay's Kafka client in the test running (relay_for's default): every test that publishes
+#: runs with each publisher.
+CLIENTS = ("confluent", "kafka-python")
+_client = ["auto"]
+
+
+def pytest_generate_tests(metafunc: Any) -> None:
+    if "kafka" in metafunc.fixturenames:
+        metafunc.parametrize("relay_client", CLIENTS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def relay_client(request: Any) -> Iterator[str]:
+    _client[0] = getattr(request, "param", "auto")
+    yield _client[0]
+    _client[0] = "auto"
 
 
 @pytest.fixture
@@ -36,7 +52,7 @@ def write_batch(engine: Any, outbox: Outbox, records: list[Produced]) -> None:
 
 
 def relay_for(engine: Any, kafka: str, dsn: str, group: str = GROUP, **settings: Any) -> Relay:
-    settings = {"outbox_shards": 2, "outbox_lease_s": 3, **settings}
+    settings = {"outbox_shards": 2, "outbox_lease_s": 3, "relay_client": _client[0], **settings}
     s = Settings(dsn=dsn, bootstrap_servers=kafka, **settings)
     relay = Relay(s, group, engine)
     relay.outbox.ensure_shards(s.outbox_shards)

@@ -40,8 +40,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
-from kstore.errors import BrokerError
+from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka import rdproducer
 from kstore.kafka.producer import Fenced, PublishFailed, ShardPublisher, open_progress_reader
+from kstore.kafka.rdproducer import RdShardPublisher
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 
@@ -66,7 +68,7 @@ class _Shard:
 
     shard: int
     epoch: int
-    publisher: ShardPublisher | None = None
+    publisher: ShardPublisher | RdShardPublisher | None = None
     #: The highest seq known published (read from Kafka when the publisher was made).
     published: int = 0
     #: The highest seq marked published in the database, and when.
@@ -104,6 +106,7 @@ class Relay:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._publisher_class = publisher_class(settings.relay_client)
         self._admin: Any = None
         self._admin_lock = threading.Lock()
         self._listener: Listener | None = None
@@ -361,8 +364,8 @@ class Relay:
             state.lost = True
             raise _LostShard()
         marked, incarnation = self.outbox.published_mark(shard)
-        publisher = ShardPublisher(self.settings, self.group, shard, self.settings.outbox_max_record_bytes,
-                                   incarnation)
+        publisher = self._publisher_class(self.settings, self.group, shard,
+                                          self.settings.outbox_max_record_bytes, incarnation)
         try:
             with self._admin_lock:
                 if self._admin is None:
@@ -461,6 +464,15 @@ def share(shards: int, counts: dict[str, int], me: str) -> int:
     if mine < high and least >= low:
         return high - mine
     return 0
+
+
+def publisher_class(client: str) -> type[ShardPublisher] | type[RdShardPublisher]:
+    """The shards' publisher for setting ``relay_client``."""
+    if client == "confluent" and not rdproducer.available():
+        raise ConfigurationError("relay_client=confluent needs confluent-kafka: pip install 'kstore[confluent]'")
+    if client == "confluent" or (client == "auto" and rdproducer.available()):
+        return RdShardPublisher
+    return ShardPublisher
 
 
 def _close_publisher(state: _Shard) -> None:

@@ -100,14 +100,7 @@ class ShardPublisher:
         Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
         owner's transaction: no commit of this shard can be pending any more.
         """
-        try:
-            found = admin.list_group_offsets({self.ident: None}).get(self.ident, {})
-        except KafkaError as exc:
-            raise _broker(self.settings, exc) from None
-        marks = [int(seq) for om in found.values()
-                 for db, _, seq in [(om.metadata or "").rpartition("/")]
-                 if f"{db}/" == self._mark and seq.isdigit()]
-        return max(marks, default=0)
+        return progress_of(self.settings, admin, self.ident, self._mark)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
@@ -172,6 +165,21 @@ class ShardPublisher:
             self._producer.close(timeout=5)
         except Exception as exc:
             log.debug("closing %s's producer failed: %s", self.ident, exc)
+
+
+def progress_of(settings: Any, admin: Any, ident: str, mark: str) -> int:
+    """The highest ``seq`` in progress group ``ident``'s marks of this incarnation (``mark``:
+    ``"<incarnation>/"``), read with a kafka-python admin client; 0 when there is none."""
+    try:
+        found = admin.list_group_offsets({ident: None}).get(ident, {})
+    except KafkaError as exc:
+        raise _broker(settings, exc) from None
+    # confluent-kafka (2.16) sends the metadata with C's terminating NUL: a mark from either
+    # client reads the same.
+    marks = [int(seq) for om in found.values()
+             for db, _, seq in [(om.metadata or "").rstrip("\x00").rpartition("/")]
+             if f"{db}/" == mark and seq.isdigit()]
+    return max(marks, default=0)
 
 
 def _result(future: Any, seq: int) -> Any:

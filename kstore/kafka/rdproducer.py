@@ -1,0 +1,194 @@
+"""The outbox relay's publisher on librdkafka (confluent-kafka): the same contract as
+:class:`kstore.kafka.producer.ShardPublisher`, whose docstring says what a shard's transaction
+holds (its records and its progress mark) and how a zombie is fenced.
+
+Why a second one: kafka-python encodes, batches and compresses every record in Python, on the
+interpreter the worker's batches run on, and a relay inside a worker waited on that (a
+transaction took 69 ms in a worker against 13.5 ms in a process of its own). librdkafka does all
+of it on its own threads, in C: ``produce()`` only copies the record into its queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kstore.errors import BrokerError, ConfigurationError
+from kstore.records import Produced
+
+from .producer import Fenced, PublishFailed, progress_of, shard_id
+
+log = logging.getLogger(__name__)
+
+try:  # an optional dependency: the kafka-python publisher is used without it
+    import confluent_kafka
+except ImportError:  # pragma: no cover - depends on the environment
+    confluent_kafka = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    """Whether confluent-kafka can be imported here."""
+    return confluent_kafka is not None
+
+
+def rd_client_config(settings: Any) -> dict[str, Any]:
+    """librdkafka's names for the brokers and the security settings of ``settings``.
+
+    The kafka-python-only ``kafka_options`` have no librdkafka equivalent given here; a token
+    provider for SASL OAUTHBEARER has none either, and is refused."""
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "security.protocol": settings.security_protocol,
+        "socket.connection.setup.timeout.ms": int(settings.connect_timeout_s * 1000),
+    }
+    if settings.sasl_mechanism:
+        if settings.sasl_oauth_token_provider:
+            raise ConfigurationError("the librdkafka relay cannot use sasl_oauth_token_provider")
+        config["sasl.mechanism"] = settings.sasl_mechanism
+        if settings.sasl_username is not None:
+            config["sasl.username"] = settings.sasl_username
+        if settings.sasl_password is not None:
+            config["sasl.password"] = settings.sasl_password
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        for name, value in (("ssl.ca.location", settings.ssl_cafile),
+                            ("ssl.certificate.location", settings.ssl_certfile),
+                            ("ssl.key.location", settings.ssl_keyfile),
+                            ("ssl.key.password", settings.ssl_key_password)):
+            if value:
+                config[name] = value
+        config["ssl.endpoint.identification.algorithm"] = "https" if settings.ssl_check_hostname else "none"
+    return config
+
+
+class RdShardPublisher:
+    """A transactional librdkafka producer for one shard of one group's outbox."""
+
+    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
+        assert confluent_kafka is not None, "confluent-kafka is not installed"
+        self.settings = settings
+        self.ident = shard_id(group, shard)
+        self._mark = f"{incarnation}/"
+        base = rd_client_config(settings)
+        config = dict(base)
+        config.update({
+            "transactional.id": self.ident,
+            "enable.idempotence": True,
+            "acks": "all",
+            # Records are sent as soon as they are queued: a transaction's are all queued before
+            # its commit flushes them, so waiting to fill batches only adds latency.
+            "linger.ms": 0,
+            "retry.backoff.ms": 10,
+            "message.max.bytes": max(1_000_000, max_record_bytes + 65536),
+            # A transaction left open by a relay that died is aborted by the broker after this.
+            "transaction.timeout.ms": 60_000,
+            "error_cb": self._on_error,
+            "logger": log,
+        })
+        try:
+            self._producer: Any = confluent_kafka.Producer(config)
+            # The progress group's metadata for send_offsets_to_transaction (no member, no
+            # generation: the transactional id alone fences, as with kafka-python).
+            self._meta_consumer: Any = confluent_kafka.Consumer(
+                {**base, "group.id": self.ident, "enable.auto.commit": False, "logger": log})
+            self._group_meta = self._meta_consumer.consumer_group_metadata()
+        except confluent_kafka.KafkaException as exc:
+            raise ConfigurationError(f"librdkafka configuration: {_text(exc)}") from None
+        try:
+            self._producer.init_transactions(settings.connect_timeout_s)
+        except confluent_kafka.KafkaException as exc:
+            self.close()
+            if _fenced(exc):
+                raise Fenced(_text(exc)) from None
+            raise BrokerError(f"Kafka at {settings.bootstrap_servers}: {_text(exc)}") from None
+
+    def _on_error(self, err: Any) -> None:
+        # Connection trouble is retried by librdkafka; a transaction that fails says so itself.
+        log.debug("outbox producer %s: %s", self.ident, err)
+
+    def progress(self, admin: Any) -> int:
+        """As :meth:`kstore.kafka.producer.ShardPublisher.progress` (the same marks)."""
+        return progress_of(self.settings, admin, self.ident, self._mark)
+
+    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
+        """As :meth:`kstore.kafka.producer.ShardPublisher.publish`."""
+        assert confluent_kafka is not None
+        producer = self._producer
+        refused: list[tuple[int, str]] = []
+
+        def delivered(err: Any, msg: Any, seq: int) -> None:
+            if err is not None:
+                refused.append((seq, err.str()))
+
+        try:
+            producer.begin_transaction()
+            self._send(rows, delivered)
+            last = rows[-1][0]
+            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, f"{self._mark}{last}")
+            producer.send_offsets_to_transaction([mark], self._group_meta, timeout_s)
+            producer.commit_transaction(timeout_s)
+        except confluent_kafka.KafkaException as exc:
+            if _fenced(exc):
+                raise Fenced(_text(exc)) from None
+            self._abort(timeout_s)
+            if refused:
+                seq, reason = refused[0]
+                raise PublishFailed(f"row {seq}: {reason}", seq) from None
+            raise PublishFailed(_text(exc)) from None
+        except PublishFailed:
+            self._abort(timeout_s)
+            raise
+        if refused:  # not expected: a commit succeeds only when every record was delivered
+            raise PublishFailed(f"row {refused[0][0]}: {refused[0][1]}", refused[0][0])
+
+    def _send(self, rows: Sequence[tuple[int, Produced]], delivered: Any) -> None:
+        assert confluent_kafka is not None
+        producer = self._producer
+        for seq, r in rows:
+            try:
+                producer.produce(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
+                                 partition=-1 if r.partition is None else r.partition,
+                                 on_delivery=lambda err, msg, seq=seq: delivered(err, msg, seq))
+            except BufferError:
+                producer.poll(0.05)
+                raise PublishFailed("librdkafka's queue is full") from None
+            except confluent_kafka.KafkaException as exc:
+                raise PublishFailed(f"row {seq}: {_text(exc)}", seq) from None
+
+    def _abort(self, timeout_s: float) -> None:
+        try:
+            self._producer.abort_transaction(timeout_s)
+        except Exception as exc:  # the producer is closed next; a new one settles the transaction
+            log.debug("aborting %s's transaction failed: %s", self.ident, exc)
+
+    def close(self) -> None:
+        for what in ("_meta_consumer",):
+            client = getattr(self, what, None)
+            if client is not None:
+                try:
+                    client.close()
+                except Exception as exc:
+                    log.debug("closing %s's %s failed: %s", self.ident, what, exc)
+        producer = getattr(self, "_producer", None)
+        if producer is not None:
+            # librdkafka has no close: what is queued is dropped with the handle (an open
+            # transaction is aborted by the next owner's init_transactions or the broker).
+            producer.purge()
+            producer.flush(0)
+            self._producer = None
+
+
+def _fenced(exc: BaseException) -> bool:
+    assert confluent_kafka is not None
+    err = exc.args[0] if exc.args else None
+    codes = {confluent_kafka.KafkaError._FENCED, confluent_kafka.KafkaError.PRODUCER_FENCED,
+             confluent_kafka.KafkaError.INVALID_PRODUCER_EPOCH,
+             confluent_kafka.KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED}
+    return bool(err is not None and hasattr(err, "code") and (err.code() in codes or
+                                                              (err.fatal() and "fenced" in err.str().lower())))
+
+
+def _text(exc: BaseException) -> str:
+    err = exc.args[0] if exc.args else None
+    text = err.str() if err is not None and hasattr(err, "str") else str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
