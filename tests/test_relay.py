@@ -28,7 +28,7 @@ _client = ["auto"]
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
-    if "kafka" in metafunc.fixturenames:
+    if "kafka" in metafunc.fixturenames and "first_client" not in metafunc.fixturenames:
         metafunc.parametrize("relay_client", CLIENTS, indirect=True)
 
 
@@ -116,8 +116,21 @@ def test_seq_follows_commit_order_not_statement_order(engine: Any, pg_dsn: str, 
 
 def test_a_relay_stopped_between_kafka_commit_and_its_mark_publishes_nothing_twice(
         engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any) -> None:
+    stopped_between_commit_and_mark(engine, pg_dsn, kafka, new_topic, monkeypatch, _client[0], _client[0])
+
+
+@pytest.mark.parametrize("first_client, second_client", [("kafka-python", "confluent"), ("confluent", "kafka-python")])
+def test_a_shard_taken_over_by_a_relay_on_the_other_client_publishes_nothing_twice(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any, first_client: str,
+        second_client: str) -> None:
+    """Both publishers write and read the same progress marks (confluent-kafka's end in a NUL)."""
+    stopped_between_commit_and_mark(engine, pg_dsn, kafka, new_topic, monkeypatch, first_client, second_client)
+
+
+def stopped_between_commit_and_mark(engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any,
+                                    first_client: str, second_client: str) -> None:
     out = new_topic(partitions=2)
-    first = relay_for(engine, kafka, pg_dsn)
+    first = relay_for(engine, kafka, pg_dsn, relay_client=first_client)
     write_batch(engine, first.outbox, [Produced(out, f"a{i}".encode(), f"k{i}".encode()) for i in range(20)])
     # Kafka commits, then the database's mark never lands (as if the relay died right there).
     monkeypatch.setattr(Outbox, "mark_published", lambda *a, **k: True)
@@ -127,7 +140,7 @@ def test_a_relay_stopped_between_kafka_commit_and_its_mark_publishes_nothing_twi
     assert sum(s.waiting for s in first.outbox.state()) == 20, "nothing marked in the database"
     # It is gone without a word: its lease runs out and a new relay takes the shards over.
     first._held.clear()
-    second = relay_for(engine, kafka, pg_dsn)
+    second = relay_for(engine, kafka, pg_dsn, relay_client=second_client)
     write_batch(engine, second.outbox, [Produced(out, f"b{i}".encode(), f"k{i}".encode()) for i in range(20)])
     drain(second)
     got = sorted(values(kafka, out))
