@@ -79,6 +79,10 @@ class _Shard:
     delay: float = RETRY_DELAY_S
     #: The seq of the row Kafka refused, until the shard publishes again.
     blocked_on: int | None = None
+    #: After a transaction in which Kafka refused a row, the shard publishes a row a transaction up
+    #: to this seq: the rows before the refused one go out, and the one to blame is named exactly
+    #: (a broker refuses a whole request of records for one record too large).
+    single_until: int = 0
     #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
     lost: bool = False
     last_error: str | None = None
@@ -302,7 +306,8 @@ class Relay:
     def _publish(self, state: _Shard) -> bool:
         assert state.publisher is not None
         shard = state.shard
-        rows = self.outbox.pending(shard, state.published, MAX_ROWS_PER_TRANSACTION)
+        limit = 1 if state.published < state.single_until else MAX_ROWS_PER_TRANSACTION
+        rows = self.outbox.pending(shard, state.published, limit)
         if not rows:
             self._mark(state, due=True)
             return False
@@ -322,6 +327,11 @@ class Relay:
             _close_publisher(state)
             if exc.seq is None:
                 self._shard_failed(state, "publish it", exc)
+                return False
+            if len(rows) > 1:
+                state.single_until = rows[-1].seq
+                log.warning("outbox shard %d of group %r: Kafka refused a row of rows %d-%d (%s); publishing them "
+                            "one a transaction to find it", shard, self.group, rows[0].seq, rows[-1].seq, exc)
                 return False
             state.not_before = time.monotonic() + BLOCKED_RETRY_S
             state.blocked_on = exc.seq

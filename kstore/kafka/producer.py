@@ -121,6 +121,11 @@ class ShardPublisher:
             self._bounded("send the progress mark", lambda tm: tm.send_offsets_to_transaction(offsets, self.ident),
                           lambda: producer.send_offsets_to_transaction(offsets, self.ident), timeout_s)
             producer.flush(timeout=timeout_s)
+            # A row the broker refused first (kafka-python may still be retrying the others of its
+            # request), then any row not acknowledged in time.
+            for seq, future in futures:
+                if future.is_done and future.failed():
+                    _result(future, seq)
             for seq, future in futures:
                 _result(future, seq)
             self._bounded("commit", lambda tm: tm.begin_commit(), producer.commit_transaction, timeout_s)

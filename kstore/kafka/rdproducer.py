@@ -80,6 +80,9 @@ class RdShardPublisher:
             "linger.ms": 0,
             "retry.backoff.ms": 10,
             "message.max.bytes": max(1_000_000, max_record_bytes + 65536),
+            # A record not delivered by then (its topic does not exist, the brokers are away) fails
+            # the transaction, which is aborted and tried again.
+            "message.timeout.ms": min(int(settings.connect_timeout_s * 1000), 60_000),
             # A transaction left open by a relay that died is aborted by the broker after this.
             "transaction.timeout.ms": 60_000,
             "error_cb": self._on_error,
@@ -138,8 +141,7 @@ class RdShardPublisher:
         except PublishFailed:
             self._abort(timeout_s)
             raise
-        if refused:  # not expected: a commit succeeds only when every record was delivered
-            raise PublishFailed(f"row {refused[0][0]}: {refused[0][1]}", refused[0][0])
+        # Committed: librdkafka commits only when every record of the transaction was delivered.
 
     def _send(self, rows: Sequence[tuple[int, Produced]], delivered: Any) -> None:
         assert confluent_kafka is not None
@@ -162,17 +164,16 @@ class RdShardPublisher:
             log.debug("aborting %s's transaction failed: %s", self.ident, exc)
 
     def close(self) -> None:
-        for what in ("_meta_consumer",):
-            client = getattr(self, what, None)
-            if client is not None:
-                try:
-                    client.close()
-                except Exception as exc:
-                    log.debug("closing %s's %s failed: %s", self.ident, what, exc)
+        consumer = getattr(self, "_meta_consumer", None)
+        if consumer is not None:
+            try:
+                consumer.close()
+            except Exception as exc:
+                log.debug("closing %s's group metadata consumer failed: %s", self.ident, exc)
         producer = getattr(self, "_producer", None)
         if producer is not None:
             # librdkafka has no close: what is queued is dropped with the handle (an open
-            # transaction is aborted by the next owner's init_transactions or the broker).
+            # transaction is aborted by the next owner's init_transactions, or by the broker).
             producer.purge()
             producer.flush(0)
             self._producer = None
