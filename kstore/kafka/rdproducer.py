@@ -78,6 +78,9 @@ class RdShardPublisher:
             # Records are sent as soon as they are queued: a transaction's are all queued before
             # its commit flushes them, so waiting to fill batches only adds latency.
             "linger.ms": 0,
+            # Only failures call back into Python: each callback takes the interpreter's lock
+            # again, and in a busy worker that wait (up to its switch interval) was paid per record.
+            "delivery.report.only.error": True,
             "retry.backoff.ms": 10,
             "message.max.bytes": max(1_000_000, max_record_bytes + 65536),
             # A record not delivered by then (its topic does not exist, the brokers are away) fails
