@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+import kstore
+
 from .harness import REPO_DIR
 
 DRIVERS = ("psycopg2", "psycopg")
@@ -99,6 +101,7 @@ def test_the_wheel_ships_the_migrations_and_no_driver(wheel: Path, installed: In
     assert {"kstore/migrations/env.py", "kstore/migrations/script.py.mako",
             "kstore/migrations/versions/0001_offsets.py", "kstore/py.typed"} <= names
     assert not any(n.startswith("migrations/") for n in names)
+    assert wheel.name.startswith(f"kstore-{kstore.__version__}-")
 
     env = installed.env()
     where = run(sys.executable, "-c", "import kstore, kstore.db.migration as m; print(kstore.__file__); "
