@@ -11,7 +11,9 @@ from typing import Any
 
 from .contenders import LATENCY_BASELINE, LATENCY_JUDGED, RATIOS, RSS_TARGET_MB
 
-PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary")
+#: Recorded with each run (None: not installed); kstore depends on neither driver, so all their packages.
+PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary", "psycopg2", "psycopg",
+            "psycopg-binary")
 
 
 def machine() -> dict[str, Any]:
