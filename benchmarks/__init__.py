@@ -1,4 +1,4 @@
-"""kstore's side-by-side benchmark (issue 6): ``python -m benchmarks --help``.
+"""kstore's side-by-side benchmark: ``python -m benchmarks --help`` (results: docs/benchmarks.md).
 
 The parent process (``cli``, ``runner``) starts the services, fills the topics
 and runs every contender in its own child process (``child``), so each one's

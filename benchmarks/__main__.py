@@ -1,4 +1,4 @@
-"""``python -m benchmarks``: the side-by-side benchmark of issue 6 (see docs/benchmarks.md)."""
+"""``python -m benchmarks``: the side-by-side benchmark (see docs/benchmarks.md)."""
 
 import sys
 

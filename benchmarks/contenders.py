@@ -1,5 +1,5 @@
-"""The seven contenders of issue 6 (an eighth for reference, two for issue 12's metrics), and the ratios
-the issues set targets for.
+"""The contenders (raw clients, loops written by hand, kstore written every way a processor can be),
+and the throughput ratios with the targets kstore is held to.
 
 This module is imported by the parent only to know what to run; the code that
 runs in each child is named by ``entry`` and imported there alone, so a raw
@@ -46,16 +46,16 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender(7, "kstore-txn-per-msg", "kstore, one transaction per message", "benchmarks.kstore_loop:handle",
               writes_rows=True, kstore=True, small=True, settings={"max_batch_size": 1}),
     # Contender 5 with Processor.defer_inserts off: each INSERT is its own round trip, as before
-    # kstore deferred them. Not in the issue; shows what deferring buys.
+    # kstore deferred them. A reference: shows what deferring buys.
     Contender(8, "kstore-handle-immediate", "kstore, INSERT in handle(), not deferred",
               "benchmarks.kstore_loop:handle_immediate", writes_rows=True, kstore=True),
-    # Issue 12: contender 6 with its metrics served on --metrics-port and scraped every second,
+    # The cost of metrics: contender 6 with its metrics served on --metrics-port and scraped every second,
     # against contender 6 with nothing recorded at all (kstore always records; this one cannot).
     Contender(9, "kstore-batch-metrics", "kstore, bulk INSERT, /metrics scraped",
               "benchmarks.kstore_loop:batch_scraped", writes_rows=True, kstore=True, settings={"metrics_port": 0}),
     Contender(10, "kstore-batch-unrecorded", "kstore, bulk INSERT, no metrics recorded",
               "benchmarks.kstore_loop:batch_unrecorded", writes_rows=True, kstore=True),
-    # Issue 13: the loops a competent user writes by hand, the headline's denominator (12), and the
+    # The loops a competent user writes by hand, the headline's denominator (12), and the
     # ways of writing a kstore processor measured against it, on psycopg2 and on psycopg 3.
     Contender(11, "at-least-once-values", "at-least-once by hand, execute_values",
               "benchmarks.handwritten:at_least_once", writes_rows=True),
@@ -80,7 +80,7 @@ BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number):
 
 @dataclass(frozen=True)
 class Ratio:
-    """Throughput of ``numerator`` over ``denominator``; ``target`` is the issue's minimum (None: reference)."""
+    """Throughput of ``numerator`` over ``denominator``; ``target`` is kstore's minimum (None: reference)."""
 
     numerator: int
     denominator: int
@@ -91,8 +91,8 @@ class Ratio:
         return f"{self.numerator}/{self.denominator}"
 
 
-#: Issue 13's headline first: every way of writing a kstore processor against the hand-written
-#: exactly-once loop (12); then the no-op against raw kafka-python, and the earlier rounds' ratios.
+#: The headline first: every way of writing a kstore processor against the hand-written
+#: exactly-once loop (12); then the no-op against raw kafka-python, and the ratios to the at-least-once loop (3).
 RATIOS: tuple[Ratio, ...] = (
     Ratio(6, 12, 1.0),
     Ratio(5, 12, 0.9),
@@ -112,11 +112,11 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(9, 10, 0.95),
 )
 
-#: Issue 13: these kstore contenders' p99 latency may be no higher than the hand-written exactly-once loop's.
+#: These kstore contenders' p99 latency may be no higher than the hand-written exactly-once loop's.
 LATENCY_BASELINE = 12
 LATENCY_JUDGED = (5, 6, 13, 14)
 
-#: The issue's memory target for the kstore contenders on the full 1,000,000-message run.
+#: The memory target for the kstore contenders on the full 1,000,000-message run.
 RSS_TARGET_MB = 300
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 from .contenders import LATENCY_BASELINE, LATENCY_JUDGED, RATIOS, RSS_TARGET_MB
 
-PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary")
+#: Recorded with each run (None: not installed); kstore depends on neither driver, so all their packages.
+PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary", "psycopg2", "psycopg",
+            "psycopg-binary")
 
 
 def machine() -> dict[str, Any]:
@@ -58,7 +60,7 @@ def _meminfo_kib(key: str) -> int:
 
 
 def ratios(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Throughput ratios of the issue (4/1, 5/3, 6/3, and 2/1 for reference) among those that ran."""
+    """The throughput ratios of :data:`~benchmarks.contenders.RATIOS` among the contenders that ran."""
     by_number = {c["number"]: c for c in contenders}
     out = []
     for r in RATIOS:
@@ -74,7 +76,7 @@ def ratios(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def rss_target(contenders: list[dict[str, Any]], messages: int) -> dict[str, Any] | None:
-    """The issue's memory target: kstore's peak RSS under 300 MB on the 1,000,000-message run."""
+    """The memory target: kstore's peak RSS under 300 MB on the 1,000,000-message run."""
     kstore = [c for c in contenders if c["name"].startswith("kstore") and c["messages"] == messages]
     if not kstore:
         return None
@@ -84,7 +86,7 @@ def rss_target(contenders: list[dict[str, Any]], messages: int) -> dict[str, Any
 
 
 def latency_target(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 13: every kstore contender that writes, on psycopg2, with a p99 no higher than the
+    """The latency target: every kstore contender that writes, on psycopg2, with a p99 no higher than the
     hand-written exactly-once loop's (contender 12) at the same rate."""
     by_number = {c["number"]: c for c in contenders}
     hand = by_number.get(LATENCY_BASELINE)

@@ -1,6 +1,6 @@
 """Joining a group with many stored partitions: how long until they are claimed and the first message arrives.
 
-Issue 6's target: with 1,000 stored partitions, their offsets load in one round trip
+The target: with 1,000 stored partitions, their offsets load in one round trip
 and the first message is delivered within 1 second of assignment.
 
     .venv/bin/python -m benchmarks.wide [--partitions 1000] [--bootstrap-servers H:P] [--dsn URL]

@@ -19,6 +19,9 @@ Imports run one way, down that list (the engine and the operator's tools never i
 other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.
 """
 
+#: kstore's version: the one place it is written (pyproject.toml reads it; ``kstore --version`` shows it).
+__version__ = "0.1.0"
+
 from kstore.concurrency import AsyncSession
 from kstore.db.dbapi import BatchTransactionError
 from kstore.db.deadletters import DeadLetterStateError

@@ -16,6 +16,7 @@ import sys
 
 import click
 
+from kstore import __version__
 from kstore.commandline import LOG_CONTEXT
 from kstore.db.commands import migrate
 from kstore.engine.commands import relay, worker
@@ -23,7 +24,7 @@ from kstore.ops.commands import dead_letters, exporter, offsets, outbox, top
 
 
 @click.group()
-@click.version_option(package_name="kstore", prog_name="kstore", message="%(prog)s %(version)s")
+@click.version_option(__version__, prog_name="kstore", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, default=False, help="Show tracebacks and debug logs.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))

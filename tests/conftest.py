@@ -53,6 +53,20 @@ _postgresql_tls_server = factories.postgresql_proc(
 #: to run every test that touches PostgreSQL through kstore on the other driver.
 PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
 
+def pytest_report_header() -> str:
+    """The versions the run is against, at the top of its output: SQLAlchemy's private names
+    (tests/test_sqlalchemy_names.py) and the drivers are checked on these."""
+    import importlib.metadata
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return ", ".join(f"{d} {version(d)}" for d in ("sqlalchemy", "psycopg2-binary", "psycopg", "kafka-python"))
+
+
 #: Broker settings for tests: topics exist only when a test creates them.
 BROKER_CONFIG = {"auto.create.topics.enable": "false"}
 #: Worker settings for tests: short Kafka session so a killed worker's partitions move on quickly.

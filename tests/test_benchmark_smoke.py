@@ -1,4 +1,4 @@
-"""The benchmark of issue 6 (``python -m benchmarks``) still runs end to end, at a tiny size.
+"""The side-by-side benchmark (``python -m benchmarks``) still runs end to end, at a tiny size.
 
 Not a performance test: the numbers are not judged, only that every contender
 ran, drained its messages and passed the exactly-once check. Uses the test

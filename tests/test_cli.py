@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from .harness import TESTS_DIR
+from kstore import __version__
+
+from .harness import REPO_DIR, TESTS_DIR
 
 PASSWORD = "s3cret-Pa55word"
 
@@ -117,3 +121,15 @@ def test_migrate_is_idempotent_and_reports_the_revision(tmp_path: Path, dsn_kind
         r = kstore("migrate", "--dsn", dsn)
         assert r.returncode == 0, r.stderr
         assert "kstore tables are at migration 0007" in r.stdout
+
+
+def test_version_has_one_source() -> None:
+    """``kstore --version`` shows ``kstore.__version__``, the one place the version is written: the
+    build reads it (pyproject.toml has no copy) and a released version has its CHANGELOG.md heading."""
+    assert kstore("--version").stdout == f"kstore {__version__}\n"
+    pyproject = (REPO_DIR / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "kstore.__version__"}' in pyproject
+    assert "\nversion = \"" not in pyproject  # no static copy
+    assert importlib.metadata.version("kstore") == __version__  # the installed metadata agrees
+    if re.fullmatch(r"\d+\.\d+\.\d+", __version__):  # a final release, not a .dev or rc
+        assert f"\n## {__version__}\n" in (REPO_DIR / "CHANGELOG.md").read_text()

@@ -1,4 +1,4 @@
-"""One test per defect found by the careful read of the engine (issue 10), each against
+"""One test per defect found by a careful read of the engine, each against
 real Kafka and a real database. Each failed on the code before its fix."""
 
 from __future__ import annotations

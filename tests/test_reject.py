@@ -114,7 +114,7 @@ def test_errors_the_policy_gives_up_on_are_final(pg_dsn: str, new_topic: Any, pr
 
 
 def test_bad_messages_cost_little(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """Bad messages at the issue's rate (20 in 20,000) cost no extra transaction: each is
+    """Bad messages at a rate of 20 in 20,000 cost no extra transaction: each is
     dead-lettered in its batch's transaction, with no failed batch, no retry in smaller batches
     and no backoff. Counted in committed transactions (not in time: the machine is shared)."""
     def drain(values: list[str], group: str) -> tuple[int, str]:

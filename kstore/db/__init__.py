@@ -9,8 +9,9 @@
 - :mod:`~kstore.db.session`, :mod:`~kstore.db.manyrows`, :mod:`~kstore.db.copy`,
   :mod:`~kstore.db.sqltext`: the processor's session, its deferred INSERTs sent as many rows,
   ``copy_rows``, and SQL text read as PostgreSQL reads it.
-- :mod:`~kstore.db.dbapi`, :mod:`~kstore.db.deadline`: kstore's DBAPI connection classes and the
-  deadline on every round trip.
+- :mod:`~kstore.db.dbapi`, :mod:`~kstore.db.psycopg2conn`, :mod:`~kstore.db.deadline`: kstore's
+  DBAPI connection classes (psycopg2's in a module of their own, imported only for a psycopg2 DSN:
+  kstore depends on no driver) and the deadline on every round trip.
 - :mod:`~kstore.db.migration` (and :mod:`~kstore.db.commands`: ``kstore migrate``),
   :mod:`~kstore.db.sqlerrors` (what an error says), :mod:`~kstore.db.writes` (what every write shares).
 

@@ -35,11 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
-import psycopg2.extensions
-
 from .deadline import WATCHDOG
-
-_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
 
 #: What begins a batch's transaction on a psycopg2 batch connection. The setting marks the
 #: transaction as the batch's own: the batch's last message checks it (kstore.db.store), so a
@@ -105,16 +101,8 @@ def _refuse(conn: Any, what: str) -> None:
         raise error
 
 
-def _idle(conn: Any) -> bool:
-    """Whether the server is outside any transaction (False when that cannot be told: a broken
-    connection raises its own error, which must not be hidden by this one)."""
-    try:
-        return bool(conn.info.transaction_status == _IDLE)
-    except psycopg2.Error:
-        return False
-
-
-def _prefixed(begin: str, query: Any, cursor: Any) -> Any:
+def prefixed(begin: str, query: Any, cursor: Any) -> Any:
+    """``query`` (psycopg2's str, bytes or Composable) with the batch's ``begin`` in front, one message."""
     if isinstance(query, bytes):
         return begin.encode() + b"; " + query
     if not isinstance(query, str):
@@ -122,7 +110,7 @@ def _prefixed(begin: str, query: Any, cursor: Any) -> Any:
     return f"{begin}; {query}"
 
 
-class _RefusedInBatch:
+class RefusedInBatch:
     """A DBAPI connection's batch state (see :func:`enter_batch`), and its commit() and rollback()
     refused inside a batch. First among a connection class's bases."""
 
@@ -140,94 +128,21 @@ class _RefusedInBatch:
         super().rollback()  # type: ignore[misc]
 
 
-def _deadline(conn: Any) -> Any:
+def round_trip_deadline(conn: Any) -> Any:
+    """The deadline of one round trip of ``conn`` (a kstore psycopg2 connection), if it has one."""
     timeout_s = conn.kstore_timeout_s
     return WATCHDOG.guard(conn.fileno(), timeout_s) if timeout_s > 0 else nullcontext()
 
 
-class _Psycopg2Cursor(psycopg2.extensions.cursor):  # type: ignore[misc]
-    def _begin_alone(self) -> None:
-        begin = take_begin(self.connection)
-        if begin is not None:
-            with self.connection.cursor() as cur:
-                cur.execute(begin)
-
-    def execute(self, query: Any, vars: Any = None) -> Any:
-        conn = self.connection
-        if self.name is not None and conn.kstore_in_batch:
-            # A named (server-side) cursor: psycopg2 refuses one in autocommit mode unless it is WITH
-            # HOLD, though the server is inside kstore's transaction; and it wraps the query in DECLARE.
-            self.withhold = True
-            self._begin_alone()
-        elif conn.kstore_begin is not None:
-            query = _prefixed(take_begin(conn) or "", query, self)
-        try:
-            with _deadline(conn):
-                return super().execute(query, vars)
-        finally:
-            # Inside kstore's own transaction, a statement that leaves the server idle ended it.
-            if conn.kstore_in_batch and conn.kstore_begin is None and not conn.closed and _idle(conn):
-                conn.kstore_ended = True
-
-    def _after_begin_alone(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        """``call`` (one of psycopg2's own), after the batch's BEGIN as a message of its own."""
-        self._begin_alone()
-        with _deadline(self.connection):
-            return call(*args, **kwargs)
-
-    def executemany(self, query: Any, vars_list: Any) -> Any:
-        return self._after_begin_alone(super().executemany, query, vars_list)
-
-    def callproc(self, procname: Any, parameters: Any = None) -> Any:
-        return self._after_begin_alone(super().callproc, procname, parameters)
-
-    def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
-        # session.copy_rows (kstore/db/copy.py): the BEGIN goes in front of the COPY, one message, as
-        # for execute; the server starts the COPY after it, and psycopg2 answers the COPY's count.
-        conn = self.connection
-        if conn.kstore_begin is not None:
-            sql = _prefixed(take_begin(conn) or "", sql, self)
-        with _deadline(conn):
-            return super().copy_expert(sql, file, size)
-
-    # copy_from and copy_to build their COPY in C, past copy_expert: their BEGIN goes alone.
-
-    def copy_from(self, *args: Any, **kwargs: Any) -> Any:
-        return self._after_begin_alone(super().copy_from, *args, **kwargs)
-
-    def copy_to(self, *args: Any, **kwargs: Any) -> Any:
-        return self._after_begin_alone(super().copy_to, *args, **kwargs)
-
-
-class _Psycopg2Connection(_RefusedInBatch, psycopg2.extensions.connection):  # type: ignore[misc]
-    kstore_timeout_s = 0.0
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.cursor_factory = _Psycopg2Cursor
-
-    def commit(self) -> None:
-        with _deadline(self):
-            super().commit()  # refused inside a batch (_RefusedInBatch), else psycopg2's
-
-    def rollback(self) -> None:
-        with _deadline(self):
-            super().rollback()
-
-
-def psycopg2_connection_class(timeout_s: float) -> type[psycopg2.extensions.connection]:
-    """kstore's psycopg2 connection class (see the module's docstring); ``timeout_s`` 0: no deadline."""
-    return type("KstoreConnection", (_Psycopg2Connection,), {"kstore_timeout_s": timeout_s})
-
-
 def psycopg_connection_class(timeout_s: float) -> type[Any]:
-    """The same for psycopg 3. Every blocking round trip of a psycopg 3 connection goes through
-    ``Connection.wait`` (execute, executemany, COPY, commit, rollback): the deadline is armed there."""
+    """kstore's psycopg 3 connection class (psycopg2's is :mod:`kstore.db.psycopg2conn`'s). Every blocking
+    round trip of a psycopg 3 connection goes through ``Connection.wait`` (execute, executemany, COPY,
+    commit, rollback): the deadline is armed there."""
     import psycopg
 
     idle = psycopg.pq.TransactionStatus.IDLE
 
-    class Connection(_RefusedInBatch, psycopg.Connection):
+    class Connection(RefusedInBatch, psycopg.Connection):
         def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 with WATCHDOG.guard(self.fileno(), timeout_s) if timeout_s > 0 else nullcontext():
@@ -242,7 +157,7 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
     return Connection
 
 
-class SQLiteConnection(_RefusedInBatch, sqlite3.Connection):
+class SQLiteConnection(RefusedInBatch, sqlite3.Connection):
     """The same for SQLite (no deadline: there is no network). A COMMIT through SQL is seen at the
     batch's end: statements after it run outside any transaction (kstore.db.store.check_own_transaction)."""
 

@@ -61,6 +61,22 @@ from kstore.errors import WriteCountError
 
 from . import sqltext
 
+# SQLAlchemy's private names used here, for want of a public API; tests/test_sqlalchemy_names.py
+# checks that each is still there, and the differential tests (tests/test_differential.py) that
+# the fast path still writes what SQLAlchemy's own would:
+#
+# - ``Insert._returning``, ``._return_defaults``, ``._multi_values`` (in execute_many, _plan): as
+#   in kstore.db.session, an INSERT that returns rows or writes several is not this module's.
+# - ``HasCacheKey._generate_cache_key()`` (in execute_many): the plan cache's key, as
+#   SQLAlchemy's own compiled cache keys a statement.
+# - ``Insert._post_values_clause`` (in is_upsert): an ``ON CONFLICT`` clause, never one
+#   multi-row statement.
+# - ``TextClause._bindparams`` (in execute_many_text, _text_plan): a ``text()``'s parameters and
+#   their types, for the cache key per call (compiling it to ask would cost more than the rows).
+# - ``SQLCompiler._insertmanyvalues`` (in _plan, once per plan): where SQLAlchemy's compilation
+#   put the one-row ``VALUES (...)``, including SQL expressions the token reader
+#   (kstore.db.sqltext) does not take as a plain row, such as a column's ``default=func.now()``.
+
 #: (statement cache key, parameter names) -> (SQL before the rows, one row's template, SQL after), or None.
 _Plan = tuple[str, str, str, dict[str, Callable[[Any], Any]]]
 _PLANS: dict[Any, _Plan | None] = {}
@@ -90,7 +106,9 @@ def is_upsert(statement: Insert) -> bool:
     """An ``INSERT ... ON CONFLICT`` (or any clause after its VALUES): never one multi-row statement,
     which fails on a key written twice ("ON CONFLICT DO UPDATE command cannot affect row a second
     time") where the same rows one by one update it twice."""
-    return getattr(statement, "_post_values_clause", None) is not None
+    # Private (no public accessor): a SQLAlchemy without it is taken to say "upsert", the safe path
+    # (a statement per row); tests/test_sqlalchemy_names.py fails on it first.
+    return getattr(statement, "_post_values_clause", True) is not None
 
 
 def _same_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...] | None:
@@ -166,10 +184,22 @@ def _finish(compiled: Any, split: tuple[str, str, str] | None, percent_ok: bool 
     head, row, tail = split
     if compiled.dialect.driver == "psycopg":
         row = _cast_whole(row)  # quoted on the client by ClientCursor (see _run)
-    return head, row, tail, {
-        name: process for name, process in compiled._bind_processors.items()
-        if not isinstance(compiled.binds[name].type, LargeBinary)
-    }
+    return head, row, tail, _bind_processors(compiled)
+
+
+def _bind_processors(compiled: Any) -> dict[str, Callable[[Any], Any]]:
+    """The columns' bind processors, by parameter name, as SQLAlchemy's executemany would run them
+    (from public parts: each bound type's implementation for the dialect), but ``LargeBinary``'s,
+    which only wraps bytes in ``psycopg2.Binary`` (psycopg2 quotes bytes the same way unwrapped)."""
+    dialect = compiled.dialect
+    processors = {}
+    for name, bind in compiled.binds.items():
+        if isinstance(bind.type, LargeBinary):
+            continue
+        process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+        if process is not None:
+            processors[name] = process
+    return processors
 
 
 def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> CursorResult[Any]:

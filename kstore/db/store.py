@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg2.extensions
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -56,7 +55,7 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
@@ -165,6 +164,7 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> tuple[Ta
 def make_engine(settings: Settings) -> Engine:
     """An engine for ``settings.dsn`` with kstore's per-connection safety settings."""
     url = settings.dsn
+    _check_driver(make_url(url), settings.safe_dsn)
     # No pool_pre_ping: it would cost a round trip per batch. A connection that died
     # (database restarted) fails its batch, which is rolled back and retried.
     kwargs: dict[str, Any] = {}
@@ -178,7 +178,9 @@ def make_engine(settings: Settings) -> Engine:
         if parsed.get_driver_name() == "psycopg2":
             # The deadline per round trip, the batch's BEGIN and the refusal of a processor's own
             # commit()/rollback() inside a batch (kstore/db/dbapi.py).
-            kwargs["connect_args"]["connection_factory"] = dbapi.psycopg2_connection_class(settings.db_timeout_s)
+            from .psycopg2conn import psycopg2_connection_class  # psycopg2 DSNs only: kstore needs no driver
+
+            kwargs["connect_args"]["connection_factory"] = psycopg2_connection_class(settings.db_timeout_s)
             # Never psycopg2's execute_batch: it joins a page of statements with ";" on one line,
             # so a statement ending with a "--" comment swallows the rest of its page, silently.
             # Many rows of an INSERT kstore.db.manyrows does not send as one statement go as its own
@@ -207,6 +209,39 @@ def make_engine(settings: Settings) -> Engine:
     return engine
 
 
+#: How a user installs each PostgreSQL driver kstore supports (kstore itself depends on neither).
+DRIVER_EXTRAS = {"psycopg2": "kstore[psycopg2]", "psycopg": "kstore[psycopg]"}
+
+
+def _check_driver(url: URL, safe_dsn: str) -> None:
+    """Fail in one line, naming the extra to install, when the DSN's driver cannot be imported
+    (``postgresql://`` means psycopg2, ``postgresql+psycopg://`` psycopg 3). Before anything else:
+    kstore's own psycopg2 classes import psycopg2 too."""
+    try:
+        dialect = url.get_dialect()
+    except SQLAlchemyError:
+        return  # an unknown database or driver: create_engine says so
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot use DSN {safe_dsn}: {_driver_problem(dialect.driver, exc)}") from None
+
+
+def _driver_problem(driver: str, exc: ImportError) -> str:
+    extra = DRIVER_EXTRAS.get(driver)
+    missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] == driver
+    if extra is None:
+        return f"its driver {driver} cannot be imported: {exc}"
+    if not missing:
+        # psycopg 3 without a libpq to load ("no pq wrapper available"), or a broken install.
+        hint = " (psycopg 3 needs the system's libpq, or pip install 'psycopg[binary]')" if driver == "psycopg" else ""
+        return f"its driver {driver} is installed but cannot be imported{hint}: {first_line(exc)}"
+    other = next(d for d in DRIVER_EXTRAS if d != driver)
+    scheme = "postgresql+psycopg://" if other == "psycopg" else "postgresql+psycopg2://"
+    return (f"its driver {driver} is not installed: pip install '{extra}' "
+            f"(or use {other} with pip install '{DRIVER_EXTRAS[other]}' and a {scheme} DSN)")
+
+
 def _server_options(settings: Settings, given: str | tuple[str, ...] | None) -> str:
     """libpq's ``options`` for kstore's connections: kstore's own, then the DSN's ``options=``
     (or, without one, ``PGOPTIONS``), which a connection argument would otherwise replace: a
@@ -229,7 +264,8 @@ def _no_transaction_back_into_the_pool(dbapi_conn: Any, _record: Any, _state: An
     never to have another user's statements run and commit inside a half-done batch."""
     if getattr(dbapi_conn, "kstore_begin", None) is not None:
         dbapi_conn.kstore_begin = None  # a batch that never began: its BEGIN is not the next user's
-    ext = psycopg2.extensions
+    import psycopg2.extensions as ext  # this listener is only installed on psycopg2 engines
+
     if dbapi_conn.info.transaction_status == ext.TRANSACTION_STATUS_IDLE or dbapi_conn.status != ext.STATUS_READY:
         return  # nothing open, or a transaction psycopg2 began itself (SQLAlchemy's rollback ends that)
     autocommit = dbapi_conn.autocommit
