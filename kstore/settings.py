@@ -135,10 +135,10 @@ class Settings:
     #: in several processes publish side by side; in one process they share its one interpreter
     #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.
     outbox_shards: int = 1
-    #: The Kafka client the relay publishes with: ``"confluent"`` (librdkafka, in C, on threads
-    #: of its own: the lowest latency, ``pip install kstore[confluent]``), ``"kafka-python"``, or
-    #: ``"auto"``: confluent-kafka when it is installed.
-    relay_client: str = "auto"
+    #: The Kafka client the relay publishes with: ``"kafka-python"``, or ``"confluent"``
+    #: (librdkafka, which encodes and sends in C on threads of its own; ``pip install
+    #: kstore[confluent]``).
+    relay_client: str = "kafka-python"
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0
     #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit
@@ -242,8 +242,8 @@ def _check_choices(max_concurrency: int | None, ordering: str | None, relay_clie
         raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency}")
     if ordering not in (None, "key", "partition", "none"):
         raise ConfigurationError(f"ordering must be key, partition or none, got {ordering!r}")
-    if relay_client not in ("auto", "confluent", "kafka-python"):
-        raise ConfigurationError(f"relay_client must be auto, confluent or kafka-python, got {relay_client!r}")
+    if relay_client not in ("confluent", "kafka-python"):
+        raise ConfigurationError(f"relay_client must be kafka-python or confluent, got {relay_client!r}")
 
 
 def _read_environ(env: Mapping[str, str], types: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

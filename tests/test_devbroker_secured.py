@@ -205,7 +205,7 @@ REFUSALS = ["wrong_scram_password", "wrong_plain_password", "no_client_certifica
 #: left of the bootstrap deadline (on a loaded machine the TLS handshake itself can outlast it), or
 #: the broker's close seen before its answer.
 _TRANSIENT = (r"RequestTimedOutError: Request timed out after \d+ ms|KafkaConnectionError: Connection timed out"
-              r"|socket disconnected|Connection reset by peer")
+              r"|socket disconnected|Connection reset by peer|SASL Authentication timed out")
 
 
 def _bootstrap_causes(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -26,7 +26,7 @@ GROUP = "relayed"
 #: The relay's Kafka client in the test running (relay_for's default): every test that publishes
 #: runs with each publisher.
 CLIENTS = ("confluent", "kafka-python")
-_client = ["auto"]
+_client = ["kafka-python"]
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
@@ -36,9 +36,9 @@ def pytest_generate_tests(metafunc: Any) -> None:
 
 @pytest.fixture(autouse=True)
 def relay_client(request: Any) -> Iterator[str]:
-    _client[0] = getattr(request, "param", "auto")
+    _client[0] = getattr(request, "param", "kafka-python")
     yield _client[0]
-    _client[0] = "auto"
+    _client[0] = "kafka-python"
 
 
 @pytest.fixture

@@ -478,11 +478,11 @@ def share(shards: int, counts: dict[str, int], me: str) -> int:
 
 def publisher_class(client: str) -> type[ShardPublisher] | type[RdShardPublisher]:
     """The shards' publisher for setting ``relay_client``."""
-    if client == "confluent" and not rdproducer.available():
+    if client != "confluent":
+        return ShardPublisher
+    if not rdproducer.available():
         raise ConfigurationError("relay_client=confluent needs confluent-kafka: pip install 'kstore[confluent]'")
-    if client == "confluent" or (client == "auto" and rdproducer.available()):
-        return RdShardPublisher
-    return ShardPublisher
+    return RdShardPublisher
 
 
 def _close_publisher(state: _Shard) -> None:
