@@ -17,7 +17,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
-from kstore.engine.relay import Relay, share
+from kstore.engine.relay import Relay, RelayStuck, publisher_class, share
 from kstore.records import Produced
 
 from .harness import read_committed, wait_until
@@ -177,6 +177,26 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     assert values(kafka, out) == [b"before", b"x" * 5000, b"after"]
     assert relay.shards_blocked == []
     relay.close()
+
+
+def test_a_kafka_transaction_that_never_returns_stops_the_relay(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any) -> None:
+    """A publish stuck past its timeout (librdkafka's send_offsets_to_transaction was seen to hang
+    after a broker restart) cannot be interrupted: the relay stops with RelayStuck, so its worker
+    stops and its leases run out, rather than holding the shard unpublished for good."""
+    out = new_topic(partitions=1)
+    relay = relay_for(engine, kafka, pg_dsn, group="stuck", outbox_shards=1, connect_timeout_s=1)
+    release = threading.Event()
+    monkeypatch.setattr(publisher_class(_client[0]), "publish", lambda *a, **k: release.wait(120))
+    write_batch(engine, relay.outbox, [Produced(out, b"v", b"k")])
+    relay.start()
+    try:
+        wait_until(lambda: relay.error is not None, 60, what="the relay to give up on the stuck shard")
+        assert isinstance(relay.error, RelayStuck), relay.error
+        assert "shard 0 of group 'stuck'" in str(relay.error)
+    finally:
+        release.set()
+        relay.close()
 
 
 def test_progress_left_in_kafka_by_another_database_counts_for_nothing(

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS_PER_TRANSACTION = 5000
 #: A shard stopped on a row Kafka refused is tried again after this long (the topic may be made).
 BLOCKED_RETRY_S = 30.0
+#: A Kafka transaction under way this many times ``connect_timeout_s`` stops the relay (RelayStuck).
+STUCK_AFTER_TIMEOUTS = 3
 #: First and longest wait after the broker or the database failed a shard.
 RETRY_DELAY_S = 0.5
 RETRY_MAX_DELAY_S = 10.0
@@ -83,12 +85,18 @@ class _Shard:
     #: to this seq: the rows before the refused one go out, and the one to blame is named exactly
     #: (a broker refuses a whole request of records for one record too large).
     single_until: int = 0
+    #: Since when (monotonic) a Kafka call of the shard has been under way; None between calls.
+    publishing_since: float | None = None
     #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
     lost: bool = False
     last_error: str | None = None
     wake: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+
+
+class RelayStuck(Exception):
+    """A shard's Kafka call did not return long after its timeout: the relay stops."""
 
 
 class _LostShard(Exception):
@@ -152,6 +160,7 @@ class Relay:
             while not self._stop.is_set():
                 if self.error is not None:  # a shard's thread died: its shard would be held and never published
                     raise self.error
+                self._check_stuck()
                 if time.monotonic() >= self._next_heartbeat:
                     self._heartbeat()
                 self._reap()
@@ -163,6 +172,20 @@ class Relay:
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
+
+    def _check_stuck(self) -> None:
+        """A shard whose Kafka transaction has not returned long past its timeout stops the relay
+        (and so the worker that runs it, for its supervisor to start again): its thread cannot be
+        interrupted, and the lease this relay keeps renewing would hold the shard unpublished.
+        librdkafka's send_offsets_to_transaction was seen not to return after a broker restart."""
+        limit = STUCK_AFTER_TIMEOUTS * self.settings.connect_timeout_s
+        now = time.monotonic()
+        for state in list(self._held.values()):
+            since = state.publishing_since
+            if since is not None and now - since > limit:
+                raise RelayStuck(f"publishing outbox shard {state.shard} of group {self.group!r}: a Kafka "
+                                 f"transaction has not returned in {now - since:.0f}s (its timeout is "
+                                 f"{self.settings.connect_timeout_s:g}s)")
 
     def wake(self) -> None:
         """A batch that produced records committed: publish now, not at the next poll."""
@@ -311,6 +334,7 @@ class Relay:
         if not rows:
             self._mark(state, due=True)
             return False
+        state.publishing_since = time.monotonic()
         try:
             state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
         except Fenced as exc:
@@ -339,6 +363,8 @@ class Relay:
             log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
                       "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, BLOCKED_RETRY_S)
             return False
+        finally:
+            state.publishing_since = None
         state.published = rows[-1].seq
         state.blocked_on, state.delay, state.last_error = None, RETRY_DELAY_S, None
         self._shard_reason = None
