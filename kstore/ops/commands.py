@@ -68,7 +68,7 @@ def offsets_show(ctx: click.Context, /, group: str, topic: str | None, as_json: 
 @click.option("--to-latest", is_flag=True)
 @click.option("--shift-by", type=int, default=None, help="Move by N from the stored offset (negative: replay).")
 @click.option("--clamp", is_flag=True, help="Move out-of-range targets to the nearest end instead of refusing.")
-@click.option("--reason", default=None, help="Recorded in the reset history.")
+@click.option("--reason", default=None, help="Why; recorded in the reset history (required with --execute).")
 @click.option("--execute", is_flag=True, help="Apply the plan; without it, only print it.")
 @click.pass_context
 def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple[int, ...], **opts: Any) -> None:
