@@ -37,7 +37,7 @@ from kstore.errors import (
     ProcessorContractError,
     ProcessorError,
 )
-from kstore.processor import Message, Processor, ProduceError, load_processor
+from kstore.processor import DeserializationError, Message, Processor, ProduceError, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST
@@ -66,6 +66,7 @@ __all__ = [
     "ConfigurationError",
     "DeadLetterStateError",
     "DeferredInsertError",
+    "DeserializationError",
     "DatabaseError",
     "FencedError",
     "InvalidOffsetError",

@@ -19,7 +19,7 @@ from kstore.db.deadletters import DEAD, REPLAYED, DeadLetter, DeadLetters, DeadL
 from kstore.db.outbox import Outbox
 from kstore.errors import CommitInDoubtError, ConfigurationError
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Message, Outgoing, Processor, call_hook, produce_check, run_handler, to_ms
+from kstore.processor import Outgoing, Processor, call_hook, deserialized, produce_check, run_handler, to_ms
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -34,9 +34,8 @@ def replay(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit:
     is committed then); see :meth:`~kstore.db.deadletters.DeadLetters.replay` for the rest.
     """
     raw = edit.apply(letter) if edit else (letter.key, letter.value)
-    key, value = processor.deserialize(*raw)
-    msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
-                  to_ms(letter.timestamp))
+    msg = deserialized(processor, letter.topic, letter.partition_id, letter.offset, *raw, letter.headers,
+                       to_ms(letter.timestamp))
     settings = letters.settings
 
     def run(conn: Connection) -> None:
