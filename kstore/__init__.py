@@ -36,6 +36,7 @@ from kstore.errors import (
     NotMigratedError,
     ProcessorContractError,
     ProcessorError,
+    TooManyDeadLettersError,
 )
 from kstore.processor import DeserializationError, Message, Processor, ProduceError, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
@@ -75,4 +76,5 @@ __all__ = [
     "ProcessorContractError",
     "ProcessorError",
     "ProduceError",
+    "TooManyDeadLettersError",
 ]

@@ -25,7 +25,13 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import database_state, first_line, transient
 from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
 from kstore.db.writes import WRITES
-from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
+from kstore.errors import (
+    BrokerError,
+    CommitInDoubtError,
+    ProcessorContractError,
+    ProcessorError,
+    TooManyDeadLettersError,
+)
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.processor import (
     Concurrency,
@@ -43,7 +49,7 @@ from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
 
-from .failures import Failures, MessageKey
+from .failures import Breaker, Failures, MessageKey
 from .ownership import Backoff, Ledger, fmt
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,8 @@ class _InDoubt:
     #: The COMMIT's own error (the reason to retry, should it not have landed).
     cause: Exception
     what: str
+    #: The messages it dead-lettered, with their failures (for the dead-letter breaker).
+    letters: Sequence[tuple[Record, Failure]] = ()
 
 
 class _Decoded(NamedTuple):
@@ -85,6 +93,8 @@ class _CommitInDoubt(Exception):
 
     #: The batch's messages as the processor saw them, set by :meth:`Batches._transact`.
     msgs: Sequence[Message] = ()
+    #: The messages it dead-lettered, set by :meth:`Batches._transact`.
+    letters: Sequence[tuple[Record, Failure]] = ()
 
 
 #: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
@@ -143,6 +153,10 @@ class Batches:
             policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
         self.failures = Failures(policy)
         self.on_error = settings.on_error or processor.on_error
+        #: Messages dead-lettered in a row; past its limits the worker stops, or pauses (see _count_letters).
+        self.breaker = Breaker(settings.max_consecutive_dead_letters, settings.max_consecutive_rejects)
+        #: Why the dead-letter breaker paused the worker (dead_letter_breaker=pause): no batch is taken.
+        self.paused: str | None = None
         #: An async processor's batches: how many at once, in what order, and bounded by the liveness
         #: timeout (a handler that never returns fails its batch, which is then narrowed down).
         self._concurrency = (Concurrency.of(processor, settings.max_concurrency, settings.ordering,
@@ -170,8 +184,8 @@ class Batches:
         self._db_failed: tuple[MessageKey, bool] | None = None
 
     def ready(self) -> bool:
-        """False while a failed message or the database waits for its next attempt."""
-        return self.failures.ready() and self.db_backoff.ready()
+        """False while a failed message or the database waits for its next attempt, or the breaker paused."""
+        return self.paused is None and self.failures.ready() and self.db_backoff.ready()
 
     def close(self) -> None:
         self._drop_batch_connection()
@@ -197,9 +211,9 @@ class Batches:
         started = time.monotonic()
         try:
             taken, decoded = self._decode(taken)
-            fenced, msgs = self._transact(taken, decoded)
+            fenced, msgs, letters = self._transact(taken, decoded)
         except _CommitInDoubt as exc:
-            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch")
+            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch", exc.letters)
             return self._resolve()
         except (_HandlerFailed, SQLAlchemyError) as exc:
             if not self._failed(taken, _cause(exc), "process a batch"):
@@ -214,6 +228,7 @@ class Batches:
         self._committed(taken)
         self.metrics.committed(_counts(taken.records), started, self._commit_started)
         self._notify_committed(msgs)
+        self._count_letters(taken.records, letters)
         return True
 
     def _take(self, size: int) -> _Batch | None:
@@ -303,6 +318,7 @@ class Batches:
             else:
                 self.metrics.dead_lettered()
             self._notify_committed(doubt.msgs)
+            self._count_letters(doubt.taken.records, doubt.letters)
             return True
         self.metrics.rolled_back("in_doubt")
         log.warning("the COMMIT of %s (%s) lost its answer (%s) and did not land: processing it again",
@@ -396,7 +412,7 @@ class Batches:
             fenced = self._commit_with(
                 taken.positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
         except _CommitInDoubt as exc:
-            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter")
+            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter", [(record, failure)])
             return True
         except SQLAlchemyError as exc:
             self.metrics.rolled_back("database")
@@ -410,14 +426,33 @@ class Batches:
         self.metrics.dead_lettered()
         log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
                     record.offset, failure.attempts, failure.error, extra=_fields(record))
+        self._count_letters(taken.records, [(record, failure)])
         return True
+
+    def _count_letters(self, records: Sequence[Record], letters: Sequence[tuple[Record, Failure]]) -> None:
+        """A batch of ``records`` committed with ``letters`` dead-lettered: past the breaker's limits
+        (see :class:`~kstore.engine.failures.Breaker`), stop the worker or pause it, by policy."""
+        why = self.breaker.committed(records, letters)
+        if why is None:
+            return
+        if self.settings.dead_letter_breaker == "pause":
+            self.paused = why
+            log.error("dead-letter breaker: %s; paused: no more batches until the worker is restarted "
+                      "(dead_letter_breaker=pause)", why)
+            return
+        raise TooManyDeadLettersError(
+            f"{why}; the worker stops (dead_letter_breaker=stop): a processor that fails on every message is more "
+            f"likely broken than every message bad. See `kstore dead-letters list --group {self.group}`, fix the "
+            "cause, then replay them")
 
     # -- the transaction ----------------------------------------------------------
 
-    def _transact(self, taken: _Batch, decoded: _Decoded) -> tuple[set[TP], Sequence[Message]]:
+    def _transact(self, taken: _Batch, decoded: _Decoded,
+                  ) -> tuple[set[TP], Sequence[Message], Sequence[tuple[Record, Failure]]]:
         """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`.
 
-        Returns the fenced partitions and the messages as the processor saw them. Messages that
+        Returns the fenced partitions, the messages as the processor saw them and those dead-lettered
+        with their failures (all three only if it committed). Messages that
         could not be deserialized (``decoded.undecodable``, only with on_error=dead_letter) never
         reach the processor: they are dead-lettered in this same transaction.
         """
@@ -442,9 +477,9 @@ class Batches:
                         self.metrics.dead_lettered()
                         log.warning("dead-lettered %s[%d] offset %d at once: %s", record.topic, record.partition,
                                     record.offset, failure.error, extra=_fields(record))
-                return fenced, msgs
+                return fenced, msgs, letters
             except _CommitInDoubt as exc:
-                exc.msgs = msgs
+                exc.msgs, exc.letters = msgs, letters
                 raise
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # a stop signal's timeout, or a second signal: rolled back
