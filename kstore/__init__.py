@@ -21,7 +21,7 @@ other, nor the database and the Kafka sides): pyproject.toml's import contracts 
 
 from kstore.concurrency import AsyncSession
 from kstore.db.dbapi import BatchTransactionError
-from kstore.db.deadletters import DeadLetterStateError
+from kstore.db.deadletters import DeadLetterBusyError, DeadLetterStateError
 from kstore.db.migration import migrate
 from kstore.db.session import BatchRollbackError, DeferredInsertError
 from kstore.engine.worker import Worker
@@ -65,6 +65,7 @@ __all__ = [
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",
+    "DeadLetterBusyError",
     "DeadLetterStateError",
     "DeferredInsertError",
     "DeserializationError",

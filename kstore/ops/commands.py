@@ -168,8 +168,11 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> 
     for c in changes:
         click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
                    f"request {c.request_id}  reason: {c.reason or '-'}")
+        if c.failed:
+            click.echo("    the replay failed: the letter's error and attempts include it")
         if c.edited:
-            click.echo(f"    replayed edited: key {c.replayed_key!r} value {c.replayed_value!r}")
+            ran = "ran" if c.failed else "replayed"
+            click.echo(f"    {ran} edited: key {c.replayed_key!r} value {c.replayed_value!r}")
     click.echo(f"traceback:\n{d.traceback}")
 
 

@@ -15,7 +15,15 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from kstore.db.deadletters import DEAD, REPLAYED, DeadLetter, DeadLetters, DeadLetterStateError, Edit
+from kstore.db.deadletters import (
+    DEAD,
+    REPLAYED,
+    DeadLetter,
+    DeadLetterBusyError,
+    DeadLetters,
+    DeadLetterStateError,
+    Edit,
+)
 from kstore.db.outbox import Outbox
 from kstore.errors import CommitInDoubtError, ConfigurationError
 from kstore.kafka.logreader import PartitionCounts
@@ -98,10 +106,14 @@ def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, 
     try:
         replayed = replay(letters, processor, letter, edit, reason, check)
         (result.replayed if replayed else result.skipped).append(letter.id)
+    except DeadLetterBusyError as exc:
+        done = ", ".join(map(str, result.replayed))
+        raise DeadLetterBusyError(f"{exc}; replayed before it by this command: {done}" if done else str(exc)) from None
     except (CommitInDoubtError, DeadLetterStateError):
         raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
     except Exception as exc:
-        letters.note_failure(letter, exc)
+        # The letter takes the failure (no second letter for the message), unless it left dead meanwhile.
+        letters.note_failure(letter, exc, reason, edited=edit.apply(letter) if edit else None)
         result.failed[letter.id] = f"{type(exc).__name__}: {exc}"
 
 
