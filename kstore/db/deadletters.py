@@ -412,9 +412,11 @@ class DeadLetters:
         """Mark one dead letter replayed in the transaction of its effects: ``run(conn)`` writes them
         (the processor's, see :func:`kstore.ops.replay.replay`).
 
-        True if its effects and its 'replayed' mark committed; False if it was already replayed.
-        Raises what ``run`` raises (nothing is committed then), and :class:`DeadLetterStateError`
-        if it was discarded or resolved. ``edited``, the key and value the processor got instead of
+        The letter is locked before ``run`` and until COMMIT. True if its effects and its 'replayed'
+        mark committed; False if it was already replayed. Raises what ``run`` raises (nothing is
+        committed then; see :meth:`note_failure`), :class:`DeadLetterBusyError` at once if another
+        transaction holds the letter (a replay running), and :class:`DeadLetterStateError` if it
+        was discarded or resolved. ``edited``, the key and value the processor got instead of
         the letter's own, is recorded in the history with the replay; the letter keeps the original
         message. If the COMMIT's answer is lost, the replay is looked up by its request id: found, it
         landed (True); not found, the COMMIT's error is raised (it may be replayed again);
