@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 from kstore.concurrency import AsyncSession
 from kstore.db.dbapi import BatchTransactionError
-from kstore.db.deadletters import DeadLetterStateError
+from kstore.db.deadletters import DeadLetterBusyError, DeadLetterStateError
 from kstore.db.migration import migrate
 from kstore.db.session import BatchRollbackError, DeferredInsertError
 from kstore.engine.worker import Worker
@@ -39,8 +39,9 @@ from kstore.errors import (
     NotMigratedError,
     ProcessorContractError,
     ProcessorError,
+    TooManyDeadLettersError,
 )
-from kstore.processor import Message, Processor, ProduceError, load_processor
+from kstore.processor import DeserializationError, Message, Processor, ProduceError, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST
@@ -67,8 +68,10 @@ __all__ = [
     "BrokerError",
     "CommitInDoubtError",
     "ConfigurationError",
+    "DeadLetterBusyError",
     "DeadLetterStateError",
     "DeferredInsertError",
+    "DeserializationError",
     "DatabaseError",
     "FencedError",
     "InvalidOffsetError",
@@ -77,4 +80,5 @@ __all__ = [
     "ProcessorContractError",
     "ProcessorError",
     "ProduceError",
+    "TooManyDeadLettersError",
 ]

@@ -41,6 +41,13 @@ class ProcessorError(KstoreError):
     exit_code = 1
 
 
+class TooManyDeadLettersError(ProcessorError):
+    """The dead-letter breaker tripped (``dead_letter_breaker="stop"``): too many messages in a row
+    were dead-lettered with none handled in between (``max_consecutive_dead_letters``,
+    ``max_consecutive_rejects``). The dead letters written so far are committed; the worker stops
+    before the next message."""
+
+
 class ProcessorContractError(ProcessorError):
     """The processor did what kstore can never commit correctly, whatever the message: a hook
     returned a coroutine (it never ran), or the batch's own transaction was ended inside it.

@@ -37,7 +37,7 @@ from kstore.concurrency import (
 from kstore.db.session import BatchSession, batch_session
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
 from kstore.records import Produced
-from kstore.retry import Reject, RetryPolicy
+from kstore.retry import Reject, Retry, RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
@@ -89,6 +89,37 @@ class ProduceError(Reject):
     A :class:`~kstore.retry.Reject`: the message that produced it is not retried but, by
     ``on_error``, dead-lettered at once (nothing it produced is published) or stops the worker.
     """
+
+
+class DeserializationError(Reject):
+    """A record's key or value could not be deserialized (:meth:`Processor.deserialize` raised, e.g. a
+    value that is not JSON with ``value_format = "json"``); the original error is its cause.
+
+    A :class:`~kstore.retry.Reject`, attributed to that one message without running its batch:
+    by ``on_error``, it is dead-lettered at once, in the transaction of the rest of its batch, or
+    the worker stops with the offset just before it. (A custom ``deserialize`` that raises
+    :class:`~kstore.retry.Retry` fails its batch instead, which is retried as any failing batch.)
+    """
+
+    @classmethod
+    def of(cls, exc: Exception) -> DeserializationError:
+        error = cls(f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
+
+def deserialized(processor: Processor, topic: str, partition: int, offset: int, key: bytes | None,
+                 value: bytes | None, headers: Sequence[tuple[str, bytes | None]], timestamp_ms: int | None,
+                 ) -> Message:
+    """The message as :meth:`Processor.handle` receives it; :class:`DeserializationError` if its key or
+    value cannot be deserialized (a :class:`~kstore.retry.Retry` raised by ``deserialize`` passes)."""
+    try:
+        k, v = processor.deserialize(key, value)
+    except Retry:
+        raise
+    except Exception as exc:
+        raise DeserializationError.of(exc) from exc
+    return Message(topic, partition, offset, k, v, headers, timestamp_ms)
 
 
 def encode(data: Any, what: str) -> bytes | None:

@@ -82,6 +82,19 @@ class Settings:
     ordering: str | None = None
     #: Overrides the processor's ``retry.max_attempts``.
     max_attempts: int | None = None
+    #: With on_error=dead_letter: this many messages in a row dead-lettered after failing every
+    #: attempt (a crash: an error the processor did not mean), with no message handled in between,
+    #: trip the breaker (see ``dead_letter_breaker``): a processor that fails on every message is
+    #: more likely broken than every message bad. 0: never.
+    max_consecutive_dead_letters: int = 20
+    #: The same for messages rejected on purpose (``Reject``, an error in ``retry.give_up_on``, a
+    #: message that cannot be deserialized): cheap, and each the processor's judgement of the
+    #: message, so far more of them in a row are allowed before it looks like a systematic fault
+    #: (an upstream schema change, a validation bug). 0: never.
+    max_consecutive_rejects: int = 1000
+    #: What a tripped breaker does: "stop" the worker (exit 1, one line naming the last message),
+    #: or "pause" it (no more batches, /readyz unready with the reason, until it is restarted).
+    dead_letter_breaker: str = "stop"
     #: Raise on an invalid reset target instead of falling back to ``start_from``.
     strict_resets: bool = False
     #: Most messages per transaction. Each transaction costs a few round trips (the
@@ -185,6 +198,7 @@ class Settings:
         _check_choices(self.max_concurrency, self.ordering, self.relay_client)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        _check_breaker(self.max_consecutive_dead_letters, self.max_consecutive_rejects, self.dead_letter_breaker)
         try:
             make_url(self.dsn)
         except ArgumentError:
@@ -235,6 +249,14 @@ class Settings:
         if unknown:
             raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+
+def _check_breaker(max_dead_letters: int, max_rejects: int, breaker: str) -> None:
+    for name, value in (("max_consecutive_dead_letters", max_dead_letters), ("max_consecutive_rejects", max_rejects)):
+        if value < 0:
+            raise ConfigurationError(f"{name} must be 0 (never) or more, got {value}")
+    if breaker not in ("stop", "pause"):
+        raise ConfigurationError(f"dead_letter_breaker must be stop or pause, got {breaker!r}")
 
 
 def _check_choices(max_concurrency: int | None, ordering: str | None, relay_client: str) -> None:

@@ -20,19 +20,59 @@ relay would publish it (nothing is published)::
 
     outcome = run_batch(booker, [make_message({"account": "a1", "amount": 5})], engine)
     assert [json.loads(r.value) for r in outcome.produced] == [{"account": "a1", "booked": 5}]
+
+With ``on_error = "dead_letter"`` (the processor's, or ``run_batch(..., on_error=...)``) a message
+the worker would dead-letter comes back in ``outcome.rejected`` with its error, and the rest of
+the batch commits, as in the worker; ``outcome.committed`` lists the messages handled. A message
+made with ``raw=True`` carries Kafka's bytes and is deserialized by the processor, as the worker
+does, so a payload that cannot be deserialized shows up as rejected::
+
+    outcome = run_batch(counter, [make_message(b'{"page": "/"}', raw=True), make_message(b"{oops", raw=True,
+                                  offset=1)], engine, on_error="dead_letter")
+    assert [m.offset for m in outcome.committed] == [0]
+    assert [(r.message.offset, type(r.error).__name__) for r in outcome.rejected] == [(1, "DeserializationError")]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
-from kstore.processor import Message, Outgoing, Processor, call_hook, check_processor, run_handler, to_ms
+from kstore.processor import (
+    DeserializationError,
+    Message,
+    OnError,
+    Outgoing,
+    Processor,
+    call_hook,
+    check_processor,
+    deserialized,
+    run_handler,
+    to_ms,
+)
 from kstore.records import Produced
+
+
+class RawMessage(Message):
+    """A message as Kafka delivers it (``make_message(..., raw=True)``): key and value are bytes,
+    which :func:`run_batch` deserializes with the processor's ``deserialize()``."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A message the worker would dead-letter (``on_error = "dead_letter"``), and why."""
+
+    #: As the processor saw it (as given, for one that could not be deserialized).
+    message: Message
+    #: A :class:`~kstore.Reject`, an error the retry policy gives up on, or a
+    #: :class:`~kstore.DeserializationError` (its ``__cause__`` is the original).
+    error: Exception
 
 
 @dataclass(frozen=True)
@@ -41,6 +81,10 @@ class Outcome:
 
     #: The records it produced (``Processor.produce``), in order, as the relay would publish them.
     produced: list[Produced] = field(default_factory=list)
+    #: The messages handled in the committed transaction, in order.
+    committed: list[Message] = field(default_factory=list)
+    #: The messages dead-lettered (with on_error="dead_letter"), in the order given.
+    rejected: list[Rejected] = field(default_factory=list)
 
 
 def make_message(
@@ -52,20 +96,111 @@ def make_message(
     key: Any = None,
     headers: Sequence[tuple[str, bytes | None]] = (),
     timestamp: datetime | None = None,
+    raw: bool = False,
 ) -> Message:
-    """A :class:`Message` as the processor would receive it (key and value already deserialized)."""
-    return Message(topic, partition, offset, key, value, tuple(headers), to_ms(timestamp or datetime.now(timezone.utc)))
+    """A :class:`Message` as the processor would receive it (key and value already deserialized).
+
+    ``raw=True``: ``value`` and ``key`` are Kafka's bytes (or None), deserialized by :func:`run_batch`
+    with the processor's ``deserialize()`` (its ``key_format``/``value_format``), as the worker does.
+    """
+    ms = to_ms(timestamp or datetime.now(timezone.utc))
+    if not raw:
+        return Message(topic, partition, offset, key, value, tuple(headers), ms)
+    for name, data in (("value", value), ("key", key)):
+        if data is not None and not isinstance(data, bytes):
+            raise TypeError(f"make_message(raw=True): {name} must be bytes or None, got {type(data).__name__}")
+    return RawMessage(topic, partition, offset, key, value, tuple(headers), ms)
 
 
-def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str) -> Outcome:
-    """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL)."""
+def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str, *,
+              on_error: OnError | None = None) -> Outcome:
+    """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL).
+
+    ``on_error`` (default: the processor's) as the worker applies it: with ``"stop"`` whatever the
+    processor raises is raised here, and nothing commits. With ``"dead_letter"``, a message the worker
+    would dead-letter at once (a :class:`~kstore.Reject` or an error of ``retry.give_up_on``, or a
+    raw message that cannot be deserialized) is left out of the batch and returned in
+    ``Outcome.rejected``; if such an error comes after the message wrote something, it is found by
+    halving the batch in transactions that are rolled back, as the worker narrows a batch down, and
+    the rest runs again. Any other error is raised (the worker would retry it), nothing committed.
+    """
     check_processor(processor)
     if isinstance(engine, str):
         engine = create_engine(engine)
     if getattr(processor, "engine", None) is not engine:
         processor.engine = engine
         call_hook(processor, "setup")
-    outgoing = Outgoing()
-    with engine.connect() as conn, conn.begin():
-        run_handler(processor, conn, list(messages), outgoing=outgoing)
-    return Outcome(list(outgoing.records))
+    dead_letter = (on_error or processor.on_error) == "dead_letter"
+    rejected: list[tuple[int, Rejected]] = []
+    items: list[tuple[int, Message]] = []  # position given, the message as the processor sees it
+    for position, msg in enumerate(messages):
+        try:
+            items.append((position, _deserialized(processor, msg)))
+        except DeserializationError as exc:
+            if not dead_letter:
+                raise
+            rejected.append((position, Rejected(msg, exc)))
+    while True:
+        outgoing = Outgoing()
+        rejects: list[tuple[int, Exception]] | None = [] if dead_letter else None
+        try:
+            _run(processor, engine, [m for _, m in items], rejects, outgoing, commit=True)
+            break
+        except Exception as exc:
+            if not dead_letter or not processor.retry.gives_up_on(exc):
+                raise
+            found = _culprit(lambda msgs: _trial(processor, engine, msgs), [m for _, m in items])
+            if found is None:
+                raise
+            index, error = found
+            rejected.append((items[index][0], Rejected(items[index][1], error)))
+            del items[index]
+    set_aside = {index for index, _ in rejects or ()}
+    rejected += [(items[index][0], Rejected(items[index][1], error)) for index, error in rejects or ()]
+    return Outcome(list(outgoing.records), [m for i, (_, m) in enumerate(items) if i not in set_aside],
+                   [r for _, r in sorted(rejected, key=lambda item: item[0])])
+
+
+def _deserialized(processor: Processor, msg: Message) -> Message:
+    if not isinstance(msg, RawMessage):
+        return msg
+    return deserialized(processor, msg.topic, msg.partition, msg.offset, msg.key, msg.value, msg.headers,
+                        msg.timestamp_ms)
+
+
+def _run(processor: Processor, engine: Engine, msgs: list[Message], rejects: list[tuple[int, Exception]] | None,
+         outgoing: Outgoing, *, commit: bool) -> None:
+    """The batch in one transaction, committed (or rolled back: a trial)."""
+    if not msgs:
+        return
+    with engine.connect() as conn, conn.begin() as trans:
+        run_handler(processor, conn, msgs, rejects=rejects, outgoing=outgoing)
+        if not commit:
+            trans.rollback()
+
+
+def _trial(processor: Processor, engine: Engine, msgs: list[Message]) -> Exception | None:
+    """The final error ``msgs`` fail with, run in a transaction that is rolled back; None if they do not
+    fail (another error is raised: the worker would retry it, and :func:`run_batch` raises it)."""
+    try:
+        _run(processor, engine, msgs, [], Outgoing(), commit=False)
+    except Exception as exc:
+        if not processor.retry.gives_up_on(exc):
+            raise
+        return exc
+    return None
+
+
+def _culprit(trial: Callable[[list[Message]], Exception | None],
+             msgs: list[Message]) -> tuple[int, Exception] | None:
+    """The position of a message that fails alone with a final error, and that error: the failing
+    range halved as the worker narrows a batch down. None if no single message does."""
+    lo, hi = 0, len(msgs)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trial(msgs[lo:mid]) is not None:
+            hi = mid
+        else:
+            lo = mid
+    error = trial(msgs[lo:hi]) if hi > lo else None
+    return None if error is None else (lo, error)

@@ -120,7 +120,7 @@ def test_migrate_is_idempotent_and_reports_the_revision(tmp_path: Path, dsn_kind
     for _ in range(2):
         r = kstore("migrate", "--dsn", dsn)
         assert r.returncode == 0, r.stderr
-        assert "kstore tables are at migration 0007" in r.stdout
+        assert "kstore tables are at migration 0008" in r.stdout
 
 
 def test_version_has_one_source() -> None:

@@ -299,16 +299,20 @@ def test_a_resolve_through_a_real_cut_after_commit_lands_once(pg_dsn: str) -> No
 
 
 class DiscardedMeanwhile(Recorder):
-    """Writes its effect, then (before the replay marks the letter) an operator discards it elsewhere."""
+    """Writes its effect, then (while the replay holds the letter) an operator tries to discard it elsewhere."""
 
     dsn = ""
+    refused: list[str] = []
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         super().handle_batch(msgs)
-        dl.discard_dead_letters(Settings(dsn=self.dsn), "g", [int(msgs[0].value)], "raced")
+        try:
+            dl.discard_dead_letters(Settings(dsn=self.dsn), "g", [int(msgs[0].value)], "raced")
+        except DeadLetterStateError as exc:
+            self.refused.append(str(exc))
 
 
-def test_a_letter_discarded_while_its_replay_runs_is_not_replayed(pg_dsn: str) -> None:
+def test_a_letter_cannot_be_discarded_while_its_replay_runs(pg_dsn: str) -> None:
     a = add_letter(pg_dsn, "0")
     engine = sa.create_engine(pg_dsn)
     with engine.begin() as conn:  # the value names the letter, for the processor
@@ -316,9 +320,53 @@ def test_a_letter_discarded_while_its_replay_runs_is_not_replayed(pg_dsn: str) -
     engine.dispose()
     proc = DiscardedMeanwhile()
     proc.dsn = pg_dsn
-    with pytest.raises(DeadLetterStateError, match=f"cannot replay dead letter {a}: it was discarded by .*raced.*"
-                                                   "rolled back"):
-        replay_dead_letters(Settings(dsn=pg_dsn), proc, "g", [a])
-    assert effect_values(pg_dsn) == [], "the replay's effect rolled back"
-    assert statuses(pg_dsn) == {a: "discarded"}
-    assert [h.action for h in history_rows(pg_dsn)] == ["discard"]
+    assert replay_dead_letters(Settings(dsn=pg_dsn), proc, "g", [a]).replayed == [a]
+    assert proc.refused == [f"dead letter(s) {a}: another operator is replaying or changing it right now; nothing was "
+                            f"done (see `kstore dead-letters show {a}` once they are done)"]
+    assert effect_values(pg_dsn) == [(7, str(a))]
+    assert statuses(pg_dsn) == {a: "replayed"}
+    assert [h.action for h in history_rows(pg_dsn)] == ["replay"]
+
+
+def test_a_replay_that_fails_again_updates_its_letter(pg_dsn: str) -> None:
+    a = add_letter(pg_dsn, "poison")
+    (before,) = query(pg_dsn, "SELECT * FROM kstore_dead_letters")
+    env = {"KSTORE_TEST_FAIL_VALUE": "poison"}
+    for attempt in (1, 2):
+        r = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--reason", f"try {attempt}",
+                   "--dsn", pg_dsn, env=env)
+        assert r.returncode == 1 and f"dead letter {a} failed again: ValueError: poison message" in r.stderr, r.stderr
+    (after,) = query(pg_dsn, "SELECT * FROM kstore_dead_letters")  # one letter for the message, not three
+    assert (after.id, after.status, after.attempts) == (a, "dead", before.attempts + 2)
+    assert after.error == "ValueError: poison message at t[0] offset 7"
+    assert "Traceback" in after.traceback and "poison message at t[0] offset 7" in after.traceback
+    assert after.first_failure_at == before.first_failure_at < after.last_failure_at
+    assert [(h.action, h.from_status, h.to_status, h.reason) for h in history_rows(pg_dsn)] == [
+        ("replay", "dead", "dead", "try 1"), ("replay", "dead", "dead", "try 2")]
+    shown = kstore("dead-letters", "show", str(a), "--dsn", pg_dsn).stdout
+    assert "dead -> dead" in shown and "the replay failed" in shown, shown
+    assert effect_values(pg_dsn) == []
+    fixed = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--dsn", pg_dsn)
+    assert fixed.returncode == 0 and "replayed 1," in fixed.stdout, fixed.stdout + fixed.stderr
+    assert statuses(pg_dsn) == {a: "replayed"} and effect_values(pg_dsn) == [(7, "poison")]
+
+
+def test_a_message_dead_lettered_again_after_a_rewind_updates_its_waiting_letter(
+        pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
+    topic, group = new_topic(1), "again"
+    produce(topic, ["v0", "poison", "v2"])
+    args = ["--on-error", "dead_letter", "--max-attempts", "2"]
+    env = {"KSTORE_TEST_FAIL_VALUE": "poison"}
+    w = workers(pg_dsn, topic, group, env=env, args=args)
+    w.wait_for_log(r"dead-lettered .* offset 1 after 2 attempt")
+    assert w.terminate() == 0
+    (first,) = query(pg_dsn, "SELECT * FROM kstore_dead_letters")
+    r = kstore("offsets", "set", "--group", group, "--topic", topic, "--to-offset", "0", "--reason", "again",
+               "--bootstrap-servers", kafka, "--execute", "--dsn", pg_dsn)
+    assert r.returncode == 0, r.stderr
+    w = workers(pg_dsn, topic, group, env=env, args=args)
+    w.wait_for_log(r"dead-lettered .* offset 1 after 2 attempt")
+    assert w.terminate() == 0
+    (again,) = query(pg_dsn, "SELECT * FROM kstore_dead_letters")  # the same letter, not a second one
+    assert (again.id, again.offset, again.status, again.attempts) == (first.id, 1, "dead", 4)
+    assert again.first_failure_at == first.first_failure_at < again.last_failure_at

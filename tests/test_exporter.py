@@ -108,7 +108,7 @@ def test_lag_of_a_group_with_no_worker_in_messages_and_seconds_then_zero_after_c
 
     # An operator replays 5 messages of partition 0: its lag grows by 5, and the oldest waiting is older still.
     shifted = kstore("offsets", "set", "--group", group, "--topic", topic, "--partition", "0", "--shift-by", "-5",
-                     "--execute", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
+                     "--reason", "replay", "--execute", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
     assert shifted.returncode == 0, shifted.stderr
     scrape_started = time.time()
     m = exp.scrape()

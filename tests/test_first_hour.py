@@ -57,7 +57,7 @@ def test_every_command_on_psycopg_3(pg_dsn: str, kafka: str, new_topic: Any, pro
     shown = json.loads(kstore("offsets", "show", "--group", "psycopg3", "--bootstrap-servers", kafka, "--json").stdout)
     assert sum(row["next_offset"] for row in shown) == len(sent)
     kstore("offsets", "set", "--group", "psycopg3", "--topic", topic, "--shift-by", "-5", "--bootstrap-servers",
-           kafka, "--execute")
+           kafka, "--reason", "replay the last five", "--execute")
     history = json.loads(kstore("offsets", "history", "--group", "psycopg3", "--json").stdout)
     assert len([h for h in history if h["from_offset"] is not None and h["to_offset"] == h["from_offset"] - 5]) == 2
     kstore("dead-letters", "list", "--group", "psycopg3")

@@ -106,18 +106,18 @@ def test_shift_by_whose_commit_is_lost_never_shifts_twice(pg_dsn: str, kafka: st
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(100)))
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
-    set_offsets(settings, "g", topic, to_offset=60, execute=True)
+    set_offsets(settings, "g", topic, to_offset=60, execute=True, reason="test")
 
     lossy_admin.commits.append("refused")  # did not land: says so; running it again shifts once
     with pytest.raises(DatabaseError, match=f"did not land \\({CUT}\\): nothing changed; it is safe to run it again"):
-        set_offsets(settings, "g", topic, shift_by=-10, execute=True)
+        set_offsets(settings, "g", topic, shift_by=-10, execute=True, reason="test")
     assert_cut_the_reset(lossy_admin, "refused")
     assert stored_offsets(pg_dsn, "g") == {(topic, 0): 60}
-    plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True)
+    plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True, reason="test")
     assert [(p.from_offset, p.to_offset) for p in plan] == [(60, 50)]
 
     lossy_admin.commits.append("lost")  # landed: reported as applied, so nobody runs it again
-    plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True)
+    plan = set_offsets(settings, "g", topic, shift_by=-10, execute=True, reason="test")
     assert_cut_the_reset(lossy_admin, "refused", "lost")
     assert [(p.from_offset, p.to_offset) for p in plan] == [(50, 40)]
     assert stored_offsets(pg_dsn, "g") == {(topic, 0): 40}
@@ -142,9 +142,9 @@ def test_cli_reset_in_doubt_is_one_line_and_history_shows_its_request_id(
         pg_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(100)))
-    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "g", topic, to_offset=60, execute=True)
+    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "g", topic, to_offset=60, execute=True, reason="test")
     r = run_cli_in_doubt("kstore.ops.offsets", "offsets", "set", "--group", "g", "--topic", topic, "--shift-by", "-10",
-                "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--execute")
+                "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--reason", "replay", "--execute")
     print(r.stdout + r.stderr)
     assert r.returncode == 3, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()

@@ -106,7 +106,8 @@ def test_metrics_and_readiness_of_a_worker_draining_a_backlog(
     # A batch in flight when an operator moves partition 0 back by 10: its commit is fenced.
     r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", group, "--topic", topic,
                         "--partition", "0", "--shift-by", "-10", "--clamp", "--dsn", pg_dsn,
-                        "--bootstrap-servers", kafka, "--execute"], capture_output=True, text=True, timeout=60)
+                        "--bootstrap-servers", kafka, "--reason", "replay", "--execute"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     pause.unlink()
     wait_until(lambda: total(scrape(port), "kstore_fenced_commits_total") >= 1, 30, what="the fenced commit counted")

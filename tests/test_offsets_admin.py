@@ -11,13 +11,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
 
-from kstore import Settings
+from kstore import ConfigurationError, Settings
 from kstore.ops.offsets import set_offsets, show_offsets
 
 from .harness import TESTS_DIR, effects, stored_offsets, wait_until
+from .test_cli import assert_one_clear_line
 
 
 def kstore(*args: str) -> subprocess.CompletedProcess[str]:
@@ -77,6 +79,14 @@ def test_dry_run_changes_nothing_execute_applies_and_records(pg_dsn: str, kafka:
     assert "dry run" in dry.stdout and dry.stdout.splitlines()[1].split() == [topic, "0", "50", "10"], dry.stdout
     assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 50, (topic, 1): 50}
 
+    # --execute without a reason (or a blank one) is refused before anything is read or written.
+    for no_reason in ([], ["--reason", "  "]):
+        refused = kstore(*base, "--partition", "0", "--to-offset", "10", *no_reason, "--execute")
+        assert_one_clear_line(refused, "give a reason for the reset (--reason)")
+    assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 50, (topic, 1): 50}
+    with pytest.raises(ConfigurationError, match=r"give a reason for the reset"):
+        set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "alpha", topic, to_offset=10, execute=True)
+
     done = kstore(*base, "--partition", "0", "--to-offset", "10", "--reason", "replay the tail", "--execute")
     assert done.returncode == 0, done.stderr
     assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 10, (topic, 1): 50}
@@ -88,10 +98,10 @@ def test_dry_run_changes_nothing_execute_applies_and_records(pg_dsn: str, kafka:
     assert latest["reason"] == "kstore offsets set: replay the tail" and latest["by_user"] and latest["by_host"]
 
     # Out of range: refused, nothing changes; --clamp moves to the nearest end.
-    refused = kstore(*base, "--shift-by", "500", "--execute")
+    refused = kstore(*base, "--shift-by", "500", "--reason", "too far", "--execute")
     assert refused.returncode == 2 and "past the log end 50" in refused.stderr, refused.stderr
     assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 10, (topic, 1): 50}
-    clamped = kstore(*base, "--shift-by", "-500", "--clamp", "--execute")
+    clamped = kstore(*base, "--shift-by", "-500", "--clamp", "--reason", "to the start", "--execute")
     assert clamped.returncode == 0, clamped.stderr
     assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 0, (topic, 1): 0}
 
@@ -105,7 +115,7 @@ def test_to_datetime_lands_on_first_offset_at_or_after(pg_dsn: str, kafka: str, 
     time.sleep(0.05)
     produce(topic, (f"b{i}" for i in range(30)))
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
-    plan = set_offsets(settings, "timed", topic, to_datetime=between, execute=True)
+    plan = set_offsets(settings, "timed", topic, to_datetime=between, execute=True, reason="test")
     assert [(p.partition, p.from_offset, p.to_offset) for p in plan] == [(0, None, 30)]
     assert stored_offsets(pg_dsn, "timed") == {(topic, 0): 30}
     r = kstore("offsets", "set", "--group", "timed", "--topic", topic, "--dsn", pg_dsn, "--bootstrap-servers", kafka,
@@ -122,7 +132,7 @@ def test_online_replay_and_skip_without_restart(pg_dsn: str, kafka: str, new_top
     w = workers(pg_dsn, topic, "online", env={"KSTORE_TEST_PAUSE_FILE": str(pause)}, args=["--max-batch-size", "50"])
     wait_until(lambda: len(effects(pg_dsn)) == 600, 60)
     base = ["offsets", "set", "--group", "online", "--topic", topic, "--partition", "0",
-            "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--execute"]
+            "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--reason", "online reset", "--execute"]
 
     # Replay: back by 100 while the partition is idle.
     r = kstore(*base, "--shift-by", "-100")
@@ -162,7 +172,7 @@ def test_recreated_topic_is_held_until_an_operator_decides(pg_dsn: str, kafka: s
     produce(topic, (f"v{i}" for i in range(20)), partition=0)
     produce(topic, (f"v{i}" for i in range(20)), partition=1)
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
-    set_offsets(settings, "held", topic, to_offset=20, execute=True)
+    set_offsets(settings, "held", topic, to_offset=20, execute=True, reason="test")
     engine = sa.create_engine(pg_dsn)
     with engine.begin() as conn:  # as if the topic had been deleted and recreated with fewer records
         conn.execute(sa.text("UPDATE kstore_offsets SET next_offset = 1000 WHERE partition_id = 0"))
@@ -187,7 +197,7 @@ def test_retention_gap_warns_and_applies_start_policy(pg_dsn: str, kafka: str, a
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(50)))
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
-    set_offsets(settings, "gap", topic, to_offset=10, execute=True)
+    set_offsets(settings, "gap", topic, to_offset=10, execute=True, reason="test")
     admin.delete_records({TopicPartition(topic, 0): 30})  # retention removed 0..29
     w = workers(pg_dsn, topic, "gap")
     w.wait_for_log(r"below the log start 30")

@@ -1,21 +1,21 @@
-"""`kstore dead-letters` as docs/failures.md promises it: two operators replaying one letter at once
-land its effect once; resolving a resolved letter changes nothing (exit 0); `resolve` takes all its
-ids or none."""
+"""`kstore dead-letters` as docs/failures.md promises it: a replay of a letter that another operator
+is replaying is refused (one line, exit 2), and its effect lands once; resolving a resolved letter
+changes nothing (exit 0); `resolve` takes all its ids or none."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
 from kstore.db.deadletters import build_table
 
-from .harness import TESTS_DIR
+from .harness import TESTS_DIR, wait_until
 
 
 def kstore_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -69,26 +69,33 @@ def one_error_line(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err
 
 
-def test_two_operators_replaying_one_letter_at_once_land_its_effect_once(pg_dsn: str) -> None:
+def test_a_second_operator_replaying_a_letter_being_replayed_is_refused(pg_dsn: str, tmp_path: Path) -> None:
     letter = add_letter(pg_dsn, "again", offset=5)
-    # The replay's batch sleeps 5 s after writing, before it locks the letter and commits: both runs
-    # are seen in their transactions at the same moment (pg_stat_activity), so they really overlap.
+    # The first replay's batch waits while the pause file exists (tests/processors.py's Recorder), inside
+    # the replay's transaction, which holds the letter's lock from its start.
+    pause = tmp_path / "pause"
+    pause.touch()
     args = ("dead-letters", "replay", "processors:Recorder", "--group", "g", "--id", str(letter), "--dsn", pg_dsn)
-    runs = [kstore_cmd(*args, env={"KSTORE_TEST_BATCH_SLEEP": "5"}) for _ in range(2)]
-    overlapped = False
-    while not overlapped and any(p.poll() is None for p in runs):
-        overlapped = query(pg_dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                               "AND state = 'idle in transaction'")[0][0] >= 2
-        time.sleep(0.05)
-    results = [(p.wait(120), *p.communicate()) for p in runs]
-    assert overlapped, "the two replays never overlapped: never both in a transaction at once"
-    assert [code for code, _out, _err in results] == [0, 0], results
+    first = kstore_cmd(*args, env={"KSTORE_TEST_PAUSE_FILE": str(pause),
+                                   "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "120000"})
+    try:
+        wait_until(lambda: Path(f"{pause}.batch").exists() or first.poll() is not None, 60,
+                   what="the first replay inside its batch")
+        assert first.poll() is None, first.communicate()
+        second = kstore(*args)
+        one_error_line(*second[::2], f"dead letter(s) {letter}: another operator is replaying or changing it right "
+                       "now", "nothing was done")
+        for other in ("discard", "resolve"):  # nor can anyone else act on it meanwhile
+            one_error_line(*kstore("dead-letters", other, "--group", "g", "--id", str(letter), "--reason", "x",
+                                   "--dsn", pg_dsn)[::2], "another operator is replaying or changing it right now")
+        assert first.poll() is None, "the others were refused while the first still ran"
+    finally:
+        pause.unlink()
+    code, out, err = first.wait(120), *first.communicate()
+    assert code == 0 and out.startswith("replayed 1,"), (code, out, err)
     assert query(pg_dsn, "SELECT kafka_offset, value FROM effects") == [(5, "again")]
     assert statuses(pg_dsn) == {letter: "replayed"}
     assert history(pg_dsn) == [(letter, "replay")]
-    outputs = sorted(out.strip() for _code, out, _err in results)
-    assert any(o.startswith("replayed 1,") for o in outputs) and any("skipped" in o or "already" in o
-                                                                      for o in outputs), outputs
 
 
 def test_resolving_a_resolved_letter_changes_nothing(pg_dsn: str) -> None:

@@ -72,10 +72,10 @@ def test_shift_by_is_relative_to_the_offset_stored_when_it_is_written(
     for p in (0, 1):
         produce(topic, (f"v{i}" for i in range(100)), partition=p)
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
-    set_offsets(settings, "live", topic, to_offset=40, execute=True)
+    set_offsets(settings, "live", topic, to_offset=40, execute=True, reason="test")
 
     advance_after_reading(monkeypatch, pg_dsn, "live", {0: 60, 1: 60})
-    plan = set_offsets(settings, "live", topic, shift_by=-10, execute=True)
+    plan = set_offsets(settings, "live", topic, shift_by=-10, execute=True, reason="test")
     assert stored_offsets(pg_dsn, "live") == {(topic, 0): 50, (topic, 1): 50}, "shifted from 60, not from 40"
     assert [(p.partition, p.from_offset, p.to_offset) for p in plan] == [(0, 60, 50), (1, 60, 50)]
 
@@ -83,11 +83,11 @@ def test_shift_by_is_relative_to_the_offset_stored_when_it_is_written(
     # not even on partition 1, which was still in range.
     advance_after_reading(monkeypatch, pg_dsn, "live", {0: 90})
     with pytest.raises(InvalidOffsetError, match=r"past the log end 100.*nothing changed"):
-        set_offsets(settings, "live", topic, shift_by=45, execute=True)
+        set_offsets(settings, "live", topic, shift_by=45, execute=True, reason="test")
     assert stored_offsets(pg_dsn, "live") == {(topic, 0): 90, (topic, 1): 50}
 
     advance_after_reading(monkeypatch, pg_dsn, "live", {0: 95})
-    plan = set_offsets(settings, "live", topic, shift_by=10, clamp=True, execute=True)
+    plan = set_offsets(settings, "live", topic, shift_by=10, clamp=True, execute=True, reason="test")
     assert [(p.partition, p.from_offset, p.to_offset, p.note[:7]) for p in plan] == [
         (0, 95, 100, "clamped"), (1, 50, 60, "")]
     assert stored_offsets(pg_dsn, "live") == {(topic, 0): 100, (topic, 1): 60}

@@ -266,7 +266,8 @@ def test_exactly_once_through_cut_commits_blackholes_poison_and_online_resets(
     def shift_back(partition: int) -> None:
         r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", group, "--topic", topic,
                             "--partition", str(partition), "--shift-by", "-40", "--clamp", "--dsn", pg_dsn,
-                            "--bootstrap-servers", kafka, "--execute"], capture_output=True, text=True, timeout=60)
+                            "--bootstrap-servers", kafka, "--reason", "replay", "--execute"],
+                           capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
 
     cut_commits(3)

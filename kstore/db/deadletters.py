@@ -9,6 +9,14 @@ and adds a row to ``kstore_dead_letter_history`` with who, when, why and a
 request id; a replay's processor effects commit in that same transaction, so a
 dead letter's effect lands exactly once even if two operators act on it at once.
 
+A message that fails again while its letter waits (``dead``) updates that letter instead of
+adding another one for the same message: the worker's write (after the offsets were moved back
+over it) adds its attempts and takes its latest error, and so does a replay that fails (with a
+history row, ``dead -> dead``). One waiting letter per message, so replaying them can never
+apply a message twice. A replay holds its letter's row lock from its start (PostgreSQL: taken
+with NOWAIT): a second replay, discard or resolve of that letter meanwhile is refused at once
+with :class:`DeadLetterBusyError`, so two operators never both act on it.
+
 If a change's COMMIT loses its answer, the request id is looked up on a fresh
 connection (:mod:`kstore.db.indoubt`): found, it landed; not found, it did not;
 unreadable, :class:`~kstore.errors.CommitInDoubtError`. Doing the same thing
@@ -43,7 +51,7 @@ from sqlalchemy import (
     Text,
     select,
 )
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
 from kstore.records import Record, ms_to_datetime
@@ -52,7 +60,7 @@ from kstore.settings import Settings
 
 from . import indoubt
 from .migration import check_migrated
-from .sqlerrors import first_line
+from .sqlerrors import first_line, sqlstate
 from .store import make_engine
 from .writes import WRITES, actor, now
 
@@ -69,6 +77,10 @@ ACTIONS = {REPLAYED: "replay", DISCARDED: "discard", RESOLVED: "resolve"}
 
 class DeadLetterStateError(KstoreError):
     """The dead letter already left ``dead`` another way (e.g. replaying a discarded one), or is not the group's."""
+
+
+class DeadLetterBusyError(DeadLetterStateError):
+    """Another operator is replaying (or changing) the dead letter right now; nothing was done."""
 
 
 def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
@@ -167,6 +179,11 @@ class Change:
     def by(self) -> str:
         return f"{self.by_user}@{self.by_host}"
 
+    @property
+    def failed(self) -> bool:
+        """A replay that failed: the letter stayed dead (its error and attempts say how)."""
+        return self.from_status == self.to_status == DEAD
+
 
 @dataclass(frozen=True)
 class Edit:
@@ -204,7 +221,20 @@ def _decode_headers(raw: str) -> tuple[tuple[str, bytes | None], ...]:
 
 
 def write(conn: Connection, table: Table, group: str, record: Record, failure: Failure) -> None:
-    """Insert a dead letter; the caller's transaction also moves the offset past the message."""
+    """Dead-letter a message; the caller's transaction also moves the offset past it.
+
+    If the message already has a waiting letter (it was processed again after the offsets were
+    moved back over it), that letter takes the new failure: its attempts are added, its error,
+    traceback and last failure are the new ones. Otherwise a new letter is inserted.
+    """
+    t = table
+    updated = conn.execute(t.update().where(
+        t.c.consumer_group == group, t.c.topic == record.topic, t.c.partition_id == record.partition,
+        t.c.offset == record.offset, t.c.status == DEAD,
+    ).values(attempts=t.c.attempts + failure.attempts, error=failure.error, traceback=failure.traceback,
+             last_failure_at=failure.last_at)).rowcount
+    if updated:
+        return
     conn.execute(table.insert().values(
         consumer_group=group, topic=record.topic, partition_id=record.partition, offset=record.offset,
         key=record.key, value=record.value, headers=_encode_headers(record.headers or ()),
@@ -289,7 +319,7 @@ class DeadLetters:
         try:
             with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
                 conn.execution_options(**WRITES).begin()
-                rows = self._lock(conn, wanted)
+                rows = self._lock(conn, wanted, nowait=True)
                 self._refuse(conn, rows, wanted, action, status, group)
                 todo = [i for i in wanted if rows[i].status == DEAD]
                 already = [i for i in wanted if rows[i].status == status]
@@ -308,11 +338,22 @@ class DeadLetters:
         log.debug("%s dead letter(s) %s (request %s): %s", status, _ids(todo), request_id, reason)
         return StatusChange(status, todo, already, request_id)
 
-    def _lock(self, conn: Connection, ids: Sequence[int]) -> dict[int, Any]:
-        """The letters' rows, locked until the transaction ends (PostgreSQL; SQLite's BEGIN IMMEDIATE locks all)."""
+    def _lock(self, conn: Connection, ids: Sequence[int], nowait: bool = False) -> dict[int, Any]:
+        """The letters' rows, locked until the transaction ends (PostgreSQL; SQLite's BEGIN IMMEDIATE locks all).
+
+        ``nowait``: a row another transaction holds (a replay running) raises :class:`DeadLetterBusyError`
+        at once instead of waiting for it.
+        """
         t = self.table
-        stmt = select(t.c.id, t.c.consumer_group, t.c.status).where(t.c.id.in_(ids)).with_for_update()
-        return {r.id: r for r in conn.execute(stmt)}
+        stmt = select(t.c.id, t.c.consumer_group, t.c.status).where(t.c.id.in_(ids)).with_for_update(nowait=nowait)
+        try:
+            return {r.id: r for r in conn.execute(stmt)}
+        except OperationalError as exc:
+            if nowait and sqlstate(exc) == "55P03":  # lock_not_available
+                raise DeadLetterBusyError(
+                    f"dead letter(s) {_ids(ids)}: another operator is replaying or changing it right now; nothing "
+                    f"was done (see `kstore dead-letters show {ids[0]}` once they are done)") from None
+            raise
 
     def _refuse(self, conn: Connection, rows: dict[int, Any], ids: Sequence[int], action: str, status: str,
                 group: str | None) -> None:
@@ -371,9 +412,11 @@ class DeadLetters:
         """Mark one dead letter replayed in the transaction of its effects: ``run(conn)`` writes them
         (the processor's, see :func:`kstore.ops.replay.replay`).
 
-        True if its effects and its 'replayed' mark committed; False if it was already replayed.
-        Raises what ``run`` raises (nothing is committed then), and :class:`DeadLetterStateError`
-        if it was discarded or resolved. ``edited``, the key and value the processor got instead of
+        The letter is locked before ``run`` and until COMMIT. True if its effects and its 'replayed'
+        mark committed; False if it was already replayed. Raises what ``run`` raises (nothing is
+        committed then; see :meth:`note_failure`), :class:`DeadLetterBusyError` at once if another
+        transaction holds the letter (a replay running), and :class:`DeadLetterStateError` if it
+        was discarded or resolved. ``edited``, the key and value the processor got instead of
         the letter's own, is recorded in the history with the replay; the letter keeps the original
         message. If the COMMIT's answer is lost, the replay is looked up by its request id: found, it
         landed (True); not found, the COMMIT's error is raised (it may be replayed again);
@@ -383,17 +426,17 @@ class DeadLetters:
         with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
             # On SQLite, BEGIN IMMEDIATE: wait for a running worker's batch instead of failing.
             conn.execution_options(**WRITES).begin()
-            run(conn)
-            # The processor ran unlocked: the letter may have changed meanwhile. Marked here, or nothing lands.
-            rows = self._lock(conn, [letter.id])
+            # Locked before the processor runs, and held until COMMIT: a second replay (or a discard,
+            # a resolve) meanwhile is refused at once, rather than running too and finding out after.
+            rows = self._lock(conn, [letter.id], nowait=True)
             if letter.id not in rows:
                 raise KstoreError(f"dead letter {letter.id} is gone")
             status = rows[letter.id].status
-            if status == REPLAYED:  # replayed meanwhile by someone else: do not apply it twice
+            if status == REPLAYED:  # replayed since it was read: do not apply it twice
                 return False
             if status != DEAD:
-                raise DeadLetterStateError(f"cannot replay {self.state_note(conn, letter.id, status)} "
-                                           "(meanwhile); this replay's effects were rolled back")
+                raise DeadLetterStateError(f"cannot replay {self.state_note(conn, letter.id, status)}")
+            run(conn)
             self._mark(conn, [letter.id], REPLAYED)
             self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], REPLAYED, reason, request_id,
                          edited=edited)
@@ -405,11 +448,25 @@ class DeadLetters:
             )
             return True
 
-    def note_failure(self, letter: DeadLetter, exc: BaseException) -> None:
+    def note_failure(self, letter: DeadLetter, exc: BaseException, reason: str | None = None,
+                     edited: tuple[bytes | None, bytes | None] | None = None) -> bool:
+        """A replay of ``letter`` failed with ``exc`` (its transaction rolled back): the letter takes the
+        failure (one more attempt, this error and traceback, the time) and the history a ``dead -> dead``
+        row, in one transaction. False if the letter left ``dead`` meanwhile (nothing is written)."""
+        failure = Failure()
+        failure.record(exc)
         t = self.table
-        with self.engine.begin() as conn:
-            conn.execute(t.update().where(t.c.id == letter.id).values(
-                attempts=t.c.attempts + 1, last_failure_at=now(), error=f"{type(exc).__name__}: {exc}"))
+        with self.engine.connect() as conn:
+            conn.execution_options(**WRITES).begin()
+            updated = conn.execute(t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(
+                attempts=t.c.attempts + 1, last_failure_at=failure.last_at, error=failure.error,
+                traceback=failure.traceback)).rowcount
+            if updated != 1:
+                return False
+            self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], DEAD, reason, uuid.uuid4().hex,
+                         edited=edited)
+            conn.commit()
+        return True
 
 
 def _row(r: Any) -> DeadLetter:

@@ -15,7 +15,7 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -25,16 +25,31 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import database_state, first_line, transient
 from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
 from kstore.db.writes import WRITES
-from kstore.errors import BrokerError, CommitInDoubtError, ProcessorContractError, ProcessorError
+from kstore.errors import (
+    BrokerError,
+    CommitInDoubtError,
+    ProcessorContractError,
+    ProcessorError,
+    TooManyDeadLettersError,
+)
 from kstore.kafka.consumer import TP, KafkaSource
-from kstore.processor import Concurrency, Message, Outgoing, Processor, call_hook, is_async_processor, run_handler
+from kstore.processor import (
+    Concurrency,
+    DeserializationError,
+    Message,
+    Outgoing,
+    Processor,
+    call_hook,
+    is_async_processor,
+    run_handler,
+)
 from kstore.records import Produced, Record
-from kstore.retry import Failure
+from kstore.retry import Failure, Retry
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
 
-from .failures import Failures, MessageKey
+from .failures import Breaker, Failures, MessageKey
 from .ownership import Backoff, Ledger, fmt
 
 log = logging.getLogger(__name__)
@@ -60,6 +75,17 @@ class _InDoubt:
     #: The COMMIT's own error (the reason to retry, should it not have landed).
     cause: Exception
     what: str
+    #: The messages it dead-lettered, with their failures (for the dead-letter breaker).
+    letters: Sequence[tuple[Record, Failure]] = ()
+
+
+class _Decoded(NamedTuple):
+    """A batch as the processor sees it: its messages (deserialized) and, in the same order, their
+    records; and the records whose key or value could not be deserialized, with the error."""
+
+    msgs: list[Message]
+    records: Sequence[Record]
+    undecodable: list[tuple[Record, Exception]]
 
 
 class _CommitInDoubt(Exception):
@@ -67,6 +93,8 @@ class _CommitInDoubt(Exception):
 
     #: The batch's messages as the processor saw them, set by :meth:`Batches._transact`.
     msgs: Sequence[Message] = ()
+    #: The messages it dead-lettered, set by :meth:`Batches._transact`.
+    letters: Sequence[tuple[Record, Failure]] = ()
 
 
 #: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
@@ -125,6 +153,10 @@ class Batches:
             policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
         self.failures = Failures(policy)
         self.on_error = settings.on_error or processor.on_error
+        #: Messages dead-lettered in a row; past its limits the worker stops, or pauses (see _count_letters).
+        self.breaker = Breaker(settings.max_consecutive_dead_letters, settings.max_consecutive_rejects)
+        #: Why the dead-letter breaker paused the worker (dead_letter_breaker=pause): no batch is taken.
+        self.paused: str | None = None
         #: An async processor's batches: how many at once, in what order, and bounded by the liveness
         #: timeout (a handler that never returns fails its batch, which is then narrowed down).
         self._concurrency = (Concurrency.of(processor, settings.max_concurrency, settings.ordering,
@@ -152,8 +184,8 @@ class Batches:
         self._db_failed: tuple[MessageKey, bool] | None = None
 
     def ready(self) -> bool:
-        """False while a failed message or the database waits for its next attempt."""
-        return self.failures.ready() and self.db_backoff.ready()
+        """False while a failed message or the database waits for its next attempt, or the breaker paused."""
+        return self.paused is None and self.failures.ready() and self.db_backoff.ready()
 
     def close(self) -> None:
         self._drop_batch_connection()
@@ -178,9 +210,10 @@ class Batches:
         self._draining = 2 * len(taken.records) >= size
         started = time.monotonic()
         try:
-            fenced, msgs = self._transact(taken)
+            taken, decoded = self._decode(taken)
+            fenced, msgs, letters = self._transact(taken, decoded)
         except _CommitInDoubt as exc:
-            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch")
+            self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch", exc.letters)
             return self._resolve()
         except (_HandlerFailed, SQLAlchemyError) as exc:
             if not self._failed(taken, _cause(exc), "process a batch"):
@@ -195,6 +228,7 @@ class Batches:
         self._committed(taken)
         self.metrics.committed(_counts(taken.records), started, self._commit_started)
         self._notify_committed(msgs)
+        self._count_letters(taken.records, letters)
         return True
 
     def _take(self, size: int) -> _Batch | None:
@@ -284,6 +318,7 @@ class Batches:
             else:
                 self.metrics.dead_lettered()
             self._notify_committed(doubt.msgs)
+            self._count_letters(doubt.taken.records, doubt.letters)
             return True
         self.metrics.rolled_back("in_doubt")
         log.warning("the COMMIT of %s (%s) lost its answer (%s) and did not land: processing it again",
@@ -377,7 +412,7 @@ class Batches:
             fenced = self._commit_with(
                 taken.positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
         except _CommitInDoubt as exc:
-            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter")
+            self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter", [(record, failure)])
             return True
         except SQLAlchemyError as exc:
             self.metrics.rolled_back("database")
@@ -391,31 +426,46 @@ class Batches:
         self.metrics.dead_lettered()
         log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
                     record.offset, failure.attempts, failure.error, extra=_fields(record))
+        self._count_letters(taken.records, [(record, failure)])
         return True
+
+    def _count_letters(self, records: Sequence[Record], letters: Sequence[tuple[Record, Failure]]) -> None:
+        """A batch of ``records`` committed with ``letters`` dead-lettered: past the breaker's limits
+        (see :class:`~kstore.engine.failures.Breaker`), stop the worker or pause it, by policy."""
+        why = self.breaker.committed(records, letters)
+        if why is None:
+            return
+        if self.settings.dead_letter_breaker == "pause":
+            self.paused = why
+            log.error("dead-letter breaker: %s; paused: no more batches until the worker is restarted "
+                      "(dead_letter_breaker=pause)", why)
+            return
+        raise TooManyDeadLettersError(
+            f"{why}; the worker stops (dead_letter_breaker=stop): a processor that fails on every message is more "
+            f"likely broken than every message bad. See `kstore dead-letters list --group {self.group}`, fix the "
+            "cause, then replay them")
 
     # -- the transaction ----------------------------------------------------------
 
-    def _transact(self, taken: _Batch) -> tuple[set[TP], Sequence[Message]]:
+    def _transact(self, taken: _Batch, decoded: _Decoded,
+                  ) -> tuple[set[TP], Sequence[Message], Sequence[tuple[Record, Failure]]]:
         """The batch's transaction: the processor's writes, then its offsets. See :meth:`_commit_with`.
 
-        Returns the fenced partitions and the messages as the processor saw them.
+        Returns the fenced partitions, the messages as the processor saw them and those dead-lettered
+        with their failures (all three only if it committed). Messages that
+        could not be deserialized (``decoded.undecodable``, only with on_error=dead_letter) never
+        reach the processor: they are dead-lettered in this same transaction.
         """
-        msgs: Sequence[Message] = ()
+        msgs: Sequence[Message] = decoded.msgs
         rejects: list[tuple[int, Exception]] | None = [] if self.on_error == "dead_letter" else None
         letters: list[tuple[Record, Failure]] = []
         outgoing = Outgoing(self._check_produced) if self.outbox is not None else None
 
         def handle(conn: Connection) -> None:
             nonlocal msgs
-            try:
-                msgs = self._messages(taken.records)
-                run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing, self._concurrency)
-            except ProcessorContractError:
-                raise  # stops the worker: no message is to blame
-            except Exception as exc:
-                raise _HandlerFailed(str(exc)) from exc
-            if rejects:
-                msgs = self._dead_letter_rejects(conn, taken, msgs, rejects, letters)
+            self._handle(conn, msgs, rejects, outgoing)
+            if rejects or decoded.undecodable:
+                msgs = self._dead_letter_rejects(conn, decoded, rejects or [], letters)
             self._write_outgoing(conn, outgoing)
 
         self.busy = True
@@ -427,9 +477,9 @@ class Batches:
                         self.metrics.dead_lettered()
                         log.warning("dead-lettered %s[%d] offset %d at once: %s", record.topic, record.partition,
                                     record.offset, failure.error, extra=_fields(record))
-                return fenced, msgs
+                return fenced, msgs, letters
             except _CommitInDoubt as exc:
-                exc.msgs = msgs
+                exc.msgs, exc.letters = msgs, letters
                 raise
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # a stop signal's timeout, or a second signal: rolled back
@@ -437,6 +487,18 @@ class Batches:
                 raise
         finally:
             self.busy = False
+
+    def _handle(self, conn: Connection, msgs: Sequence[Message], rejects: list[tuple[int, Exception]] | None,
+                outgoing: Outgoing | None) -> None:
+        """The processor on the batch's messages (none: not called), inside the batch's transaction."""
+        if not msgs:
+            return  # every message of the batch was set aside (it could not be deserialized)
+        try:
+            run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing, self._concurrency)
+        except ProcessorContractError:
+            raise  # stops the worker: no message is to blame
+        except Exception as exc:
+            raise _HandlerFailed(str(exc)) from exc
 
     def _write_outgoing(self, conn: Connection, outgoing: Outgoing | None) -> None:
         """The records the batch produced, into the outbox: last before the offsets, so the shards'
@@ -446,18 +508,19 @@ class Batches:
             assert self.outbox is not None
             self.outbox.write(conn, outgoing.records)
 
-    def _dead_letter_rejects(self, conn: Connection, taken: _Batch, msgs: Sequence[Message],
-                             rejects: list[tuple[int, Exception]], letters: list[tuple[Record, Failure]],
-                             ) -> list[Message]:
-        """Final errors raised before the message did anything: dead-lettered in this same
-        transaction, which commits the rest of the batch and moves past them. Returns the rest."""
-        for index, error in rejects:
+    def _dead_letter_rejects(self, conn: Connection, decoded: _Decoded, rejects: list[tuple[int, Exception]],
+                             letters: list[tuple[Record, Failure]]) -> list[Message]:
+        """Final errors raised before the message did anything, and messages that could not be
+        deserialized: dead-lettered in this same transaction, which commits the rest of the batch
+        and moves past them (in offset order). Returns the messages that were handled."""
+        found = [(decoded.records[index], error) for index, error in rejects] + decoded.undecodable
+        for record, error in sorted(found, key=lambda item: (item[0].topic, item[0].partition, item[0].offset)):
             failure = Failure(final=True)
             failure.record(error)
-            letters.append((taken.records[index], failure))
-            deadletters.write(conn, self._dead_letters, self.group, taken.records[index], failure)
+            letters.append((record, failure))
+            deadletters.write(conn, self._dead_letters, self.group, record, failure)
         rejected = {index for index, _ in rejects}
-        return [m for i, m in enumerate(msgs) if i not in rejected]
+        return [m for i, m in enumerate(decoded.msgs) if i not in rejected]
 
     def _commit_with(self, positions: Mapping[TP, Position], write: Callable[[Connection], None]) -> set[TP]:
         """One transaction: ``write(conn)``, then the compare-and-set of each partition's offset.
@@ -571,16 +634,63 @@ class Batches:
             except SQLAlchemyError as exc:
                 log.debug("closing the batch connection failed: %s", exc)
 
-    def _messages(self, batch: Sequence[Record]) -> list[Message]:
-        """The batch as the processor sees it. Raw bytes: built by C loops, no Python call per message."""
+    def _decode(self, taken: _Batch) -> tuple[_Batch, _Decoded]:
+        """The batch as the processor sees it (see :meth:`_messages`); with on_error=stop, cut before
+        a message that cannot be deserialized (see :meth:`_before_undecodable`)."""
+        decoded = self._messages(taken.records)
+        if decoded.undecodable and self.on_error != "dead_letter":
+            return self._before_undecodable(taken, decoded)
+        return taken, decoded
+
+    def _messages(self, batch: Sequence[Record]) -> _Decoded:
+        """The batch as the processor sees it. Raw bytes: built by C loops, no Python call per message.
+
+        Deserializing is per message, so its failure is that message's own: it is set aside with
+        a :class:`DeserializationError` (never the batch's failure, found by narrowing the batch
+        down). A :class:`Retry` raised by a custom ``deserialize`` fails the batch, retried as usual.
+        """
         if self._raw:
-            return list(map(_new_message, map(_message_fields, batch)))
+            return _Decoded(list(map(_new_message, map(_message_fields, batch))), batch, [])
         deserialize = self.processor.deserialize
         messages = []
+        undecodable: list[tuple[Record, Exception]] = []
         for r in batch:
-            key, value = deserialize(r.key, r.value)
+            try:
+                key, value = deserialize(r.key, r.value)
+            except Retry as exc:
+                raise _HandlerFailed(str(exc)) from exc
+            except Exception as exc:
+                undecodable.append((r, DeserializationError.of(exc)))
+                continue
             messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, r.timestamp)))
-        return messages
+        if not undecodable:
+            return _Decoded(messages, batch, [])
+        bad = {id(r) for r, _ in undecodable}
+        return _Decoded(messages, [r for r in batch if id(r) not in bad], undecodable)
+
+    def _before_undecodable(self, taken: _Batch, decoded: _Decoded) -> tuple[_Batch, _Decoded]:
+        """With on_error=stop: the batch cut before each partition's first message that cannot be
+        deserialized (the rest goes back to the queues), so what precedes it commits and the stored
+        offset ends up just before it; once such a message is first in its partition, the worker stops.
+        """
+        cut: dict[TP, tuple[Record, Exception]] = {}
+        for record, error in decoded.undecodable:
+            cut.setdefault((record.topic, record.partition), (record, error))
+        kept = {tp: [r for r in decoded.records if (r.topic, r.partition) == tp and r.offset < record.offset]
+                for tp, (record, _) in cut.items()}
+        blocked = next((tp for tp, records in kept.items() if not records), None)
+        if blocked is not None:
+            self._requeue(taken)
+            record, error = cut[blocked]
+            raise ProcessorError(
+                f"processor {type(self.processor).__name__} cannot deserialize {record.topic}[{record.partition}] "
+                f"offset {record.offset}: {error}; its offset was not committed (on_error=stop)") from error.__cause__
+        ends = {tp: record.offset for tp, (record, _) in cut.items()}
+        self.source.requeue([r for r in taken.records if not _before(r, ends)], taken.generations)
+        records = [r for r in decoded.records if _before(r, ends)]
+        positions = {tp: (start, ends.get(tp, end), epoch) for tp, (start, end, epoch) in taken.positions.items()}
+        return (_Batch(records, taken.generations, positions),
+                _Decoded([m for m in decoded.msgs if _before(m, ends)], records, []))
 
     def _on_fenced(self, fenced: set[TP], positions: Mapping[TP, Position]) -> None:
         """Some rows no longer carry our epoch (or our offset); the transaction was rolled back.
@@ -600,6 +710,12 @@ class Batches:
                 self._recheck(lost)
             except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
                 self.db_backoff.failed(f"re-read the rows of {fmt(lost)}", exc)
+
+
+def _before(item: Record | Message, ends: Mapping[TP, int]) -> bool:
+    """Whether a record or message lies before its partition's end in ``ends`` (or has none there)."""
+    end = ends.get((item.topic, item.partition))
+    return end is None or item.offset < end
 
 
 def _ended(exc: TransactionEnded) -> ProcessorContractError:

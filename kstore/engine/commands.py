@@ -45,6 +45,15 @@ from .worker import Worker
 @click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
               help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
 @click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
+@click.option("--max-consecutive-dead-letters", type=int, default=None,
+              help="Messages in a row dead-lettered after every attempt failed, none handled between, that trip "
+                   "the dead-letter breaker; 0: never [env KSTORE_MAX_CONSECUTIVE_DEAD_LETTERS; default 20]")
+@click.option("--max-consecutive-rejects", type=int, default=None,
+              help="The same for messages rejected (Reject, give_up_on, not deserializable); 0: never "
+                   "[env KSTORE_MAX_CONSECUTIVE_REJECTS; default 1000]")
+@click.option("--dead-letter-breaker", type=click.Choice(["stop", "pause"]), default=None,
+              help="A tripped breaker stops the worker (exit 1) or pauses it (unready until restarted) "
+                   "[env KSTORE_DEAD_LETTER_BREAKER; default stop]")
 @click.option("--max-concurrency", type=int, default=None,
               help="Async processors: most messages of a batch handled at once; overrides the processor's.")
 @click.option("--ordering", type=click.Choice(["key", "partition", "none"]), default=None,

@@ -1,4 +1,5 @@
-"""The engine's retry bookkeeping: attempts per message, the isolation window, the next attempt's time.
+"""The engine's retry bookkeeping: attempts per message, the isolation window, the next attempt's time;
+and the dead-letter breaker (:class:`Breaker`): how many messages in a row were dead-lettered.
 
 A failed batch of several messages is retried in batches half as large, from one partition
 at a time, until the failing message runs alone; then it is attempted under the processor's
@@ -10,8 +11,9 @@ Used on the worker's main thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
+from kstore.records import Record
 from kstore.records import TopicPartition as TP
 from kstore.retry import Failure, Retry, RetryPolicy
 
@@ -96,3 +98,51 @@ class Failures:
         if self._failures or self._isolating:
             self._failures = {k: f for k, f in self._failures.items() if (k[0], k[1]) in owned}
             self._isolating = {tp: o for tp, o in self._isolating.items() if tp in owned}
+
+
+class Breaker:
+    """Messages dead-lettered in a row with no message handled in between, counted apart by kind.
+
+    A crash (a message that failed every attempt with an error the processor did not mean) and a
+    rejection (``Reject``, an error of ``give_up_on``, a message that cannot be deserialized) are
+    counted apart, each against its own limit (0: none): the processor rejecting many messages in
+    a row says the messages are bad, and costs nothing; every message crashing says the processor
+    is. Any message handled (committed) ends both runs.
+    """
+
+    def __init__(self, max_crashes: int, max_rejects: int) -> None:
+        self.limits = {"crashed": max_crashes, "rejected": max_rejects}
+        self.runs = {"crashed": 0, "rejected": 0}
+        self.last: tuple[Record, Failure] | None = None
+
+    def committed(self, records: Sequence[Record], letters: Sequence[tuple[Record, Failure]]) -> str | None:
+        """A batch of ``records`` committed, ``letters`` among them dead-lettered. Returns why the
+        breaker trips, or None."""
+        if not letters:
+            if records:
+                self.runs = {"crashed": 0, "rejected": 0}
+            return None
+        lettered = {(r.topic, r.partition, r.offset): failure for r, failure in letters}
+        tail: list[tuple[Record, Failure]] = []  # the letters after the batch's last handled message
+        for record in reversed(records):
+            failure = lettered.get((record.topic, record.partition, record.offset))
+            if failure is None:
+                self.runs = {"crashed": 0, "rejected": 0}
+                break
+            tail.append((record, failure))
+        for record, failure in reversed(tail):
+            self.runs["rejected" if failure.final else "crashed"] += 1
+            self.last = (record, failure)
+        return self._tripped()
+
+    def _tripped(self) -> str | None:
+        for kind, setting in (("crashed", "max_consecutive_dead_letters"), ("rejected", "max_consecutive_rejects")):
+            limit, run = self.limits[kind], self.runs[kind]
+            if limit and run >= limit and self.last is not None:
+                record, failure = self.last
+                what = ("failed every attempt" if kind == "crashed" else "were rejected (Reject, give_up_on, "
+                        "or not deserializable)")
+                return (f"{run} messages in a row {what} and were dead-lettered, none handled in between "
+                        f"({setting}={limit}); the last: {record.topic}[{record.partition}] offset {record.offset}: "
+                        f"{failure.error}")
+        return None

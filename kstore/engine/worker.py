@@ -364,10 +364,13 @@ class Worker:
         return True, "the batch loop and the fetch thread are turning"
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready once joined, every assigned partition claimed, and the database answering."""
+        """Ready once joined, every assigned partition claimed, and the database answering; never
+        again once the dead-letter breaker paused the worker."""
         source, ledger = self._source, self._ledger
         if source is None or ledger is None:
             return False, "not connected"
+        if self._batches is not None and self._batches.paused is not None:
+            return False, f"paused by the dead-letter breaker: {self._batches.paused}"
         if self._db_backoff.failing:
             return False, "the database is not answering"
         if self._outbox_backlog > self.settings.outbox_max_pending:

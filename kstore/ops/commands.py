@@ -68,7 +68,7 @@ def offsets_show(ctx: click.Context, /, group: str, topic: str | None, as_json: 
 @click.option("--to-latest", is_flag=True)
 @click.option("--shift-by", type=int, default=None, help="Move by N from the stored offset (negative: replay).")
 @click.option("--clamp", is_flag=True, help="Move out-of-range targets to the nearest end instead of refusing.")
-@click.option("--reason", default=None, help="Recorded in the reset history.")
+@click.option("--reason", default=None, help="Why; recorded in the reset history (required with --execute).")
 @click.option("--execute", is_flag=True, help="Apply the plan; without it, only print it.")
 @click.pass_context
 def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple[int, ...], **opts: Any) -> None:
@@ -168,8 +168,11 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> 
     for c in changes:
         click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
                    f"request {c.request_id}  reason: {c.reason or '-'}")
+        if c.failed:
+            click.echo("    the replay failed: the letter's error and attempts include it")
         if c.edited:
-            click.echo(f"    replayed edited: key {c.replayed_key!r} value {c.replayed_value!r}")
+            ran = "ran" if c.failed else "replayed"
+            click.echo(f"    {ran} edited: key {c.replayed_key!r} value {c.replayed_value!r}")
     click.echo(f"traceback:\n{d.traceback}")
 
 

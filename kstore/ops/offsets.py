@@ -161,13 +161,20 @@ def set_offsets(
     written. If the database's answer to the COMMIT is lost, the reset is looked
     up again: landed returns as usual, not landed raises :class:`DatabaseError`
     (running it again is safe), and unknown raises :class:`CommitInDoubtError`.
+
+    ``reason`` is required with ``execute``: the reset history is what an operator
+    reads later to learn why messages were skipped or processed again, and the
+    why is the one thing only the person resetting knows (``kstore dead-letters
+    discard`` and ``resolve`` require one for the same reason).
     """
     request = ResetRequest(to_offset, to_datetime, to_earliest, to_latest, shift_by, clamp)
+    if execute and not (reason or "").strip():
+        raise ConfigurationError("give a reason for the reset (--reason); it is recorded in the reset history")
     with _connections(settings) as (store, kafka):
         plan, items = _plan(store, kafka, group, topic, partitions, request)
         if not execute:
             return items
-        return _apply(store, plan, f"kstore offsets set: {reason}" if reason else "kstore offsets set")
+        return _apply(store, plan, f"kstore offsets set: {reason}")
 
 
 def _plan(store: Store, kafka: KafkaInspector, group: str, topic: str, partitions: Sequence[int] | None,

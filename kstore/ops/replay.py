@@ -15,11 +15,19 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from kstore.db.deadletters import DEAD, REPLAYED, DeadLetter, DeadLetters, DeadLetterStateError, Edit
+from kstore.db.deadletters import (
+    DEAD,
+    REPLAYED,
+    DeadLetter,
+    DeadLetterBusyError,
+    DeadLetters,
+    DeadLetterStateError,
+    Edit,
+)
 from kstore.db.outbox import Outbox
 from kstore.errors import CommitInDoubtError, ConfigurationError
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Message, Outgoing, Processor, call_hook, produce_check, run_handler, to_ms
+from kstore.processor import Outgoing, Processor, call_hook, deserialized, produce_check, run_handler, to_ms
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -34,9 +42,8 @@ def replay(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit:
     is committed then); see :meth:`~kstore.db.deadletters.DeadLetters.replay` for the rest.
     """
     raw = edit.apply(letter) if edit else (letter.key, letter.value)
-    key, value = processor.deserialize(*raw)
-    msg = Message(letter.topic, letter.partition_id, letter.offset, key, value, letter.headers,
-                  to_ms(letter.timestamp))
+    msg = deserialized(processor, letter.topic, letter.partition_id, letter.offset, *raw, letter.headers,
+                       to_ms(letter.timestamp))
     settings = letters.settings
 
     def run(conn: Connection) -> None:
@@ -99,10 +106,14 @@ def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, 
     try:
         replayed = replay(letters, processor, letter, edit, reason, check)
         (result.replayed if replayed else result.skipped).append(letter.id)
+    except DeadLetterBusyError as exc:
+        done = ", ".join(map(str, result.replayed))
+        raise DeadLetterBusyError(f"{exc}; replayed before it by this command: {done}" if done else str(exc)) from None
     except (CommitInDoubtError, DeadLetterStateError):
         raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
     except Exception as exc:
-        letters.note_failure(letter, exc)
+        # The letter takes the failure (no second letter for the message), unless it left dead meanwhile.
+        letters.note_failure(letter, exc, reason, edited=edit.apply(letter) if edit else None)
         result.failed[letter.id] = f"{type(exc).__name__}: {exc}"
 
 

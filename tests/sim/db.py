@@ -18,7 +18,8 @@ DBAPI level, and a journal of every committed write.
   the same epoch then meets rows that already moved (what the offsets
   compare-and-set's position check is for).
 - Triggers write every insert/update of ``kstore_offsets``, every effect and
-  every dead letter to ``sim_journal``; a commit that wrote anything adds a
+  every dead-lettering (a new letter, or a failure added to the message's waiting
+  letter) to ``sim_journal``; a commit that wrote anything adds a
   ``commit`` row naming who committed, so the journal holds each transaction's
   writes followed by its commit marker, in commit order.
 """
@@ -58,6 +59,10 @@ CREATE TRIGGER sim_effect AFTER INSERT ON sim_effects BEGIN
     VALUES ('effect', NEW.topic, NEW.partition_id, NEW.kafka_offset, NEW.worker);
 END;
 CREATE TRIGGER sim_dead AFTER INSERT ON kstore_dead_letters BEGIN
+    INSERT INTO sim_journal (kind, topic, partition_id, new_next)
+    VALUES ('dead', NEW.topic, NEW.partition_id, NEW."offset");
+END;
+CREATE TRIGGER sim_dead_again AFTER UPDATE ON kstore_dead_letters WHEN NEW.attempts > OLD.attempts BEGIN
     INSERT INTO sim_journal (kind, topic, partition_id, new_next)
     VALUES ('dead', NEW.topic, NEW.partition_id, NEW."offset");
 END;

@@ -21,11 +21,12 @@ Exactly-once with operator resets, as checked here:
   never go back. So the effects are exactly what the history of resets dictates:
   a reset backwards replays, a reset forwards skips, nothing else repeats or skips.
 - **At the end** (after draining with faults off): every partition's stored offset
-  is its log end; every message has as many effects (a poison message as many dead
-  letters, and no effect) as commits moved its partition's offset past it, counted
-  from the offsets' history alone (a reset backwards makes a second pass, a reset
-  forwards skips); each was passed over at least once; without resets, exactly one;
-  dead letters are only ever written for poison messages.
+  is its log end; every message has as many effects (a poison message as many
+  dead-letterings, a new letter or a failure added to its waiting one, and no effect)
+  as commits moved its partition's offset past it, counted from the offsets' history
+  alone (a reset backwards makes a second pass, a reset forwards skips); each was
+  passed over at least once; without resets, exactly one; dead letters are only ever
+  written for poison messages.
 """
 
 from __future__ import annotations
