@@ -11,10 +11,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
 
-from kstore import Settings
+from kstore import ConfigurationError, Settings
 from kstore.ops.offsets import set_offsets, show_offsets
 
 from .harness import TESTS_DIR, effects, stored_offsets, wait_until
@@ -196,3 +197,24 @@ def test_retention_gap_warns_and_applies_start_policy(pg_dsn: str, kafka: str, a
     assert "MESSAGES 10..29 WERE NEVER PROCESSED" in w.log
     assert set(effects(pg_dsn)) == {(topic, 0, o) for o in range(30, 50)}
     assert any("below the log start 30" in r for r in history_reasons(pg_dsn, "gap"))
+
+
+def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_dsn: str, kafka: str,
+                                                                           new_topic: Any) -> None:
+    """A typo in --group: one line naming the groups that do have stored offsets, exit 2 (not an
+    empty table and exit 0)."""
+    topic = new_topic(partitions=1)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    with pytest.raises(ConfigurationError, match="neither has any other group"):
+        show_offsets(settings, "orders")
+    for group in ("payments", "orders"):
+        set_offsets(settings, group, topic, to_earliest=True, execute=True)
+    for args in ([], ["--topic", topic], ["--json"]):
+        r = kstore("offsets", "show", "--group", "ordres", "--dsn", pg_dsn, "--bootstrap-servers", kafka, *args)
+        assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+        assert r.stdout == ""
+        assert r.stderr.strip().splitlines() == [
+            f"kstore: error: group 'ordres' has no stored offsets in {Settings(dsn=pg_dsn).safe_dsn}; "
+            "groups that have: orders, payments"], r.stderr
+    ok = kstore("offsets", "show", "--group", "orders", "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--json")
+    assert ok.returncode == 0 and [row["next_offset"] for row in json.loads(ok.stdout)] == [0], ok.stderr

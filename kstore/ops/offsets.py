@@ -78,9 +78,15 @@ def _connections(settings: Settings) -> Iterator[tuple[Store, KafkaInspector]]:
 
 
 def show_offsets(settings: Settings, group: str, topic: str | None = None) -> list[PartitionStatus]:
-    """Stored offset, log bounds, lag, epoch, last update and live owner of each partition of a group."""
+    """Stored offset, log bounds, lag, epoch, last update and live owner of each partition of a group.
+
+    A group with no stored offset at all (a typo, most likely) raises :class:`ConfigurationError`
+    naming the groups that have some.
+    """
     with _connections(settings) as (store, kafka):
         rows = store.rows(group, topic)
+        if not rows:
+            _check_known(store, group)
         topics = [topic] if topic else sorted({t for t, _ in rows})
         tps = [(t, p) for t in topics for p in kafka.partitions(t)]
         bounds = kafka.log_bounds(tps)
@@ -96,6 +102,24 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
             updated_at=row.updated_at if row else None, owner=owners.get(tp),
         ))
     return out
+
+
+#: How many of the groups with stored offsets an unknown group's error names.
+_GROUPS_LISTED = 20
+
+
+def _check_known(store: Store, group: str) -> None:
+    """A group with no stored offset at all is most likely a typo: say so, naming the groups that have some."""
+    groups = store.groups()
+    if group in groups:
+        return
+    where = store.settings.safe_dsn
+    if not groups:
+        raise ConfigurationError(f"group {group!r} has no stored offsets in {where}, and neither has any other "
+                                 "group (a worker stores a partition's offset when it first claims it)")
+    listed = ", ".join(groups[:_GROUPS_LISTED])
+    more = f" and {len(groups) - _GROUPS_LISTED} more" if len(groups) > _GROUPS_LISTED else ""
+    raise ConfigurationError(f"group {group!r} has no stored offsets in {where}; groups that have: {listed}{more}")
 
 
 @dataclass(frozen=True)
