@@ -2,8 +2,10 @@
 
 - :mod:`~kstore.kafka.consumer`: :class:`~kstore.kafka.consumer.KafkaSource` (the consumer, the
   rebalance listener, per-partition queues of fetched records, the lock that keeps fetching,
-  delivering and resetting a partition apart) and :class:`~kstore.kafka.consumer.KafkaInspector`
-  (read-only questions for ``kstore offsets``).
+  delivering and resetting a partition apart).
+- :mod:`~kstore.kafka.inspector`: :class:`~kstore.kafka.inspector.KafkaInspector`, the questions of
+  ``kstore offsets`` (partitions, log bounds, a group's live members), asked again while the
+  brokers answer "not now".
 - :mod:`~kstore.kafka.connect`: every client built from one Settings (TLS context, SASL, options).
 - :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
 - :mod:`~kstore.kafka.logreader`: partitions, log bounds and one record's timestamp, for the lag.
