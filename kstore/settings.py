@@ -153,7 +153,9 @@ class Settings:
     #: /livez turns unhealthy once the batch loop or the fetch thread has not turned for this
     #: long (a handler that never returns). Longer than your slowest batch.
     liveness_timeout_s: float = 300.0
-    #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
+    #: Kafka client id; default: the worker's own name, ``kstore-<host>-<pid>-<random>``, as in its
+    #: log lines and the database, so `kstore offsets show` and `kstore top` name the owner the same.
+    #: Set, it replaces that name in their OWNER column (give each worker its own).
     client_id: str | None = None
     #: PostgreSQL: the schema of kstore's tables (default: the search path's).
     schema: str | None = None

@@ -35,6 +35,14 @@ def history_reasons(dsn: str, group: str) -> list[str]:
     return [r[0] for r in rows]
 
 
+def stored_owners(dsn: str, group: str) -> set[str]:
+    engine = sa.create_engine(dsn)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT owner FROM kstore_offsets WHERE consumer_group = :g"), {"g": group}).all()
+    engine.dispose()
+    return {r[0] for r in rows}
+
+
 def test_show_reports_lag_epoch_and_live_owner(pg_dsn: str, kafka: str, new_topic: Any, produce: Any,
                                               workers: Any) -> None:
     topic = new_topic(partitions=2)
@@ -47,7 +55,11 @@ def test_show_reports_lag_epoch_and_live_owner(pg_dsn: str, kafka: str, new_topi
     live = {(s["topic"], s["partition"]): s for s in json.loads(r.stdout)}
     assert {tp: (s["next_offset"], s["log_end"], s["lag"]) for tp, s in live.items()} == {
         (topic, 0): (60, 60, 0), (topic, 1): (40, 40, 0)}
-    assert all(s["owner"] and s["owner"].startswith("kstore-") and s["epoch"] >= 1 for s in live.values()), live
+    # The owner is spelled as in the worker's log lines and in the rows it claimed.
+    assert {s["owner"] for s in live.values()} == {w.name}, (live, w.name)
+    assert w.name.startswith("kstore-") and f"-{w.proc.pid}-" in w.name
+    assert stored_owners(pg_dsn, "shown") == {w.name}
+    assert all(s["epoch"] >= 1 for s in live.values()), live
     assert w.terminate() == 0
 
     produce(topic, (f"x{i}" for i in range(25)), partition=0)

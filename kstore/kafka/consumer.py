@@ -220,7 +220,7 @@ class KafkaSource:
         return open_consumer(
             s,
             group_id=self.group,
-            client_id=s.client_id or f"kstore-{self.worker_id.replace(':', '-')}",
+            client_id=s.client_id or self.worker_id,
             # Offsets live in the database; Kafka's committed offsets are
             # never written (kafka-python seeks to any it finds).
             enable_auto_commit=False,

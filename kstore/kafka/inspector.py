@@ -63,8 +63,9 @@ class KafkaInspector:
         return self._ask("look up offsets by time", lambda: offsets_for_times(self.consumer, targets))
 
     def live_owners(self, group: str, database_id: str | None = None) -> dict[TP, str]:
-        """Which live member of the Kafka group is assigned each partition: ``client_id@host``;
-        with ``database_id``, only members that write to that database (one pipeline, one database)."""
+        """Which live member of the Kafka group is assigned each partition, by its client id (a kstore
+        worker's name, as in its logs and the database, unless ``client_id`` is set); with
+        ``database_id``, only members that write to that database (one pipeline, one database)."""
         described = self._ask(f"describe group {group!r}", lambda: self._describe(group))
         owners: dict[TP, str] = {}
         for member in described.get("members", []):
@@ -72,7 +73,7 @@ class KafkaInspector:
             told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
             if database_id is not None and told is not None and told[0] != database_id:
                 continue
-            who = f"{member.get('client_id')}@{str(member.get('client_host', '')).lstrip('/')}"
+            who = str(member.get("client_id") or member.get("member_id"))
             assignment = member.get("member_assignment") or {}
             for entry in assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []:
                 for partition in entry.get("partitions", []):

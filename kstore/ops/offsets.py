@@ -42,7 +42,8 @@ class PartitionStatus:
     lag: int
     epoch: int | None
     updated_at: datetime | None
-    #: The live member of the Kafka group assigned the partition (``client_id@host``), or None.
+    #: The live member of the Kafka group assigned the partition: its client id, a kstore worker's
+    #: name as in its logs and the stored rows' owner (unless ``client_id`` is set), or None.
     owner: str | None
 
     def as_dict(self) -> dict[str, Any]:
