@@ -115,13 +115,14 @@ def _check_known(store: Store, group: str) -> None:
     groups = store.groups()
     if group in groups:
         return
-    where = store.settings.safe_dsn
-    if not groups:
-        raise ConfigurationError(f"group {group!r} has no stored offsets in {where}, and neither has any other "
-                                 "group (a worker stores a partition's offset when it first claims it)")
-    listed = ", ".join(groups[:_GROUPS_LISTED])
-    more = f" and {len(groups) - _GROUPS_LISTED} more" if len(groups) > _GROUPS_LISTED else ""
-    raise ConfigurationError(f"group {group!r} has no stored offsets in {where}; groups that have: {listed}{more}")
+    if groups:
+        listed = ", ".join(groups[:_GROUPS_LISTED])
+        more = f" and {len(groups) - _GROUPS_LISTED} more" if len(groups) > _GROUPS_LISTED else ""
+        others = f"groups that have some: {listed}{more}"
+    else:
+        others = "no group has any yet"
+    raise ConfigurationError(f"group {group!r} has no stored offsets in {store.settings.safe_dsn} (a worker stores "
+                             f"a partition's offset when it first claims it); {others}")
 
 
 @dataclass(frozen=True)
