@@ -251,8 +251,18 @@ class KafkaSource:
             )
 
     def subscribe(self) -> None:
-        """Join the group; the listener pauses every partition it is given."""
+        """Join the group (at the next poll); the listener pauses every partition it is given."""
         self.consumer.subscribe(self.topics, listener=_Listener(self))
+        # Then read the cluster's metadata once more, now that the topics are subscribed, before the
+        # first poll joins the group. kafka-python's group leader remembers the topics' partitions
+        # as of its last metadata answer, and compares them with the next answer after assigning:
+        # from before the subscription (empty), they differ, and a second rebalance follows the
+        # first at once (every partition assigned, revoked and assigned again, claimed twice).
+        try:
+            self.consumer.topics()
+        except KafkaError as exc:
+            raise BrokerError(f"cannot read the metadata of {', '.join(self.topics)} at "
+                              f"{self.settings.bootstrap_servers}: {exc}") from None
 
     def _push_event(self, kind: EventKind, tps: Iterable[Any]) -> None:
         with self._events_lock:
