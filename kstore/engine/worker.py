@@ -550,7 +550,12 @@ class Worker:
             self._db_backoff.succeeded()  # (an idle worker learns it here, not from a batch)
 
     def _recheck(self, tps: list[TP]) -> None:
-        _adopted, dropped = self.ledger.recheck(tps)
+        adopted, dropped = self.ledger.recheck(tps)
+        if adopted and self.settings.mirror_offsets:
+            # An operator's move, followed: Kafka's lag tools see it now, not at the next commit (a
+            # partition moved to its end may have none for long).
+            offsets = self.ledger.offsets()
+            self.source.mirror({tp: offsets[tp] for tp in adopted if tp in offsets})
         if dropped:
             log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
             self._revoked(dropped, "fenced")

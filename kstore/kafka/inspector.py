@@ -1,5 +1,7 @@
 """Questions to the brokers for the operator's tools (``kstore offsets``, ``kstore top``): a topic's
-partitions, log bounds, offsets by time, and the live members of a group.
+partitions, log bounds, offsets by time, and the live members of a group; and the one write,
+:meth:`KafkaInspector.mirror_move`: an operator's move of a group whose offsets are mirrored to
+Kafka (``mirror_offsets``), copied to its committed offsets there while no member is live.
 
 Brokers answer "not now" for a moment after they start, or while leadership moves: the
 group coordinator is not available yet or still loading, a partition's leader is elsewhere.
@@ -13,18 +15,19 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from kafka import OffsetAndMetadata, TopicPartition
 from kafka import errors as kafka_errors
-from kafka.errors import BrokerResponseError, KafkaError, NotCoordinatorError
+from kafka.errors import BrokerResponseError, KafkaError, NoError, NotCoordinatorError
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .consumer import TP, log_bounds, member_database, offsets_for_times
+from .consumer import MIRROR_METADATA, TP, log_bounds, member_database, offsets_for_times
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,10 @@ RETRY_DELAY_S = 0.2
 RETRY_MAX_DELAY_S = 2.0
 
 _T = TypeVar("_T")
+
+#: What :meth:`KafkaInspector.mirror_move` did: the group does not mirror (nothing to do), its
+#: committed offsets in Kafka moved, or they are left to its live members (which mirror them).
+MirrorMove = Literal["not mirrored", "moved", "left to live workers"]
 
 
 class KafkaInspector:
@@ -79,6 +86,31 @@ class KafkaInspector:
                 for partition in entry.get("partitions", []):
                     owners[(entry["topic"], partition)] = who
         return owners
+
+    def mirror_move(self, group: str, offsets: Mapping[TP, int], *, mirrors: bool = False) -> MirrorMove:
+        """After an operator's move of ``group`` in the database: where the group mirrors its offsets
+        to Kafka (``mirrors``, or the metadata of its committed offsets there says so), write the
+        new ones there too, unless a live member owns a partition of the group: its worker mirrors
+        them itself once it has followed the move (and Kafka takes no offsets but its members'
+        then). kstore never reads these offsets: they only keep Kafka's lag tools right.
+        Raises :class:`BrokerError` if the brokers refuse.
+        """
+        committed = self._ask(f"read the committed offsets of group {group!r}",
+                              lambda: self.admin.list_group_offsets({group: None}).get(group, {}))
+        if not mirrors and not any(getattr(o, "metadata", None) == MIRROR_METADATA for o in committed.values()):
+            return "not mirrored"
+        if self.live_owners(group):
+            return "left to live workers"
+        new = {TopicPartition(*tp): OffsetAndMetadata(offset, MIRROR_METADATA, -1) for tp, offset in offsets.items()}
+        answers = self._ask(f"commit the offsets of group {group!r}",
+                            lambda: self.admin.alter_group_offsets(group, new))
+        refused = sorted({_reason(error()) for error in answers.values() if error is not NoError})
+        if refused:
+            # A member that joined since the look above (Kafka refuses offsets from outside a live
+            # group): it mirrors them itself.
+            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} refused the offsets of group "
+                              f"{group!r}: {', '.join(refused)}")
+        return "moved"
 
     def _describe(self, group: str) -> dict[str, Any]:
         described: dict[str, Any] = self.admin.describe_groups([group]).get(group, {})

@@ -22,7 +22,7 @@ from kstore.db.migration import check_migrated
 from kstore.db.resets import move
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import HistoryEntry, Store, make_engine
-from kstore.errors import ConfigurationError, DatabaseError, InvalidOffsetError
+from kstore.errors import BrokerError, ConfigurationError, DatabaseError, InvalidOffsetError
 from kstore.kafka.consumer import TP
 from kstore.kafka.inspector import KafkaInspector
 from kstore.settings import Settings
@@ -61,6 +61,10 @@ class PlannedReset:
     from_offset: int | None
     to_offset: int
     note: str = ""
+    #: Once applied, for a group that mirrors its offsets to Kafka (``mirror_offsets``): what became
+    #: of its committed offset there, ``moved``, ``left to live workers`` (they mirror it) or
+    #: ``not moved: <why>``. Empty when the group does not mirror, or nothing was applied.
+    mirror: str = ""
 
 
 @contextmanager
@@ -185,7 +189,10 @@ def set_offsets(
     With ``execute`` all partitions move in one transaction, each decided from
     its offset as stored at that moment (under the row's lock), so a shift is
     relative to where a running worker really is; the result says what was
-    written. If the database's answer to the COMMIT is lost, the reset is looked
+    written. Where the group mirrors its offsets to Kafka (``mirror_offsets``) and
+    no worker of it is live, its committed offsets there move too
+    (:attr:`PlannedReset.mirror` says how it went; a failure there leaves the move
+    in place). If the database's answer to the COMMIT is lost, the reset is looked
     up again: landed returns as usual, not landed raises :class:`DatabaseError`
     (running it again is safe), and unknown raises :class:`CommitInDoubtError`.
     """
@@ -194,7 +201,8 @@ def set_offsets(
         plan, items = _plan(store, kafka, group, topic, partitions, request)
         if not execute:
             return items
-        return _apply(store, plan, f"kstore offsets set: {reason}" if reason else "kstore offsets set")
+        applied = _apply(store, plan, f"kstore offsets set: {reason}" if reason else "kstore offsets set")
+        return _mirror(kafka, settings, group, applied)
 
 
 def _plan(store: Store, kafka: KafkaInspector, group: str, topic: str, partitions: Sequence[int] | None,
@@ -232,6 +240,19 @@ def _apply(store: Store, plan: _Plan, reason: str) -> list[PlannedReset]:
         ) from None
     # What was written: FROM as stored under the lock, TO (and its note) decided from it.
     return [replace(plan.one((m.topic, m.partition), m.from_offset), to_offset=m.to_offset) for m in moved]
+
+
+def _mirror(kafka: KafkaInspector, settings: Settings, group: str, applied: list[PlannedReset]) -> list[PlannedReset]:
+    """The move landed in the database; a group that mirrors its offsets to Kafka gets them there too,
+    or lag tools would show the old ones (hiding a replay) until a worker commits again."""
+    try:
+        done: str = kafka.mirror_move(group, {(p.topic, p.partition): p.to_offset for p in applied},
+                                      mirrors=settings.mirror_offsets)
+    except BrokerError as exc:
+        done = f"not moved: {exc}"  # the move itself stands: only the lag tools' copy is behind
+    if done == "not mirrored":
+        return applied
+    return [replace(p, mirror=done) for p in applied]
 
 
 def _refuse(plan: list[PlannedReset]) -> None:
