@@ -21,9 +21,12 @@ from .conftest import BROKER_CONFIG, _has_leaders
 from .harness import wait_until
 
 
-def test_offsets_show_right_after_a_broker_started_asks_again(pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_offsets_set_and_show_right_after_a_broker_started_ask_again(pg_dsn: str,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A broker started a moment ago has no offsets topic yet: its first answer to "who
-    coordinates this group?" is COORDINATOR_NOT_AVAILABLE (it creates the topic then)."""
+    coordinates this group?" is COORDINATOR_NOT_AVAILABLE (it creates the topic then). The first
+    command to ask it (`offsets set --execute`, looking for a mirror of the group's offsets)
+    asks again; `offsets show` then finds the coordinator."""
     with Cluster(1, extra_config=BROKER_CONFIG) as fresh:
         admin = KafkaAdminClient(bootstrap_servers=fresh.bootstrap_servers)
         try:
@@ -32,11 +35,13 @@ def test_offsets_show_right_after_a_broker_started_asks_again(pg_dsn: str, caplo
         finally:
             admin.close()
         settings = Settings(dsn=pg_dsn, bootstrap_servers=fresh.bootstrap_servers)
-        set_offsets(settings, "early", "fresh", to_earliest=True, execute=True)  # asks no coordinator
         with caplog.at_level(logging.DEBUG, logger="kstore.kafka.inspector"):
+            moved = set_offsets(settings, "early", "fresh", to_earliest=True, execute=True)
             shown = show_offsets(settings, "early")
+    assert [(p.partition, p.to_offset, p.mirror) for p in moved] == [(0, 0, ""), (1, 0, "")]
     assert [(s.partition, s.next_offset, s.owner) for s in shown] == [(0, 0, None), (1, 0, None)]
-    assert "cannot describe group 'early' yet (COORDINATOR_NOT_AVAILABLE): asking again" in caplog.text
+    assert ("cannot read the committed offsets of group 'early' yet (COORDINATOR_NOT_AVAILABLE): asking again"
+            in caplog.text), caplog.text
 
 
 def test_a_coordinator_that_stays_unavailable_is_one_line_and_exit_2(pg_dsn: str, kafka: str, new_topic: Any,

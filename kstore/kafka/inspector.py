@@ -5,8 +5,8 @@ Kafka (``mirror_offsets``), copied to its committed offsets there while no membe
 
 Brokers answer "not now" for a moment after they start, or while leadership moves: the
 group coordinator is not available yet or still loading, a partition's leader is elsewhere.
-kafka-python raises those as retriable errors; :meth:`KafkaInspector._ask` asks again, with a
-log line, for up to ``connect_timeout_s``, and then (or at once, for an error that is not
+kafka-python raises those as retriable errors; :meth:`KafkaInspector._ask` asks again (a debug
+log line each time) for up to ``connect_timeout_s``, and then (or at once, for an error that is not
 transient) raises :class:`~kstore.errors.BrokerError`: one line for the command.
 """
 
@@ -135,7 +135,9 @@ class KafkaInspector:
                 if self._clock() + delay > deadline:
                     raise BrokerError(f"Kafka at {where} could not {what} within {patience:g}s "
                                       f"(connect_timeout_s): still {_reason(exc)}") from None
-                log.info("Kafka at %s cannot %s yet (%s): asking again in %.1fs", where, what, _reason(exc), delay)
+                # Debug: a command that succeeds in the end prints nothing on stderr; one that does not,
+                # its one line (--log-level DEBUG shows each try).
+                log.debug("Kafka at %s cannot %s yet (%s): asking again in %.1fs", where, what, _reason(exc), delay)
                 self._sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_DELAY_S)
                 if isinstance(exc, NotCoordinatorError):
