@@ -40,6 +40,9 @@ from kstore.dev.broker import Cluster
 EXAMPLES = Path(__file__).resolve().parent
 WORKDIR = EXAMPLES.parent / ".kstore-dev" / "demo"
 TOPIC = "page-views"
+#: Said after the SIGKILL: why nothing happens for a few seconds then.
+SESSION_WAIT = ("Kafka hears of a killed worker only when its session times out (KSTORE_SESSION_TIMEOUT_MS, "
+                "10 s): until then the new one waits for its partitions (docs/operations.md)")
 PAGES = ["/", "/pricing", "/docs", "/blog/exactly-once", "/signup", "/about", "/careers", "/docs/offsets"]
 
 
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         say(f"killed the worker with SIGKILL after {counted(dsn):,} of {args.events:,} views were counted; "
-            "starting it again")
+            f"starting it again. {SESSION_WAIT}")
         worker = start_worker(worker_cmd, log_path)
     wait_for(lambda: counted(dsn) >= args.events, 120, worker, log_path)
     time.sleep(1)  # anything counted twice would show up now
@@ -129,7 +132,7 @@ def run_payments(args: argparse.Namespace) -> int:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         say(f"killed the worker with SIGKILL after {rows(dsn, 'payment_ledger'):,} of {len(valid):,} payments were "
-            "booked (its relay mid-publish with it); starting it again")
+            f"booked (its relay mid-publish with it); starting it again. {SESSION_WAIT}")
         worker = start_worker(cmd, log_path)
     wait_for(lambda: rows(dsn, "payment_ledger") >= len(valid) and rows(dsn, "kstore_outbox") == 0, 180, worker,
              log_path)

@@ -165,12 +165,15 @@ class Settings:
     outbox_max_pending: int = 100_000
     #: Serve /metrics, /livez and /readyz on this port (off when unset; 0 picks a free port).
     metrics_port: int | None = None
-    #: The address the metrics port listens on.
+    #: The address the metrics port listens on: ``0.0.0.0``, every interface, which Kubernetes probes
+    #: and a Prometheus in another pod need; ``127.0.0.1`` for this host only; or one interface's address.
     metrics_host: str = "0.0.0.0"
     #: /livez turns unhealthy once the batch loop or the fetch thread has not turned for this
     #: long (a handler that never returns). Longer than your slowest batch.
     liveness_timeout_s: float = 300.0
-    #: Kafka client id; default ``kstore-<host>-<pid>`` so `kstore offsets show` can name the owner.
+    #: Kafka client id; default: the worker's own name, ``kstore-<host>-<pid>-<random>``, as in its
+    #: log lines and the database, so `kstore offsets show` and `kstore top` name the owner the same.
+    #: Set, it replaces that name in their OWNER column (give each worker its own).
     client_id: str | None = None
     #: PostgreSQL: the schema of kstore's tables (default: the search path's).
     schema: str | None = None

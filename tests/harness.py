@@ -52,6 +52,14 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def name(self) -> str:
+        """The worker's name, from its first log line (``worker NAME for group ...``)."""
+        self.wait_for_log(r"worker \S+ for group")
+        found = re.search(r"worker (\S+) for group", self.log)
+        assert found is not None
+        return found.group(1)
+
     def wait_for_log(self, pattern: str, timeout: float = 60.0, count: int = 1) -> None:
         def seen() -> bool:
             if self.proc.poll() is not None and len(re.findall(pattern, self.log)) < count:

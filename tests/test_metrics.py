@@ -200,3 +200,40 @@ def test_json_logs_carry_the_group_and_the_message(pg_dsn: str, new_topic: Any, 
     assert len(dead) == 1 and dead[0]["group"] == "jsonlogs"
     assert (dead[0]["topic"], dead[0]["partition"], dead[0]["offset"]) == (topic, 0, 1)
 
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket listens on at ``port`` (from /proc/net/tcp: hex, little-endian)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+@pytest.mark.parametrize(("args", "env", "address"), [
+    ([], {}, "0.0.0.0"),  # the default: every interface, as Kubernetes probes need
+    (["--metrics-host", "127.0.0.1"], {}, "127.0.0.1"),
+    ([], {"KSTORE_METRICS_HOST": "127.0.0.1"}, "127.0.0.1"),
+])
+def test_the_metrics_port_listens_on_the_address_asked_for(pg_dsn: str, new_topic: Any, workers: Any,
+                                                           args: list[str], env: dict[str, str],
+                                                           address: str) -> None:
+    w = workers(pg_dsn, new_topic(1), "metrics-host", args=["--metrics-port", "0", *args], env=env)
+    port = port_of(w)
+    assert f"serving /metrics, /livez and /readyz on http://{address}:{port}" in w.log
+    assert listening_addresses(port) == {address}
+    assert get(port, "/livez")[0] == 200
+    assert w.terminate() == 0
+
+
+def test_a_metrics_host_that_is_not_this_hosts_is_one_line(sqlite_dsn: str, kafka: str, new_topic: Any) -> None:
+    r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:Recorder", "--dsn", sqlite_dsn,
+                        "--bootstrap-servers", kafka, "--topic", new_topic(1), "--metrics-port", "0",
+                        "--metrics-host", "192.0.2.1"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "kstore: error: cannot serve /metrics on 192.0.2.1:0 (metrics_host, metrics_port): "), r.stderr

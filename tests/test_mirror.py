@@ -9,15 +9,20 @@ rebalance listener so it never does.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicPartition
 
 from kstore.dev.broker import run_tool
+from kstore.kafka.consumer import MIRROR_METADATA
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 GROUP_COMMAND = "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"
 
@@ -96,3 +101,78 @@ def plain_consumer_positions(kafka: str, group: str, topic: str, caplog: pytest.
             finally:
                 consumer.close(autocommit=False)
     return positions[0], positions[1]
+
+
+def committed_in_kafka(kafka: str, group: str) -> dict[tuple[str, int], tuple[int, str]]:
+    """The group's committed offsets in Kafka, with their metadata (quicker than Kafka's own tool)."""
+    admin = KafkaAdminClient(bootstrap_servers=kafka)
+    try:
+        found = admin.list_group_offsets({group: None}).get(group, {})
+    finally:
+        admin.close()
+    return {(tp.topic, tp.partition): (o.offset, o.metadata) for tp, o in found.items() if o.offset >= 0}
+
+
+def offsets_set(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", *args], capture_output=True, text=True,
+                          timeout=120, cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})})
+
+
+def test_an_operators_move_with_no_worker_running_moves_the_mirror_too(kafka: str, pg_dsn: str, new_topic: Any,
+                                                                         produce: Any, workers: Any) -> None:
+    """With no worker live, `kstore offsets set --execute` of a mirrored group also moves its
+    committed offsets in Kafka: a lag dashboard then shows the replay waiting, instead of a group
+    caught up. A group that does not mirror is left alone there."""
+    topic, group = new_topic(2), "mirrored-replay"
+    sent = produce(topic, [f"r{i}" for i in range(200)])
+    w = workers(pg_dsn, topic, group, env={"KSTORE_MIRROR_OFFSETS": "1"})
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what="every message processed")
+    stored = stored_offsets(pg_dsn, group)
+    wait_until(lambda: {tp: o for tp, (o, _) in committed_in_kafka(kafka, group).items()} == stored, 30,
+               what="the mirror")
+    assert w.terminate() == 0
+
+    # The operator's shell has no KSTORE_MIRROR_OFFSETS: the offsets' metadata in Kafka tells.
+    base = ["--group", group, "--topic", topic, "--dsn", pg_dsn, "--bootstrap-servers", kafka]
+    dry = offsets_set(*base, "--to-earliest")
+    assert dry.returncode == 0 and "Kafka's committed offsets" not in dry.stdout, dry.stdout + dry.stderr
+    assert {tp: o for tp, (o, _) in committed_in_kafka(kafka, group).items()} == stored, "a dry run moved them"
+    r = offsets_set(*base, "--partition", "0", "--to-earliest", "--reason", "replay", "--execute")
+    assert r.returncode == 0, r.stderr
+    assert f"Kafka's committed offsets of '{group}' (mirror_offsets, for lag tools) moved too" in r.stdout, r.stdout
+    assert r.stderr == ""
+    assert committed_in_kafka(kafka, group) == {(topic, 0): (0, MIRROR_METADATA),
+                                                (topic, 1): (stored[(topic, 1)], MIRROR_METADATA)}
+    # What a lag dashboard reads: Kafka's own tool shows the replay waiting on partition 0.
+    assert kafka_group_offsets(kafka, group) == {(topic, 0): 0, (topic, 1): stored[(topic, 1)]}
+
+    # A group that never mirrored: its move stays in the database.
+    plain = offsets_set("--group", "plain", "--topic", topic, "--dsn", pg_dsn, "--bootstrap-servers", kafka,
+                        "--to-offset", "5", "--execute")
+    assert plain.returncode == 0 and "Kafka's committed offsets" not in plain.stdout + plain.stderr, plain.stdout
+    assert committed_in_kafka(kafka, "plain") == {}
+
+
+def test_an_operators_move_under_a_live_worker_is_mirrored_by_the_worker(kafka: str, pg_dsn: str, new_topic: Any,
+                                                                         produce: Any, workers: Any,
+                                                                         tmp_path: Path) -> None:
+    """With a worker live, the operator's command leaves Kafka's offsets to it (Kafka takes none from
+    outside a live group): the worker mirrors the move once it has followed it, even a skip to the
+    end after which it commits nothing."""
+    topic, group = new_topic(1), "mirrored-skip"
+    produce(topic, [f"s{i}" for i in range(100)])
+    pause = tmp_path / "pause"
+    pause.touch()  # the worker holds its first batch (offset 0) until this goes
+    w = workers(pg_dsn, topic, group, env={"KSTORE_MIRROR_OFFSETS": "1", "KSTORE_TEST_PAUSE_FILE": str(pause)})
+    wait_until(Path(f"{pause}.batch").exists, 60, what="the worker's first batch")
+    # The operator has the workers' settings (the group has mirrored nothing yet: Kafka cannot tell).
+    r = offsets_set("--group", group, "--topic", topic, "--to-latest", "--execute", "--dsn", pg_dsn,
+                    "--bootstrap-servers", kafka, env={"KSTORE_MIRROR_OFFSETS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert f"Kafka's committed offsets of '{group}' (mirror_offsets) are left to its live workers" in r.stdout
+    pause.unlink()  # the batch in flight is fenced (rolled back); the worker follows the move to 100
+    wait_until(lambda: committed_in_kafka(kafka, group) == {(topic, 0): (100, MIRROR_METADATA)}, 30,
+               what="the worker to mirror the operator's move")
+    assert stored_offsets(pg_dsn, group) == {(topic, 0): 100}
+    assert w.terminate() == 0
+    assert not effects(pg_dsn), "the skipped messages were processed"

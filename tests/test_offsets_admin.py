@@ -36,6 +36,14 @@ def history_reasons(dsn: str, group: str) -> list[str]:
     return [r[0] for r in rows]
 
 
+def stored_owners(dsn: str, group: str) -> set[str]:
+    engine = sa.create_engine(dsn)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT owner FROM kstore_offsets WHERE consumer_group = :g"), {"g": group}).all()
+    engine.dispose()
+    return {r[0] for r in rows}
+
+
 def test_show_reports_lag_epoch_and_live_owner(pg_dsn: str, kafka: str, new_topic: Any, produce: Any,
                                               workers: Any) -> None:
     topic = new_topic(partitions=2)
@@ -48,7 +56,11 @@ def test_show_reports_lag_epoch_and_live_owner(pg_dsn: str, kafka: str, new_topi
     live = {(s["topic"], s["partition"]): s for s in json.loads(r.stdout)}
     assert {tp: (s["next_offset"], s["log_end"], s["lag"]) for tp, s in live.items()} == {
         (topic, 0): (60, 60, 0), (topic, 1): (40, 40, 0)}
-    assert all(s["owner"] and s["owner"].startswith("kstore-") and s["epoch"] >= 1 for s in live.values()), live
+    # The owner is spelled as in the worker's log lines and in the rows it claimed.
+    assert {s["owner"] for s in live.values()} == {w.name}, (live, w.name)
+    assert w.name.startswith("kstore-") and f"-{w.proc.pid}-" in w.name
+    assert stored_owners(pg_dsn, "shown") == {w.name}
+    assert all(s["epoch"] >= 1 for s in live.values()), live
     assert w.terminate() == 0
 
     produce(topic, (f"x{i}" for i in range(25)), partition=0)
@@ -206,3 +218,24 @@ def test_retention_gap_warns_and_applies_start_policy(pg_dsn: str, kafka: str, a
     assert "MESSAGES 10..29 WERE NEVER PROCESSED" in w.log
     assert set(effects(pg_dsn)) == {(topic, 0, o) for o in range(30, 50)}
     assert any("below the log start 30" in r for r in history_reasons(pg_dsn, "gap"))
+
+
+def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_dsn: str, kafka: str,
+                                                                           new_topic: Any) -> None:
+    """A typo in --group: one line naming the groups that do have stored offsets, exit 2 (not an
+    empty table and exit 0)."""
+    topic = new_topic(partitions=1)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    with pytest.raises(ConfigurationError, match="no group has any yet"):
+        show_offsets(settings, "orders")
+    for group in ("payments", "orders"):
+        set_offsets(settings, group, topic, to_earliest=True, execute=True)
+    for args in ([], ["--topic", topic], ["--json"]):
+        r = kstore("offsets", "show", "--group", "ordres", "--dsn", pg_dsn, "--bootstrap-servers", kafka, *args)
+        assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+        assert r.stdout == ""
+        assert r.stderr.strip().splitlines() == [
+            f"kstore: error: group 'ordres' has no stored offsets in {Settings(dsn=pg_dsn).safe_dsn} (a worker "
+            "stores a partition's offset when it first claims it); groups that have some: orders, payments"], r.stderr
+    ok = kstore("offsets", "show", "--group", "orders", "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--json")
+    assert ok.returncode == 0 and [row["next_offset"] for row in json.loads(ok.stdout)] == [0], ok.stderr

@@ -99,7 +99,7 @@ def test_rows_wait_with_no_relay_and_are_gone_once_a_relay_drained_them(
 
     drained = wait_until(all_published, 90, interval=0.2, what="the relay to drain the outbox")
     assert [x.next_seq for x in drained] == [s["next_seq"] for s in shards], "nothing more was produced"
-    assert all(x.owner and f":{r.proc.pid}:" in x.owner and x.lease_left_s > 0 for x in drained), drained
+    assert all(x.owner and f"-{r.proc.pid}-" in x.owner and x.lease_left_s > 0 for x in drained), drained
     assert all(x.oldest is None and x.oldest_age_s is None for x in drained), drained
 
     # The relay stops: it gives its shards up, so none has an owner.

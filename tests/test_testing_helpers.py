@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,3 +86,29 @@ def test_rejected_messages_come_back_with_their_errors_and_the_rest_commits(engi
                   on_error="dead_letter")
     with engine.connect() as conn:
         assert sorted(conn.execute(sa.text("SELECT kafka_offset FROM effects")).scalars()) == [0, 2, 4]
+
+
+USERS_TEST = '''
+import sqlalchemy as sa
+
+from kstore.testing import make_message, run_batch
+from pageviews import PageViewCounter
+
+
+def test_counts(tmp_path):
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 't.db'}")
+    run_batch(PageViewCounter(), [make_message({"page": "/"})], engine)
+'''
+
+
+def test_a_users_test_run_sees_no_warning_from_kstore(tmp_path: Path) -> None:
+    """A user's own pytest run (none of kstore's settings) that imports kstore: no warning, not
+    even the DeprecationWarnings kafka-python's own import raises on Python 3.11 and 3.12."""
+    (tmp_path / "test_users.py").write_text(USERS_TEST)
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "error", "-q",
+                        "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_users.py")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(examples)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 passed" in r.stdout and "warning" not in r.stdout, r.stdout

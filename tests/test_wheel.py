@@ -129,7 +129,7 @@ def test_with_no_driver_sqlite_runs_and_postgresql_names_the_extra(installed: In
     env = installed.env(*DRIVERS)
     run(sys.executable, "-c", "import kstore, kstore.cli", cwd=tmp_path, env=env)
     out = run(sys.executable, "-m", "kstore", "migrate", cwd=tmp_path, env=env).stdout  # the default DSN
-    assert "kstore tables are at migration" in out and (tmp_path / "kstore.db").exists()
+    assert "kstore tables created: migrated from none to head" in out and (tmp_path / "kstore.db").exists()
     info = postgresql.info
     for driver, extra in (("psycopg2", "kstore[psycopg2]"), ("psycopg", "kstore[psycopg]")):
         dsn = f"postgresql+{driver}://{info.user}:s3cret@{info.host}:{info.port}/{info.dbname}"

@@ -111,3 +111,23 @@ def test_on_committed_hears_each_committed_message_once(pg_dsn: str, kafka: str,
     assert proc.failed_once
     assert_exactly_once(effects(pg_dsn), sent)
     assert sorted(proc.committed) == sorted(sent), "every committed message once; the rolled-back batch not"
+
+
+def test_a_first_assignment_is_announced_and_claimed_once(pg_dsn: str, kafka: str, new_topic: Any, produce: Any,
+                                                          workers: Any) -> None:
+    """A worker alone in a new group: one "assigned ...; claiming before any delivery" and one claim.
+    kafka-python's group leader used to follow its first assignment with a second rebalance at
+    once (its view of the topics' partitions dated from before it subscribed): the partitions were
+    announced twice, and claimed twice, at most starts. Three groups one after another, so that a
+    start that does it cannot slip through."""
+    for n in range(3):
+        topic = new_topic(partitions=2)
+        produce(topic, [f"v{i}" for i in range(10)])
+        w = workers(pg_dsn, topic, f"first-{n}")
+        wait_until(lambda t=topic: sum(1 for tp in effects(pg_dsn) if tp[0] == t) == 10, 60,
+                   what="the group's messages processed")
+        assert w.terminate() == 0
+        announced = [line for line in w.log.splitlines() if "claiming before any delivery" in line]
+        assert len(announced) == 1, "\n".join(announced)
+        assert f"assigned {topic}[0], {topic}[1]; claiming before any delivery" in announced[0]
+        assert w.log.count("INFO kstore.engine.worker: claimed ") == 1, w.log

@@ -1,4 +1,4 @@
-"""``kstore migrate``: parses its options, builds Settings and calls :func:`kstore.db.migration.migrate`."""
+"""``kstore migrate``: parses its options, builds Settings and calls :func:`kstore.db.migration.upgrade`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import click
 from kstore.commandline import dsn_option, run
 from kstore.settings import Settings
 
-from .migration import migrate as migrate_db
+from .migration import upgrade
 
 
 @click.command()
@@ -16,5 +16,5 @@ from .migration import migrate as migrate_db
 @click.pass_context
 def migrate(ctx: click.Context, dsn: str | None, dsn_file: str | None, revision: str) -> None:
     """Create or upgrade kstore's tables (its own Alembic history, kstore_alembic_version)."""
-    revision = run(ctx, lambda: Settings.from_env(dsn=dsn, dsn_file=dsn_file), lambda s: migrate_db(s, revision))
-    click.echo(f"kstore tables are at migration {revision}")
+    done = run(ctx, lambda: Settings.from_env(dsn=dsn, dsn_file=dsn_file), lambda s: upgrade(s, revision))
+    click.echo(done.describe())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
@@ -9,7 +10,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.errors import ConfigurationError, DatabaseError, NotMigratedError
@@ -40,19 +41,43 @@ def alembic_config(settings: Settings) -> Config:
     return cfg
 
 
-def migrate(settings: Settings, revision: str = "head") -> str:
-    """Create or upgrade kstore's tables in the database to ``revision`` (default: the latest).
+@dataclass(frozen=True)
+class Migration:
+    """What :func:`upgrade` did: the revision before (None: no kstore tables) and after, and the head."""
 
-    Uses its own version table (``kstore_alembic_version``), so it never
-    touches an application's own Alembic history. Returns the revision reached.
+    before: str | None
+    after: str
+    head: str
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    def describe(self) -> str:
+        """One line for ``kstore migrate``: what it did, or that there was nothing to do."""
+        at = f"head {self.after}" if self.after == self.head else f"{self.after} (head is {self.head})"
+        if not self.changed:
+            return f"kstore tables already at {at}: nothing to do"
+        if self.before is None:
+            return f"kstore tables created: migrated from none to {at}"
+        return f"kstore tables migrated from {self.before} to {at}"
+
+
+def upgrade(settings: Settings, revision: str = "head") -> Migration:
+    """Create or upgrade kstore's tables to ``revision`` (default: the latest), saying from where to where.
+
+    Uses its own version table (``kstore_alembic_version``), so it never touches an
+    application's own Alembic history.
     """
     engine = make_engine(settings)
     cfg = alembic_config(settings)
     try:
+        head = ScriptDirectory.from_config(cfg).get_current_head() or "base"
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
+            before = _current(conn, settings)
             command.upgrade(cfg, revision)
-        return current_revision(engine, settings) or "base"
+        return Migration(before, current_revision(engine, settings) or "base", head)
     except SQLAlchemyError as exc:
         raise DatabaseError(f"cannot migrate {settings.safe_dsn}: {first_line(exc)}") from None
     except CommandError as exc:
@@ -61,13 +86,27 @@ def migrate(settings: Settings, revision: str = "head") -> str:
         engine.dispose()
 
 
+def migrate(settings: Settings, revision: str = "head") -> str:
+    """Create or upgrade kstore's tables in the database to ``revision`` (default: the latest).
+
+    Uses its own version table (``kstore_alembic_version``), so it never
+    touches an application's own Alembic history. Returns the revision reached
+    (:func:`upgrade` says from where, too).
+    """
+    return upgrade(settings, revision).after
+
+
 def current_revision(engine: Engine, settings: Settings) -> str | None:
     with engine.connect() as conn:
-        ctx = MigrationContext.configure(
-            conn, opts={"version_table": f"{settings.table_prefix}alembic_version",
-                        "version_table_schema": settings.schema},
-        )
-        return ctx.get_current_revision()
+        return _current(conn, settings)
+
+
+def _current(conn: Connection, settings: Settings) -> str | None:
+    ctx = MigrationContext.configure(
+        conn, opts={"version_table": f"{settings.table_prefix}alembic_version",
+                    "version_table_schema": settings.schema},
+    )
+    return ctx.get_current_revision()
 
 
 def check_migrated(engine: Engine, settings: Settings) -> None:

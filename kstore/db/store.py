@@ -540,6 +540,12 @@ class Store:
                 for r in conn.execute(stmt)
             }
 
+    def groups(self) -> list[str]:
+        """Every group with at least one stored offset row, sorted."""
+        o = self.offsets
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(select(o.c.consumer_group).distinct().order_by(o.c.consumer_group))]
+
     def history_entries(self, group: str, topic: str | None = None, limit: int = 50) -> list[HistoryEntry]:
         """The most recent resets of a group, newest first."""
         h = self.history

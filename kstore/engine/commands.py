@@ -60,6 +60,9 @@ from .worker import Worker
               help="Async processors: which messages run one after another; overrides the processor's.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
+@click.option("--metrics-host", default=None, metavar="ADDRESS",
+              help="The address the metrics port listens on, e.g. 127.0.0.1 for this host only "
+                   "[env KSTORE_METRICS_HOST; default 0.0.0.0, every interface, as Kubernetes probes need]")
 @click.option("--relay/--no-relay", default=None,
               help="Publish what the processor produces from this worker [default: on]; turn it off where "
                    "`kstore relay` runs apart.")

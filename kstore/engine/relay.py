@@ -103,6 +103,13 @@ class _LostShard(Exception):
     """The shard's lease is no longer this relay's."""
 
 
+def member_name() -> str:
+    """The name a worker (or a relay) goes by, unique per process: in its log lines, in the
+    database (a claimed partition's owner, an outbox shard's) and, as its Kafka client id, in
+    ``kstore offsets show`` and ``kstore top``. One spelling everywhere, to grep for."""
+    return f"kstore-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 class Relay:
     """Publishes one group's outbox. A plain object: :meth:`run` (or :meth:`start` for a thread),
     :meth:`wake` after a commit that produced records, :meth:`request_stop`, :meth:`close`."""
@@ -112,7 +119,7 @@ class Relay:
         self.settings = settings
         self.group = group
         self.outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
-        self.member = member or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.member = member or member_name()
         self.metrics = metrics or Metrics(group)
         self._held: dict[int, _Shard] = {}
         self._wake = threading.Event()

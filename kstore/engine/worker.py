@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -57,7 +54,7 @@ from kstore.telemetry.metrics import Metrics, PartitionLag
 from . import positions
 from .batches import Batches
 from .ownership import Backoff, Ledger, fmt
-from .relay import Relay
+from .relay import Relay, member_name
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +87,8 @@ class Worker:
         self.group: str = group
         self.topics = topics
         #: Written into each claimed row: an admin reset keeps it, another worker's claim replaces it.
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: Also the Kafka client id (unless ``client_id`` is set): `kstore offsets show` names it.
+        self.worker_id = member_name()
         self._stop = threading.Event()
         self._closing = threading.Event()
         self._fetch_error: BaseException | None = None
@@ -555,7 +553,12 @@ class Worker:
             self._db_backoff.succeeded()  # (an idle worker learns it here, not from a batch)
 
     def _recheck(self, tps: list[TP]) -> None:
-        _adopted, dropped = self.ledger.recheck(tps)
+        adopted, dropped = self.ledger.recheck(tps)
+        if adopted and self.settings.mirror_offsets:
+            # An operator's move, followed: Kafka's lag tools see it now, not at the next commit (a
+            # partition moved to its end may have none for long).
+            offsets = self.ledger.offsets()
+            self.source.mirror({tp: offsets[tp] for tp in adopted if tp in offsets})
         if dropped:
             log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
             self._revoked(dropped, "fenced")

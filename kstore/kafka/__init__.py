@@ -2,8 +2,10 @@
 
 - :mod:`~kstore.kafka.consumer`: :class:`~kstore.kafka.consumer.KafkaSource` (the consumer, the
   rebalance listener, per-partition queues of fetched records, the lock that keeps fetching,
-  delivering and resetting a partition apart) and :class:`~kstore.kafka.consumer.KafkaInspector`
-  (read-only questions for ``kstore offsets``).
+  delivering and resetting a partition apart).
+- :mod:`~kstore.kafka.inspector`: :class:`~kstore.kafka.inspector.KafkaInspector`, the questions of
+  ``kstore offsets`` (partitions, log bounds, a group's live members), asked again while the
+  brokers answer "not now".
 - :mod:`~kstore.kafka.connect`: every client built from one Settings (TLS context, SASL, options).
 - :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
 - :mod:`~kstore.kafka.logreader`: partitions, log bounds and one record's timestamp, for the lag.
@@ -27,3 +29,15 @@ Invariants (the engine relies on them):
 - **Locks during I/O**: the lock is held across local consumer calls (seek, pause, resume),
   never across network I/O (``poll()``, log bounds).
 """
+
+import warnings
+
+with warnings.catch_warnings():
+    # kafka-python 3.0 reads each of its protocol schemas, when it is imported, with
+    # importlib.resources' read_text (which calls open_text): both deprecated in Python 3.11
+    # and 3.12 (no longer in 3.13), two warnings a schema, about 220 in every user's test run.
+    # No call of kstore's can avoid them: only these two, and only during this import, are
+    # silenced. kstore imports kafka-python here first (``import kstore`` imports this package).
+    warnings.filterwarnings("ignore", r"(read_text|open_text) is deprecated\. Use files\(\) instead",
+                            DeprecationWarning)
+    import kafka  # noqa: F401

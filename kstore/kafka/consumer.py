@@ -61,7 +61,7 @@ from kstore.errors import BrokerError, ConfigurationError
 from kstore.records import Record
 from kstore.settings import Settings
 
-from .connect import open_admin, open_consumer
+from .connect import open_consumer
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class KafkaSource:
         return open_consumer(
             s,
             group_id=self.group,
-            client_id=s.client_id or f"kstore-{self.worker_id.replace(':', '-')}",
+            client_id=s.client_id or self.worker_id,
             # Offsets live in the database; Kafka's committed offsets are
             # never written (kafka-python seeks to any it finds).
             enable_auto_commit=False,
@@ -251,8 +251,18 @@ class KafkaSource:
             )
 
     def subscribe(self) -> None:
-        """Join the group; the listener pauses every partition it is given."""
+        """Join the group (at the next poll); the listener pauses every partition it is given."""
         self.consumer.subscribe(self.topics, listener=_Listener(self))
+        # Then read the cluster's metadata once more, now that the topics are subscribed, before the
+        # first poll joins the group. kafka-python's group leader remembers the topics' partitions
+        # as of its last metadata answer, and compares them with the next answer after assigning:
+        # from before the subscription (empty), they differ, and a second rebalance follows the
+        # first at once (every partition assigned, revoked and assigned again, claimed twice).
+        try:
+            self.consumer.topics()
+        except KafkaError as exc:
+            raise BrokerError(f"cannot read the metadata of {', '.join(self.topics)} at "
+                              f"{self.settings.bootstrap_servers}: {exc}") from None
 
     def _push_event(self, kind: EventKind, tps: Iterable[Any]) -> None:
         with self._events_lock:
@@ -716,50 +726,3 @@ def offsets_for_times(consumer: Any, targets: dict[TP, datetime]) -> dict[TP, in
     query = {TopicPartition(*tp): int(when.timestamp() * 1000) for tp, when in targets.items()}
     found = consumer.offsets_for_times(query)
     return {(k.topic, k.partition): (v.offset if v is not None else None) for k, v in found.items()}
-
-
-class KafkaInspector:
-    """Read-only questions to the brokers for ``kstore offsets``: partitions, log bounds, group members."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.consumer = open_consumer(settings, group_id=None, enable_auto_commit=False,
-                                      allow_auto_create_topics=False)
-        try:
-            self.admin = open_admin(settings)
-        except BaseException:
-            self.consumer.close(autocommit=False)
-            raise
-
-    def partitions(self, topic: str) -> list[int]:
-        found = self.consumer.partitions_for_topic(topic)
-        if not found:
-            raise ConfigurationError(f"unknown topic {topic!r} at {self.settings.bootstrap_servers}")
-        return sorted(found)
-
-    def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
-        return log_bounds(self.consumer, tps)
-
-    def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
-        return offsets_for_times(self.consumer, targets)
-
-    def live_owners(self, group: str, database_id: str | None = None) -> dict[TP, str]:
-        """Which live member of the Kafka group is assigned each partition: ``client_id@host``;
-        with ``database_id``, only members that write to that database (one pipeline, one database)."""
-        described = self.admin.describe_groups([group]).get(group, {})
-        owners: dict[TP, str] = {}
-        for member in described.get("members", []):
-            metadata = member.get("member_metadata")
-            told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
-            if database_id is not None and told is not None and told[0] != database_id:
-                continue
-            who = f"{member.get('client_id')}@{str(member.get('client_host', '')).lstrip('/')}"
-            assignment = member.get("member_assignment") or {}
-            for entry in assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []:
-                for partition in entry.get("partitions", []):
-                    owners[(entry["topic"], partition)] = who
-        return owners
-
-    def close(self) -> None:
-        self.consumer.close(autocommit=False)
-        self.admin.close()

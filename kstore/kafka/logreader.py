@@ -22,7 +22,8 @@ from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 
 from .connect import client_config, open_consumer
-from .consumer import KafkaInspector, log_bounds
+from .consumer import log_bounds
+from .inspector import KafkaInspector
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,8 @@ epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
 
 Invariants: a move is one transaction that reads each row under its lock, decides from what is
 stored then, bumps the epoch and records the move with a request id (looked up if its COMMIT's
-answer is lost); towards the brokers everything here is read-only. A
+answer is lost); towards the brokers everything here is read-only, but for one copy: after a move,
+a group that mirrors its offsets to Kafka (``mirror_offsets``) and has no live member gets them
+there too (only lag tools read them). A
 :class:`~kstore.ops.lag.LagReader` is not thread-safe: its callers take a lock.
 """

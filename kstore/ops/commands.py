@@ -81,8 +81,22 @@ def offsets_set(ctx: click.Context, /, group: str, topic: str, partitions: tuple
                       [[p.topic, p.partition, p.from_offset, p.to_offset, p.note] for p in plan]))
     if params["execute"]:
         click.echo(f"applied: running workers of {group!r} pick it up within a few seconds")
+        _echo_mirror(group, {p.mirror for p in plan if p.mirror})
     else:
         click.echo("dry run: nothing changed; add --execute to apply")
+
+
+def _echo_mirror(group: str, outcomes: set[str]) -> None:
+    """What became of the group's offsets in Kafka, where it mirrors them (``mirror_offsets``)."""
+    for outcome in sorted(outcomes):
+        if outcome == "moved":
+            click.echo(f"Kafka's committed offsets of {group!r} (mirror_offsets, for lag tools) moved too")
+        elif outcome == "left to live workers":
+            click.echo(f"Kafka's committed offsets of {group!r} (mirror_offsets) are left to its live workers: "
+                       "they mirror the new offsets once they follow the move")
+        else:
+            click.echo(f"kstore: warning: Kafka's committed offsets of {group!r} (mirror_offsets) were {outcome}; "
+                       "lag tools show the old offsets until a worker of the group commits", err=True)
 
 
 @offsets.command("history")

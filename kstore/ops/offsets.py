@@ -22,8 +22,9 @@ from kstore.db.migration import check_migrated
 from kstore.db.resets import move
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import HistoryEntry, Store, make_engine
-from kstore.errors import ConfigurationError, DatabaseError, InvalidOffsetError
-from kstore.kafka.consumer import TP, KafkaInspector
+from kstore.errors import BrokerError, ConfigurationError, DatabaseError, InvalidOffsetError
+from kstore.kafka.consumer import TP
+from kstore.kafka.inspector import KafkaInspector
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST, Target, check_target
 
@@ -41,7 +42,8 @@ class PartitionStatus:
     lag: int
     epoch: int | None
     updated_at: datetime | None
-    #: The live member of the Kafka group assigned the partition (``client_id@host``), or None.
+    #: The live member of the Kafka group assigned the partition: its client id, a kstore worker's
+    #: name as in its logs and the stored rows' owner (unless ``client_id`` is set), or None.
     owner: str | None
 
     def as_dict(self) -> dict[str, Any]:
@@ -59,6 +61,10 @@ class PlannedReset:
     from_offset: int | None
     to_offset: int
     note: str = ""
+    #: Once applied, for a group that mirrors its offsets to Kafka (``mirror_offsets``): what became
+    #: of its committed offset there, ``moved``, ``left to live workers`` (they mirror it) or
+    #: ``not moved: <why>``. Empty when the group does not mirror, or nothing was applied.
+    mirror: str = ""
 
 
 @contextmanager
@@ -78,9 +84,15 @@ def _connections(settings: Settings) -> Iterator[tuple[Store, KafkaInspector]]:
 
 
 def show_offsets(settings: Settings, group: str, topic: str | None = None) -> list[PartitionStatus]:
-    """Stored offset, log bounds, lag, epoch, last update and live owner of each partition of a group."""
+    """Stored offset, log bounds, lag, epoch, last update and live owner of each partition of a group.
+
+    A group with no stored offset at all (a typo, most likely) raises :class:`ConfigurationError`
+    naming the groups that have some.
+    """
     with _connections(settings) as (store, kafka):
         rows = store.rows(group, topic)
+        if not rows:
+            _check_known(store, group)
         topics = [topic] if topic else sorted({t for t, _ in rows})
         tps = [(t, p) for t in topics for p in kafka.partitions(t)]
         bounds = kafka.log_bounds(tps)
@@ -96,6 +108,25 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
             updated_at=row.updated_at if row else None, owner=owners.get(tp),
         ))
     return out
+
+
+#: How many of the groups with stored offsets an unknown group's error names.
+_GROUPS_LISTED = 20
+
+
+def _check_known(store: Store, group: str) -> None:
+    """A group with no stored offset at all is most likely a typo: say so, naming the groups that have some."""
+    groups = store.groups()
+    if group in groups:
+        return
+    if groups:
+        listed = ", ".join(groups[:_GROUPS_LISTED])
+        more = f" and {len(groups) - _GROUPS_LISTED} more" if len(groups) > _GROUPS_LISTED else ""
+        others = f"groups that have some: {listed}{more}"
+    else:
+        others = "no group has any yet"
+    raise ConfigurationError(f"group {group!r} has no stored offsets in {store.settings.safe_dsn} (a worker stores "
+                             f"a partition's offset when it first claims it); {others}")
 
 
 @dataclass(frozen=True)
@@ -158,7 +189,10 @@ def set_offsets(
     With ``execute`` all partitions move in one transaction, each decided from
     its offset as stored at that moment (under the row's lock), so a shift is
     relative to where a running worker really is; the result says what was
-    written. If the database's answer to the COMMIT is lost, the reset is looked
+    written. Where the group mirrors its offsets to Kafka (``mirror_offsets``) and
+    no worker of it is live, its committed offsets there move too
+    (:attr:`PlannedReset.mirror` says how it went; a failure there leaves the move
+    in place). If the database's answer to the COMMIT is lost, the reset is looked
     up again: landed returns as usual, not landed raises :class:`DatabaseError`
     (running it again is safe), and unknown raises :class:`CommitInDoubtError`.
 
@@ -174,7 +208,8 @@ def set_offsets(
         plan, items = _plan(store, kafka, group, topic, partitions, request)
         if not execute:
             return items
-        return _apply(store, plan, f"kstore offsets set: {reason}")
+        applied = _apply(store, plan, f"kstore offsets set: {reason}")
+        return _mirror(kafka, settings, group, applied)
 
 
 def _plan(store: Store, kafka: KafkaInspector, group: str, topic: str, partitions: Sequence[int] | None,
@@ -212,6 +247,19 @@ def _apply(store: Store, plan: _Plan, reason: str) -> list[PlannedReset]:
         ) from None
     # What was written: FROM as stored under the lock, TO (and its note) decided from it.
     return [replace(plan.one((m.topic, m.partition), m.from_offset), to_offset=m.to_offset) for m in moved]
+
+
+def _mirror(kafka: KafkaInspector, settings: Settings, group: str, applied: list[PlannedReset]) -> list[PlannedReset]:
+    """The move landed in the database; a group that mirrors its offsets to Kafka gets them there too,
+    or lag tools would show the old ones (hiding a replay) until a worker commits again."""
+    try:
+        done: str = kafka.mirror_move(group, {(p.topic, p.partition): p.to_offset for p in applied},
+                                      mirrors=settings.mirror_offsets)
+    except BrokerError as exc:
+        done = f"not moved: {exc}"  # the move itself stands: only the lag tools' copy is behind
+    if done == "not mirrored":
+        return applied
+    return [replace(p, mirror=done) for p in applied]
 
 
 def _refuse(plan: list[PlannedReset]) -> None:

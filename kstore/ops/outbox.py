@@ -41,7 +41,8 @@ class ShardStatus:
     next_seq: int
     #: The last seq the database records as published.
     published_seq: int
-    #: The relay holding the shard's lease (``host:pid:id``, a worker's id for a worker's own relay), or None.
+    #: The relay holding the shard's lease (``kstore-<host>-<pid>-<id>``, the worker's name for a worker's own
+    #: relay), or None.
     owner: str | None
     epoch: int
     #: Seconds left on the owner's lease; 0 once it ran out (another relay may take the shard).

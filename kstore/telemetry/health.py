@@ -23,6 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from kstore.errors import ConfigurationError
+
 log = logging.getLogger(__name__)
 
 #: What a probe asks of the worker: (healthy, why).
@@ -69,7 +71,11 @@ class HealthServer:
     """Serves :func:`app` on ``host:port`` from a daemon thread until :meth:`stop`."""
 
     def __init__(self, host: str, port: int, wsgi: Callable[..., Iterable[bytes]]) -> None:
-        self._server = make_server(host, port, wsgi, server_class=_Server, handler_class=_QuietHandler)
+        try:
+            self._server = make_server(host, port, wsgi, server_class=_Server, handler_class=_QuietHandler)
+        except OSError as exc:  # the port taken, an address not of this host, a name that does not resolve
+            raise ConfigurationError(f"cannot serve /metrics on {host}:{port} (metrics_host, metrics_port): "
+                                     f"{exc.strerror or exc}") from None
         self._thread = threading.Thread(target=self._server.serve_forever, name="kstore-http", daemon=True)
 
     @property
