@@ -148,7 +148,7 @@ def test_an_operators_move_with_no_worker_running_moves_the_mirror_too(kafka: st
 
     # A group that never mirrored: its move stays in the database.
     plain = offsets_set("--group", "plain", "--topic", topic, "--dsn", pg_dsn, "--bootstrap-servers", kafka,
-                        "--to-offset", "5", "--execute")
+                        "--to-offset", "5", "--reason", "replay", "--execute")
     assert plain.returncode == 0 and "Kafka's committed offsets" not in plain.stdout + plain.stderr, plain.stdout
     assert committed_in_kafka(kafka, "plain") == {}
 
@@ -166,7 +166,7 @@ def test_an_operators_move_under_a_live_worker_is_mirrored_by_the_worker(kafka: 
     w = workers(pg_dsn, topic, group, env={"KSTORE_MIRROR_OFFSETS": "1", "KSTORE_TEST_PAUSE_FILE": str(pause)})
     wait_until(Path(f"{pause}.batch").exists, 60, what="the worker's first batch")
     # The operator has the workers' settings (the group has mirrored nothing yet: Kafka cannot tell).
-    r = offsets_set("--group", group, "--topic", topic, "--to-latest", "--execute", "--dsn", pg_dsn,
+    r = offsets_set("--group", group, "--topic", topic, "--to-latest", "--reason", "skip", "--execute", "--dsn", pg_dsn,
                     "--bootstrap-servers", kafka, env={"KSTORE_MIRROR_OFFSETS": "1"})
     assert r.returncode == 0, r.stderr
     assert f"Kafka's committed offsets of '{group}' (mirror_offsets) are left to its live workers" in r.stdout

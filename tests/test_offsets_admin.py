@@ -229,7 +229,7 @@ def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_ds
     with pytest.raises(ConfigurationError, match="no group has any yet"):
         show_offsets(settings, "orders")
     for group in ("payments", "orders"):
-        set_offsets(settings, group, topic, to_earliest=True, execute=True)
+        set_offsets(settings, group, topic, to_earliest=True, execute=True, reason="test")
     for args in ([], ["--topic", topic], ["--json"]):
         r = kstore("offsets", "show", "--group", "ordres", "--dsn", pg_dsn, "--bootstrap-servers", kafka, *args)
         assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
