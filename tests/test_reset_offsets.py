@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from kstore import EARLIEST, LATEST, InvalidOffsetError, Message, Processor, Settings, Worker
 
+from .conftest import KAFKA_CLIENT
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import effects as effects_table
 
@@ -43,7 +44,7 @@ class Gate(Processor):
 
 def start(dsn: str, kafka: str, topic: str, proc: Processor, **kw: Any) -> tuple[Worker, threading.Thread]:
     settings = Settings(dsn=dsn, bootstrap_servers=kafka, topics=(topic,), session_timeout_ms=6000,
-                        heartbeat_interval_ms=1000, **kw)
+                        heartbeat_interval_ms=1000, kafka_client=KAFKA_CLIENT, **kw)
     w = Worker(proc, settings)
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
