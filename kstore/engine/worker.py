@@ -46,7 +46,8 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.consumer import TP, KafkaSource, source_class
+from kstore.kafka.backends import source_class
+from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Processor, call_hook, check_processor, produce_check
 from kstore.settings import Settings

@@ -635,18 +635,6 @@ class KafkaSource:
         self.consumer.close(autocommit=False)
 
 
-def source_class(settings: Settings) -> type[KafkaSource]:
-    """The :class:`KafkaSource` of ``settings.kafka_client``: kafka-python's, or confluent-kafka's."""
-    if settings.kafka_client != "confluent":
-        return KafkaSource
-    try:
-        from .confluent import ConfluentSource
-    except ImportError as exc:
-        raise ConfigurationError(f"kafka_client confluent needs confluent-kafka ({exc}): "
-                                 "pip install 'kstore[confluent]'") from None
-    return ConfluentSource
-
-
 _DB_TAG = b"kstore-db:"
 _REFUSED_TAG = b"kstore-refused:"
 
