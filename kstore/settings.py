@@ -63,8 +63,10 @@ class Settings:
     ssl_key_password: str | None = field(default=None, repr=False)
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
-    #: Any other kafka-python consumer option by name, e.g. ``{"fetch_max_bytes": 1048576}``;
-    #: text values are converted to the option's type, and names checked, when Settings is made.
+    #: Any other consumer option of the Kafka client by name: kafka-python's, e.g.
+    #: ``{"fetch_max_bytes": 1048576}``, or with ``kafka_client="confluent"`` librdkafka's, e.g.
+    #: ``{"fetch.max.bytes": 1048576}``; names are checked (and kafka-python's text values converted
+    #: to the option's type) when Settings is made.
     #: ``isolation_level`` is ``read_committed`` unless set here: records of aborted upstream
     #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
