@@ -111,6 +111,8 @@ class ConfluentSource(KafkaSource):
         #: The assignment, as the rebalance callbacks made it (under _events_lock).
         self._assigned: set[TP] = set()
         self._joined = False
+        #: Each owned partition's last known high watermark (see _note_highwaters).
+        self._highwaters: dict[TP, int] = {}
         super().__init__(*args, **kwargs)
 
     def _connect(self) -> Consumer:
@@ -247,6 +249,7 @@ class ConfluentSource(KafkaSource):
     def _note_skipped(self, before: Mapping[TP, int]) -> None:
         """librdkafka's position (past the last record returned, transaction markers and aborted
         records included) beyond the last queued record: remember it. Lock held; no broker call."""
+        self._note_highwaters()
         tps = [tp for tp, q in self._queues.items() if before.get(tp) == q.generation]
         if not tps:
             return
@@ -255,12 +258,21 @@ class ConfluentSource(KafkaSource):
             if q is not None and ktp.offset > q.next_fetch:
                 q.next_fetch = ktp.offset
 
+    def _note_highwaters(self) -> None:
+        """The high watermark each owned partition's last fetch reported (librdkafka's cache, no
+        broker call), kept for :meth:`heads`, which other threads call. Fetch thread, lock held."""
+        for tp in self._queues:
+            try:
+                found = self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+            except KafkaException:
+                continue
+            if found is not None and found[1] >= 0:
+                self._highwaters[tp] = int(found[1])
+        for tp in [tp for tp in self._highwaters if tp not in self._queues]:
+            del self._highwaters[tp]
+
     def _highwater(self, tp: TP) -> int | None:
-        try:
-            _low, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True) or (None, None)
-        except KafkaException:
-            return None
-        return None if high is None or high < 0 else int(high)
+        return self._highwaters.get(tp)
 
     def flush_mirror(self) -> None:
         with self.lock:
