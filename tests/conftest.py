@@ -57,6 +57,9 @@ PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
 #: the tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``) on
 #: the other backend. The tests' own producers, admin clients and readers stay kafka-python.
 KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "kafka-python")
+if KAFKA_CLIENT != "kafka-python":
+    # And every `kstore` command the tests run, and every Settings.from_env() in them.
+    os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
 
 #: Broker settings for tests: topics exist only when a test creates them.
 BROKER_CONFIG = {"auto.create.topics.enable": "false"}
