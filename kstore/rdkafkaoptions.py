@@ -79,8 +79,9 @@ _NEVER_IN_KAFKA = "offsets live in the database, never in Kafka"
 #: librdkafka options kstore must control itself: name -> why.
 _KSTORE_CONTROLS = {
     "group.id": "the group is the processor's (--group)",
-    "group.instance.id": "static membership skips the rebalance in which a restarted worker is given its "
-                         "partitions afresh",
+    "group.instance.id": "static membership lets a restarted worker take back its partitions without a "
+                         "rebalance, so the group's leader never checks which database it writes to "
+                         "(one pipeline, one database)",
     "group.protocol": "kstore's rebalance handling is built for the classic, eager protocol",
     "group.protocol.type": "kstore's rebalance handling is built for the classic, eager protocol",
     "group.remote.assignor": "kstore's rebalance handling is built for the classic, eager protocol",
