@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import click
 
 from kstore.errors import KstoreError
-from kstore.kafkaoptions import SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.kafkaoptions import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.settings import Settings
 
 #: The commands' own log lines (a stop signal, a rolled back batch) are kstore.cli's, as before the split.
@@ -68,9 +68,12 @@ def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Read the key's password from this file [env KSTORE_SSL_KEY_PASSWORD_FILE]"),
         click.option("--ssl-check-hostname/--no-ssl-check-hostname", default=None,
                      help="Check the broker certificate's host name [env KSTORE_SSL_CHECK_HOSTNAME; default on]"),
+        click.option("--kafka-client", default=None, type=click.Choice(KAFKA_CLIENTS, case_sensitive=False),
+                     help="The worker's Kafka consumer [env KSTORE_KAFKA_CLIENT; default kafka-python]"),
         click.option("--kafka-option", "kafka_options", multiple=True, metavar="NAME=VALUE",
                      callback=_parse_kafka_options,
-                     help="Any other kafka-python consumer option, repeatable [env KSTORE_KAFKA_<NAME>]"),
+                     help="Any other consumer option of the Kafka client (kafka-python's, or librdkafka's "
+                          "with --kafka-client confluent), repeatable [env KSTORE_KAFKA_<NAME>]"),
     ]):
         f = decorator(f)
     return f

@@ -16,10 +16,17 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kstore.errors import ConfigurationError
+from kstore.rdkafkaoptions import check_librdkafka_options
+
+#: The Kafka clients kstore's worker can consume with: kafka-python (the default) or
+#: confluent-kafka (librdkafka), whose ``kafka_options`` are librdkafka's property names.
+KAFKA_CLIENTS = ("kafka-python", "confluent")
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 #: The SASL mechanisms kafka-python implements (its ``kafka.net.sasl.SASL_MECHANISMS``).
 SASL_MECHANISM_NAMES = ("AWS_MSK_IAM", "GSSAPI", "OAUTHBEARER", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+#: The SASL mechanisms librdkafka implements (the confluent backend).
+LIBRDKAFKA_SASL_MECHANISMS = ("GSSAPI", "OAUTHBEARER", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 _USER_PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 #: kafka-python options that have a kstore setting of their own: name -> that setting.
@@ -149,12 +156,17 @@ CONSUMER_OPTIONS: dict[str, type | None] = {
 }
 
 
-def check_kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def check_kafka_options(options: Mapping[str, Any], client: str = "kafka-python") -> dict[str, Any]:
     """Validate ``kafka_options`` by name and convert text values to the option's type.
 
     Raises :class:`ConfigurationError` for an unknown name, one kstore controls or has
-    its own setting for, or text that does not parse.
+    its own setting for, or text that does not parse. With ``client="confluent"`` the names
+    are librdkafka's (:func:`kstore.rdkafkaoptions.check_librdkafka_options`).
     """
+    if client not in KAFKA_CLIENTS:
+        raise ConfigurationError(f"kafka_client must be {' or '.join(KAFKA_CLIENTS)}, got {client!r}")
+    if client == "confluent":
+        return check_librdkafka_options(options)
     known = CONSUMER_OPTIONS
     checked: dict[str, Any] = {}
     for raw_name, value in options.items():
@@ -204,6 +216,15 @@ def _parse_bool(raw: str) -> bool:
 _parse_bool.__name__ = "boolean"
 
 
+def _check_mechanism(mechanism: str, client: str) -> None:
+    if mechanism not in SASL_MECHANISM_NAMES:
+        raise ConfigurationError(f"unknown sasl_mechanism {mechanism!r}: kstore supports "
+                                 f"{', '.join(SASL_MECHANISM_NAMES)}")
+    if client == "confluent" and mechanism not in LIBRDKAFKA_SASL_MECHANISMS:
+        raise ConfigurationError(f"sasl_mechanism {mechanism} is kafka-python's only: with kafka_client "
+                                 f"confluent use {', '.join(LIBRDKAFKA_SASL_MECHANISMS)}")
+
+
 def check_security(settings: Any) -> None:
     """The security settings agree with each other (no file or network access here)."""
     protocol, mechanism = settings.security_protocol, settings.sasl_mechanism
@@ -217,9 +238,7 @@ def check_security(settings: Any) -> None:
         if not sasl:
             raise ConfigurationError(f"sasl_mechanism {mechanism} needs security_protocol SASL_SSL or SASL_PLAINTEXT, "
                                      f"not {protocol}")
-        if mechanism not in SASL_MECHANISM_NAMES:
-            raise ConfigurationError(f"unknown sasl_mechanism {mechanism!r}: kstore supports "
-                                     f"{', '.join(SASL_MECHANISM_NAMES)}")
+        _check_mechanism(mechanism, getattr(settings, "kafka_client", "kafka-python"))
         if mechanism in _USER_PASSWORD_MECHANISMS and (not settings.sasl_username or settings.sasl_password is None):
             raise ConfigurationError(f"sasl_mechanism {mechanism} needs sasl_username and sasl_password "
                                      "(KSTORE_SASL_PASSWORD_FILE reads the password from a file)")

@@ -20,8 +20,10 @@ from kstore.errors import ConfigurationError
 from kstore.kafkaoptions import check_kafka_options, check_security
 
 ENV_PREFIX = "KSTORE_"
-#: ``KSTORE_KAFKA_<NAME>`` sets kafka-python's option ``<name>`` (see ``kafka_options``).
+#: ``KSTORE_KAFKA_<NAME>`` sets the Kafka client's option ``<name>`` (see ``kafka_options``).
 KAFKA_ENV_PREFIX = "KSTORE_KAFKA_"
+#: Settings whose variable starts like a Kafka option's: ``KSTORE_KAFKA_CLIENT`` is the setting.
+_KAFKA_SETTINGS = ("KSTORE_KAFKA_CLIENT",)
 #: Settings that hold a secret: never in repr, logs or errors; each can be read from a
 #: file (``KSTORE_<NAME>_FILE``, or ``<name>_file=`` given to from_env), the container convention.
 SECRETS = ("dsn", "sasl_password", "ssl_key_password")
@@ -61,11 +63,18 @@ class Settings:
     ssl_key_password: str | None = field(default=None, repr=False)
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
-    #: Any other kafka-python consumer option by name, e.g. ``{"fetch_max_bytes": 1048576}``;
-    #: text values are converted to the option's type, and names checked, when Settings is made.
+    #: Any other consumer option of the Kafka client by name: kafka-python's, e.g.
+    #: ``{"fetch_max_bytes": 1048576}``, or with ``kafka_client="confluent"`` librdkafka's, e.g.
+    #: ``{"fetch.max.bytes": 1048576}``; names are checked (and kafka-python's text values converted
+    #: to the option's type) when Settings is made.
     #: ``isolation_level`` is ``read_committed`` unless set here: records of aborted upstream
     #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: The Kafka client the worker consumes with: ``kafka-python`` (pure Python) or ``confluent``
+    #: (confluent-kafka, on librdkafka: ``pip install kstore[confluent]``). With ``confluent``,
+    #: ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``). Same guarantees with
+    #: either; kstore's other clients (the outbox relay, ``kstore offsets``) stay kafka-python.
+    kafka_client: str = "kafka-python"
     #: Overrides the processor's ``group`` when set.
     group: str | None = None
     #: Overrides the processor's ``topics`` when not empty.
@@ -188,7 +197,8 @@ class Settings:
         if self.sasl_mechanism is not None:
             object.__setattr__(self, "sasl_mechanism", self.sasl_mechanism.strip().upper())
         # Checked and converted once (names normalised, text to the option's type); the clients use it as it is.
-        object.__setattr__(self, "kafka_options", check_kafka_options(self.kafka_options))
+        object.__setattr__(self, "kafka_client", self.kafka_client.strip().lower())
+        object.__setattr__(self, "kafka_options", check_kafka_options(self.kafka_options, self.kafka_client))
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
@@ -278,7 +288,7 @@ def _read_environ(env: Mapping[str, str], types: Mapping[str, Any]) -> tuple[dic
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX) or key.startswith(_FOREIGN_ENV):
             continue
-        if key.startswith(KAFKA_ENV_PREFIX):
+        if key.startswith(KAFKA_ENV_PREFIX) and key not in _KAFKA_SETTINGS:
             kafka_options[key[len(KAFKA_ENV_PREFIX):].lower()] = raw
             continue
         name = key[len(ENV_PREFIX):].lower()

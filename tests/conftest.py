@@ -53,6 +53,15 @@ _postgresql_tls_server = factories.postgresql_proc(
 #: to run every test that touches PostgreSQL through kstore on the other driver.
 PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
 
+#: The worker's Kafka client: kafka-python, or `KSTORE_TEST_KAFKA_CLIENT=confluent` (confluent-kafka) to run
+#: the tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``) on
+#: the other backend. The tests' own producers, admin clients and readers stay kafka-python.
+KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "kafka-python")
+if KAFKA_CLIENT != "kafka-python":
+    # And every `kstore` command the tests run, and every Settings.from_env() in them.
+    os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
+
+
 def pytest_report_header() -> str:
     """The versions the run is against, at the top of its output: SQLAlchemy's private names
     (tests/test_sqlalchemy_names.py) and the drivers are checked on these."""
@@ -236,6 +245,7 @@ def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]
             "KSTORE_SESSION_TIMEOUT_MS": str(TEST_SESSION_TIMEOUT_MS),
             "KSTORE_HEARTBEAT_INTERVAL_MS": "1000",
             "KSTORE_TEST_WORKER_NAME": name,
+            "KSTORE_KAFKA_CLIENT": KAFKA_CLIENT,
             **(env or {}),
         }
         cli = ["--log-level", "DEBUG", "worker", processor, "--dsn", dsn, "--group", group, "--topic", topic,

@@ -22,6 +22,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicParti
 from kstore.dev.broker import run_tool
 from kstore.kafka.consumer import MIRROR_METADATA
 
+from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 GROUP_COMMAND = "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"
@@ -73,10 +74,19 @@ def test_kafka_offsets_ahead_or_behind_the_database_change_nothing(kafka: str, p
         admin.close()
     assert kafka_group_offsets(kafka, group) == {(topic, 0): 0, (topic, 1): stored[(topic, 1)] + 120}
     second = set(produce(topic, [f"b{i}" for i in range(300)]))
-    w2 = workers(pg_dsn, topic, group, env={"KSTORE_DEBUG": "1"})
+    # librdkafka logs only what its `debug` property names: the group's and the partitions' doings.
+    debug = {"KSTORE_KAFKA_DEBUG": "cgrp,topic"} if KAFKA_CLIENT == "confluent" else {}
+    w2 = workers(pg_dsn, topic, group, env={"KSTORE_DEBUG": "1", **debug})
     wait_until(lambda: len(effects(pg_dsn)) >= len(first) + len(second), 60, what="the later messages")
     assert w2.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | second)
+    if KAFKA_CLIENT == "confluent":
+        # librdkafka sought each partition to the database's offset, and never asked for Kafka's
+        # committed offsets (it logs each such request, and its answer, as OFFSETFETCH).
+        for (t, p), offset in stored.items():
+            assert f"Seek {t} [{p}] to offset {offset} (" in w2.log
+        assert "OFFSETFETCH" not in w2.log
+        return
     # kafka-python's debug log is in the worker's: it sought each partition to the database's offset ...
     for (t, p), offset in stored.items():
         assert f"Seeking to offset {offset} for partition TopicPartition(topic='{t}', partition={p})" in w2.log

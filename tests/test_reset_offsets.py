@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from kstore import EARLIEST, LATEST, InvalidOffsetError, Message, Processor, Settings, Worker
 
+from .conftest import KAFKA_CLIENT
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import effects as effects_table
 
@@ -43,7 +44,7 @@ class Gate(Processor):
 
 def start(dsn: str, kafka: str, topic: str, proc: Processor, **kw: Any) -> tuple[Worker, threading.Thread]:
     settings = Settings(dsn=dsn, bootstrap_servers=kafka, topics=(topic,), session_timeout_ms=6000,
-                        heartbeat_interval_ms=1000, **kw)
+                        heartbeat_interval_ms=1000, kafka_client=KAFKA_CLIENT, **kw)
     w = Worker(proc, settings)
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
@@ -182,7 +183,7 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
 
     proc = Slow()
     proc.batches = []  # type: ignore[attr-defined]
-    w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=20, max_poll_records=50)
+    w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=20, max_poll_records=50, **SHORT_FETCH_WAIT)
     rng = random.Random(7)
     targets: list[int] = []
     try:
@@ -221,19 +222,27 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
     assert expected_next == 3000
 
 
+#: librdkafka keeps a fetch waiting at the broker (fetch.wait.max.ms, 500 ms by default) once it has
+#: fetched to the log end, and fetches from a new position only after it answered: longer than the
+#: poll that a reset lands in. Shorter here, so that each such poll can return records.
+SHORT_FETCH_WAIT: dict[str, Any] = {"kafka_options": {"fetch.wait.max.ms": 50}} if KAFKA_CLIENT == "confluent" else {}
+
+
 class PollRacer:
-    """Wraps the poller's ``poll()`` to count the polls that returned records while a reset landed
-    (records kstore must drop, as fetched under the old generation, and seek the partition back to
-    the reset's target: kafka-python's position has moved past them). :meth:`reset_mid_poll` makes
-    the next poll wait, in the poller's thread after kstore noted the generation, until a reset
-    from the test's thread has landed."""
+    """Wraps the source's fetch (the Kafka client's ``poll()``/``consume()``, called once kstore has
+    noted the generations) to count the polls that returned records while a reset landed (records
+    kstore must drop, as fetched under the old generation, and seek the partition back to the
+    reset's target: the client's position has moved past them). :meth:`reset_mid_poll` makes the
+    next poll wait, in the poller's thread after kstore noted the generation, until a reset from the
+    test's thread has landed. (Wrapped at kstore's ``_fetch``, the same moment for either backend:
+    confluent-kafka's consumer methods cannot be replaced.)"""
 
     def __init__(self, w: Worker, tp: TopicPartitionKey) -> None:
         self.w, self.tp = w, tp
         self.raced: list[int] = []  # records returned by each poll a reset landed in
         self._armed, self._lingering = threading.Event(), threading.Event()
-        self._real_poll = w.source.consumer.poll
-        w.source.consumer.poll = self._poll
+        self._real_poll = w.source._fetch
+        w.source._fetch = self._poll  # type: ignore[method-assign]
 
     def _poll(self, *args: Any, **kwargs: Any) -> Any:
         before = self.w.source.generation(self.tp)  # kstore noted the generation just before this call
@@ -243,9 +252,9 @@ class PollRacer:
             deadline = time.monotonic() + 5
             while self.w.source.generation(self.tp) == before and time.monotonic() < deadline:
                 time.sleep(0.001)
-        records = self._real_poll(*args, **kwargs)
+        records = list(self._real_poll(*args, **kwargs))
         if records and self.w.source.generation(self.tp) != before:
-            self.raced.append(sum(len(r) for r in records.values()))
+            self.raced.append(sum(len(r) for _tp, r in records))
         return records
 
     def reset_mid_poll(self, target: int) -> None:
@@ -266,8 +275,8 @@ def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, ne
     w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=10, max_poll_records=10)
     try:
         wait_until(lambda: w.held_offsets.get(tp) == 100, 30, what="drained")
-        consumer = w.source.consumer
-        real_poll = consumer.poll
+        source = w.source
+        real_poll = source._fetch  # the client's poll, once kstore noted the generations
         injected: list[dict[TopicPartitionKey, int]] = []
 
         def poll_with_reset(*args: Any, **kwargs: Any) -> Any:
@@ -276,7 +285,7 @@ def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, ne
             return real_poll(*args, **kwargs)
 
         gate.delivered.clear()
-        consumer.poll = poll_with_reset
+        source._fetch = poll_with_reset  # type: ignore[method-assign]
         wait_until(lambda: injected and w.held_offsets.get(tp) == 100, 30, what="replayed from 40")
     finally:
         stop(w, t)

@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 from kstore.dev.broker import SecuredEndpoints
 
+from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
 
 Sent = set[tuple[str, int, int]]
@@ -123,15 +124,20 @@ def test_worker_drains_exactly_once_over_oauthbearer(secure_kafka: SecuredEndpoi
 
 def test_kafka_options_reach_the_consumer(secure_kafka: SecuredEndpoints, secure_topic: Any, pg_dsn: str,
                                           workers: Any) -> None:
-    """--kafka-option and KSTORE_KAFKA_* set kafka-python options: the consumer is made with both."""
+    """--kafka-option and KSTORE_KAFKA_* set the client's options (kafka-python's, or librdkafka's with
+    the confluent backend): the consumer is made with both."""
     topic, sent = secure_topic([f"opt{i}" for i in range(50)])
     group = f"g-{topic}"
+    fetch_wait = "fetch.wait.max.ms" if KAFKA_CLIENT == "confluent" else "fetch_max_wait_ms"
     w = workers(pg_dsn, topic, group, env={"KSTORE_KAFKA_ISOLATION_LEVEL": "read_uncommitted"},
-                args=["--bootstrap-servers", secure_kafka.plaintext, "--kafka-option", "fetch_max_wait_ms=100"])
+                args=["--bootstrap-servers", secure_kafka.plaintext, "--kafka-option", f"{fetch_wait}=100"])
     wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what="every message processed")
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
-    assert "fetch_max_wait_ms=100" in w.log and "isolation_level='read_uncommitted'" in w.log
+    if KAFKA_CLIENT == "confluent":
+        assert "fetch.wait.max.ms='100'" in w.log and "isolation.level='read_uncommitted'" in w.log
+    else:
+        assert "fetch_max_wait_ms=100" in w.log and "isolation_level='read_uncommitted'" in w.log
 
 
 def kstore(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:

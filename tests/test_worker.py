@@ -10,13 +10,14 @@ from kafka.structs import OffsetAndMetadata
 
 from kstore import Settings, Worker
 
+from .conftest import KAFKA_CLIENT
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import Recorder
 
 
 def make_worker(dsn: str, kafka: str, topic: str, group: str = "g1", processor: Any = None, **kw: Any) -> Worker:
     settings = Settings(dsn=dsn, bootstrap_servers=kafka, group=group, topics=(topic,),
-                        session_timeout_ms=6000, heartbeat_interval_ms=1000, **kw)
+                        session_timeout_ms=6000, heartbeat_interval_ms=1000, kafka_client=KAFKA_CLIENT, **kw)
     proc = processor or Recorder()
     if hasattr(proc, "setup") and not hasattr(proc, "name"):
         pass

@@ -28,6 +28,7 @@ from kstore import Message, Settings, Worker
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
 
+from .conftest import KAFKA_CLIENT
 from .faultproxy import FaultProxy
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 from .lossy import Faults, lossy_engine
@@ -320,7 +321,7 @@ def test_until_a_lost_commits_rows_can_be_read_nothing_else_is_processed(
     proc = CountingRecorder()
     worker = Worker(proc, Settings(dsn=with_driver(pg_dsn, "psycopg"), bootstrap_servers=kafka, group="held",
                                    topics=(topic,), max_batch_size=20, session_timeout_ms=6000,
-                                   heartbeat_interval_ms=1000))
+                                   heartbeat_interval_ms=1000, kafka_client=KAFKA_CLIENT))
     runner = threading.Thread(target=worker.run, daemon=True)
     runner.start()
     try:

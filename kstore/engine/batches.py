@@ -704,6 +704,12 @@ class Batches:
         """
         self.metrics.fenced()
         lost = self.ledger.still_ours(fenced, positions)
+        with self.source.lock:
+            # Dropped by a rebalance while the batch ran (librdkafka tells a woken zombie at once that
+            # its session expired): nothing to re-read, but the fence is said all the same.
+            gone = [tp for tp in fenced if tp not in self.ledger.owned and tp not in self.ledger.held]
+        if gone:
+            log.warning("fenced on %s, no longer assigned here: rolled back", fmt(gone))
         if lost:
             log.warning("fenced on %s: their epoch or offset moved; rolled back", fmt(lost))
             try:

@@ -43,6 +43,7 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
+from kstore.kafka.backends import source_class
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Processor, call_hook, check_processor, produce_check
@@ -70,8 +71,9 @@ _T = TypeVar("_T")
 class Worker:
     """Runs one :class:`Processor` against Kafka and a database, exactly once."""
 
-    #: Builds the Kafka side; a test (or a simulation) may give a KafkaSource subclass.
-    source_factory: type[KafkaSource] = KafkaSource
+    #: Builds the Kafka side; a test (or a simulation) may give a KafkaSource subclass. None: the
+    #: one of ``settings.kafka_client`` (kafka-python's, or confluent-kafka's).
+    source_factory: type[KafkaSource] | None = None
 
     def __init__(self, processor: Processor, settings: Settings | None = None) -> None:
         check_processor(processor)
@@ -132,8 +134,9 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
-            source = self.source_factory(self.settings, self.group, self.topics, self.worker_id,
-                                         database_id=store.database_id())
+            factory = self.source_factory or source_class(self.settings)
+            source = factory(self.settings, self.group, self.topics, self.worker_id,
+                             database_id=store.database_id())
             source.check_topics()
         except KstoreError:
             if source is not None:

@@ -6,14 +6,18 @@
 - :mod:`~kstore.kafka.inspector`: :class:`~kstore.kafka.inspector.KafkaInspector`, the questions of
   ``kstore offsets`` (partitions, log bounds, a group's live members), asked again while the
   brokers answer "not now".
+- :mod:`~kstore.kafka.confluent`: :class:`~kstore.kafka.confluent.ConfluentSource`, the same seam on
+  confluent-kafka (librdkafka), with :mod:`~kstore.kafka.rdconnect` (its client from the same Settings);
+  :mod:`~kstore.kafka.backends` picks one by ``kafka_client``.
 - :mod:`~kstore.kafka.connect`: every client built from one Settings (TLS context, SASL, options).
 - :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
 - :mod:`~kstore.kafka.logreader`: partitions, log bounds and one record's timestamp, for the lag.
 
-The one package that imports kafka-python (a second backend would sit beside it, behind the
-same few methods). May import the shared vocabulary (settings, kafkaoptions, errors, records);
-never the database side, the engine, the operator's tools or the CLI. Named ``kstore.kafka``:
-inside it, ``from kafka import ...`` is kafka-python (imports are absolute).
+The one package that imports kafka-python and confluent-kafka (the worker's second backend sits
+beside kafka-python's, behind the same few methods). May import the shared vocabulary (settings,
+kafkaoptions, rdkafkaoptions, errors, records); never the database side, the engine, the operator's
+tools or the CLI. Named ``kstore.kafka``: inside it, ``from kafka import ...`` is kafka-python
+(imports are absolute).
 
 Invariants (the engine relies on them):
 
@@ -23,9 +27,11 @@ Invariants (the engine relies on them):
   at every flush (own, reset, disown). A batch remembers each partition's generation when taken,
   and goes back (``requeue``) only where it is unchanged: records fetched before a flush never
   reach a queue made after it, even a new queue for the same partition.
-- **Threads**: rebalance callbacks run on kafka-python's IO thread and must not block nor take
-  the lock: they pause and record. The fetch thread polls and applies their events; the main
-  thread takes, requeues, owns and disowns. Both under the lock.
+- **Threads**: rebalance callbacks run on kafka-python's IO thread (librdkafka's: on the fetch
+  thread, inside ``consume()``) and must not block nor take the lock: they pause and record.
+  The fetch thread polls and applies their events; the main thread takes, requeues, owns and
+  disowns. Both under the lock. (With librdkafka the main thread leaves the consumer's part of
+  own and disown to the fetch thread: see :mod:`~kstore.kafka.confluent`.)
 - **Locks during I/O**: the lock is held across local consumer calls (seek, pause, resume),
   never across network I/O (``poll()``, log bounds).
 """

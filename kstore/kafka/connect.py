@@ -151,8 +151,10 @@ def load_token_provider(spec: str) -> AbstractTokenProvider:
 
 def client_config(settings: Any) -> dict[str, Any]:
     """What every kafka-python client of kstore is given: brokers, security, extra options
-    (``settings.kafka_options``, already checked and converted by Settings)."""
-    options = settings.kafka_options
+    (``settings.kafka_options``, already checked and converted by Settings). With
+    ``kafka_client="confluent"`` the options are librdkafka's, for the worker's consumer only:
+    kstore's kafka-python clients (relay, ``kstore offsets``, the probe) get none of them."""
+    options = settings.kafka_options if getattr(settings, "kafka_client", "kafka-python") == "kafka-python" else {}
     config: dict[str, Any] = {
         k: v for k, v in options.items() if k not in _SSL_CONTEXT_OPTIONS and k != "ssl_context"
     }

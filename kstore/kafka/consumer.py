@@ -285,17 +285,24 @@ class KafkaSource:
         """
         with self.lock:
             before = {tp: q.generation for tp, q in self._queues.items()}
+        return self._queue_fetched(before, self._fetch(timeout_ms, max_records))
+
+    def _fetch(self, timeout_ms: int, max_records: int | None) -> Iterable[tuple[TP, Sequence[Any]]]:
+        """One ``poll()`` of the client: its records by partition, in offset order (no lock held)."""
         try:
             batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         except (OffsetOutOfRangeError, LogTruncationError, NoOffsetForPartitionError) as exc:
             self._cannot_fetch(exc)
-            return 0
+            return ()
         finally:
             self._stalled.check()
+        return [((ktp.topic, ktp.partition), krecords) for ktp, krecords in batches.items()]
+
+    def _queue_fetched(self, before: Mapping[TP, int], batches: Iterable[tuple[TP, Sequence[Any]]]) -> int:
+        """Queue what one poll fetched; ``before``: the queues' generations when it started."""
         queued = 0
         with self.lock:
-            for ktp, krecords in batches.items():
-                tp = (ktp.topic, ktp.partition)
+            for tp, krecords in batches:
                 q = self._queues.get(tp)
                 if q is None:
                     continue  # not ours (any more); a claim will seek it before it is resumed

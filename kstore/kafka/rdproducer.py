@@ -10,6 +10,7 @@ of it on its own threads, in C: ``produce()`` only copies the record into its qu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -33,31 +34,15 @@ def available() -> bool:
 
 
 def rd_client_config(settings: Any) -> dict[str, Any]:
-    """librdkafka's names for the brokers and the security settings of ``settings``.
+    """librdkafka's properties for the brokers and security settings of ``settings``
+    (:func:`kstore.kafka.rdconnect.librdkafka_config`): the user's ``kafka_options`` only where
+    they are librdkafka's (``kafka_client = "confluent"``), and none that is the consumer's alone."""
+    from .rdconnect import librdkafka_config  # imports confluent-kafka, an optional dependency
 
-    The kafka-python-only ``kafka_options`` have no librdkafka equivalent given here; a token
-    provider for SASL OAUTHBEARER has none either, and is refused."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.bootstrap_servers,
-        "security.protocol": settings.security_protocol,
-        "socket.connection.setup.timeout.ms": int(settings.connect_timeout_s * 1000),
-    }
-    if settings.sasl_mechanism:
-        if settings.sasl_oauth_token_provider:
-            raise ConfigurationError("the librdkafka relay cannot use sasl_oauth_token_provider")
-        config["sasl.mechanism"] = settings.sasl_mechanism
-        if settings.sasl_username is not None:
-            config["sasl.username"] = settings.sasl_username
-        if settings.sasl_password is not None:
-            config["sasl.password"] = settings.sasl_password
-    if settings.security_protocol in ("SSL", "SASL_SSL"):
-        for name, value in (("ssl.ca.location", settings.ssl_cafile),
-                            ("ssl.certificate.location", settings.ssl_certfile),
-                            ("ssl.key.location", settings.ssl_keyfile),
-                            ("ssl.key.password", settings.ssl_key_password)):
-            if value:
-                config[name] = value
-        config["ssl.endpoint.identification.algorithm"] = "https" if settings.ssl_check_hostname else "none"
+    if settings.kafka_client != "confluent" and settings.kafka_options:
+        settings = dataclasses.replace(settings, kafka_options={})
+    config = librdkafka_config(settings)
+    config.pop("isolation.level", None)
     return config
 
 

@@ -1,0 +1,415 @@
+"""The worker's Kafka side on confluent-kafka (librdkafka), behind the same seam as kafka-python's.
+
+:class:`ConfluentSource` is a :class:`~kstore.kafka.consumer.KafkaSource`: the queues, the lock,
+the generations, ``take_batch``, ``requeue`` and the throttle are the same code; what talks to
+the client is librdkafka's. Selected by ``kafka_client="confluent"``.
+
+Threading (librdkafka is not kafka-python):
+
+- **Only the fetch thread calls the consumer.** ``consume()`` also runs
+  the rebalance callbacks, on the thread that calls it (kafka-python runs them on its IO
+  thread): they pause, assign and record an event, and take no lock of kstore's.
+- **The main thread never calls the consumer while it consumes.** Many of confluent-kafka's
+  calls (``assignment``, ``pause``, ``resume``, ``memberid``) wait for librdkafka's own threads
+  while holding Python's GIL; with the fetch thread inside ``consume()`` about to run a
+  rebalance callback (which needs the GIL), that was seen to hang the worker for good. So what
+  the main thread decides (own, disown, a reset, the throttle) changes kstore's queues at once,
+  under the lock, and leaves the consumer's part (seek, pause, resume) as a wish that the fetch
+  thread carries out before its next ``consume()``. Nothing is delivered early meanwhile: a
+  partition whose queue changed while a ``consume()`` ran has that round's records dropped (the
+  generations, as with kafka-python), and one with no queue has all of them dropped.
+  ``assignment()`` and ``group_stable()`` answer from what the callbacks recorded.
+- The brokers' answers the main thread needs (log bounds, offsets by time) come from a second
+  librdkafka handle that never subscribes: asked of the group's consumer while another thread
+  was inside its ``consume()``, ``get_watermark_offsets`` and ``offsets_for_times`` were seen to
+  hang past their own timeouts, for good.
+- **Heartbeats are librdkafka's own threads'.** Nothing kstore does (a long batch, a claim
+  waiting on a row lock) delays them; ``max.poll.interval.ms`` counts between two
+  ``consume()`` calls, which the fetch thread makes all the time.
+- ``close()`` only once the fetch thread has stopped (the worker joins it first).
+
+Assignment: eager (range), like kafka-python's. In ``on_assign`` kstore pauses the new
+partitions, then assigns them at a placeholder offset (0) and pauses them again. It must call
+``assign()`` there (otherwise confluent-kafka assigns them itself, without offsets, and
+librdkafka would start from Kafka's committed offsets, which kstore never reads), and it cannot
+assign at the stored offsets there: those come from the claim, a database transaction on the
+main thread, which must not run inside ``consume()``. A concrete placeholder starts the
+partition's fetcher with no request to Kafka (``seek`` needs a started fetcher) and, paused, is
+never fetched from. The claim then seeks each partition to its stored offset and resumes it,
+as with kafka-python. Anything fetched for a partition before its claim is dropped all the same
+(no queue; librdkafka also discards what was fetched before a seek or a pause).
+
+Cooperative-sticky assignment is not offered: a kept partition is not re-offered after a
+rebalance, so a fenced one must be re-claimed by the worker itself (the ledger does that after a
+session timeout); the eager protocol re-offers and re-claims every partition, which is what the
+kafka-python backend is built and tested for.
+
+Where librdkafka cannot fetch (``auto.offset.reset=error``: the stored position left the log),
+it stops the partition's fetcher and says so in an error message: the partition is paused and
+noted in :meth:`unfetchable`, as with kafka-python. A stopped fetcher refuses ``seek``, so
+placing it again assigns the whole assignment afresh, at kstore's positions.
+
+Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
+takes no assignor written in Python), so :attr:`refused` stays empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from kstore.errors import BrokerError, ConfigurationError
+
+from .consumer import MIRROR_METADATA, TP, EventKind, KafkaSource
+from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
+
+log = logging.getLogger("kstore.kafka.consumer")
+
+#: Where a newly assigned partition "is" until its claim seeks it: paused, never fetched from.
+PLACEHOLDER_OFFSET = 0
+#: librdkafka's answer for a position it does not know.
+_INVALID = -1001
+#: How long a question to the brokers (log bounds, offsets by time) may take.
+REQUEST_TIMEOUT_S = 10.0
+
+
+class ConfluentRecord(NamedTuple):
+    """A fetched record as kstore queues it (the fields of kafka-python's ConsumerRecord it reads)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]] | None
+    serialized_key_size: int
+    serialized_value_size: int
+
+
+def to_record(msg: Message) -> ConfluentRecord:
+    key, value = msg.key(), msg.value()
+    headers: Any = msg.headers()
+    return ConfluentRecord(msg.topic() or "", msg.partition() or 0, msg.offset() or 0, msg.timestamp()[1], key, value,
+                           headers, -1 if key is None else len(key), -1 if value is None else len(value))
+
+
+class ConfluentSource(KafkaSource):
+    """:class:`KafkaSource` on confluent-kafka (librdkafka); see the module's docstring."""
+
+    consumer: Consumer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: What the fetch thread is to do to the consumer before its next consume() (lock held):
+        #: the offset to seek each partition to, and whether to pause (True) or resume it.
+        self._want_seek: dict[TP, int] = {}
+        self._want_paused: dict[TP, bool] = {}
+        #: The assignment, as the rebalance callbacks made it (under _events_lock).
+        self._assigned: set[TP] = set()
+        self._joined = False
+        #: Each owned partition's last known high watermark (see _note_highwaters).
+        self._highwaters: dict[TP, int] = {}
+        super().__init__(*args, **kwargs)
+
+    def _connect(self) -> Consumer:
+        s = self.settings
+        consumer = open_rd_consumer(
+            s,
+            **{
+                "group.id": self.group,
+                "client.id": consumer_id(s, self.worker_id),
+                # Offsets live in the database: Kafka's are never written by librdkafka
+                # (mirror_offsets commits explicitly) and never read (every assignment has an offset).
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                # Never move a position by itself (a silent reset skips or repeats records): fail
+                # the partition, and kstore places it again itself, loudly (see _fetch).
+                "auto.offset.reset": "error",
+                "allow.auto.create.topics": False,
+                "enable.partition.eof": False,
+                # Eager, and the same protocol name as kafka-python's workers: a group may mix them.
+                "partition.assignment.strategy": "range",
+                "session.timeout.ms": s.session_timeout_ms,
+                "heartbeat.interval.ms": s.heartbeat_interval_ms,
+                "max.poll.interval.ms": s.max_poll_interval_ms,
+                "error_cb": _on_error,
+                "on_commit": _mirrored,
+                "logger": logging.getLogger("kstore.kafka.librdkafka"),
+            },
+        )
+        try:
+            #: Asks the brokers for the main thread (see the module's docstring): never subscribes.
+            self._querier = Consumer({**librdkafka_config(s), "group.id": f"{self.group}.kstore-queries",
+                                      "enable.auto.commit": False, "client.id": f"{consumer_id(s, self.worker_id)}-q",
+                                      "logger": logging.getLogger("kstore.kafka.librdkafka")})
+        except BaseException:
+            consumer.close()
+            raise
+        return consumer
+
+    def check_topics(self) -> None:
+        try:
+            known = self.consumer.list_topics(timeout=self.settings.connect_timeout_s).topics
+        except KafkaException as exc:
+            raise broker_error(self.settings, "list topics", exc) from None
+        missing = [t for t in self.topics if t not in known]
+        if missing:
+            raise ConfigurationError(
+                f"unknown topic(s) {', '.join(missing)} at {self.settings.bootstrap_servers}: create them first"
+            )
+
+    def subscribe(self) -> None:
+        self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+
+    # -- rebalance callbacks: on the fetch thread, inside consume() ----------------------
+
+    def _on_assign(self, consumer: Consumer, assigned: list[TopicPartition]) -> None:
+        # Pause first: no record of a new partition may be fetched before the worker has
+        # claimed it and sought to the stored offset. Then assign it at a placeholder (never
+        # without an offset: librdkafka would look up Kafka's committed offset), and pause
+        # again in case a partition librdkafka did not know yet could not be paused before.
+        placed = [TopicPartition(tp.topic, tp.partition, PLACEHOLDER_OFFSET) for tp in assigned]
+        if placed:
+            consumer.pause(placed)
+        consumer.assign(placed)
+        if placed:
+            consumer.pause(placed)
+        with self._events_lock:
+            self._assigned = {(tp.topic, tp.partition) for tp in assigned}
+            self._joined = True
+        self._push_event("assigned", assigned)
+
+    def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
+        self._lose("revoked", revoked)
+        consumer.unassign()
+
+    def _on_lost(self, consumer: Consumer, lost: list[TopicPartition]) -> None:
+        self._lose("lost", lost)
+        consumer.unassign()
+
+    def _lose(self, kind: EventKind, tps: list[TopicPartition]) -> None:
+        with self._events_lock:
+            self._assigned.clear()  # eager: every partition goes, whichever were named
+            self._joined = False
+        self._push_event(kind, tps)
+
+    # -- fetching ---------------------------------------------------------------------
+
+    def _fetch(self, timeout_ms: int, max_records: int | None) -> Iterable[tuple[TP, Sequence[Any]]]:
+        with self.lock:
+            self._carry_out()
+        try:
+            messages = self.consumer.consume(max(1, max_records or self.settings.max_poll_records), timeout_ms / 1000)
+        except KafkaException as exc:
+            raise BrokerError(f"consuming from Kafka failed: {describe(exc)}") from exc
+        fetched: dict[TP, list[ConfluentRecord]] = {}
+        for msg in messages:
+            error = msg.error()
+            if error is not None:
+                self._fetch_error(msg, error)
+                continue
+            record = to_record(msg)
+            fetched.setdefault((record.topic, record.partition), []).append(record)
+        return fetched.items()
+
+    def _fetch_error(self, msg: Message, error: KafkaError) -> None:
+        """An error librdkafka handed over with the records: a partition it cannot fetch, or news."""
+        if error.fatal():
+            raise BrokerError(f"the Kafka client failed for good: {error.str()}")
+        topic, partition = msg.topic(), msg.partition()
+        if error.code() != KafkaError._AUTO_OFFSET_RESET or topic is None or partition is None:
+            log.warning("Kafka: %s", error.str())
+            return
+        text = str(error.str())
+        truncated = (f"the log was truncated below this worker's position ({text}; an unclean leader election?)"
+                     if "truncat" in text.lower() else None)
+        self._cannot_fetch_at((topic, partition), msg.offset(), truncated)
+
+    def _cannot_fetch_at(self, tp: TP, offset: int | None, truncated: str | None) -> None:
+        """librdkafka stopped fetching ``tp`` at ``offset``: pause it, and note it for the worker if owned."""
+        with self.lock:
+            self._pause([tp])
+            q = self._queues.get(tp)
+            if q is None:
+                log.debug("%s[%d] cannot be fetched but is not delivered here: left paused", *tp)
+                return
+            if offset is not None and offset >= 0 and offset != q.next_fetch:
+                # Not where kstore reads from (a seek overtook the fetch): read from there.
+                self._seek(tp, q.next_fetch)
+                if not self._throttled:
+                    self._resume([tp])
+                return
+            self._unfetchable[tp] = (q.next_fetch, truncated)
+
+    def _note_skipped(self, before: Mapping[TP, int]) -> None:
+        """librdkafka's position (past the last record returned, transaction markers and aborted
+        records included) beyond the last queued record: remember it. Lock held; no broker call."""
+        self._note_highwaters()
+        tps = [tp for tp, q in self._queues.items() if before.get(tp) == q.generation]
+        if not tps:
+            return
+        for ktp in self.consumer.position([TopicPartition(*tp) for tp in tps]):
+            q = self._queues.get((ktp.topic, ktp.partition))
+            if q is not None and ktp.offset > q.next_fetch:
+                q.next_fetch = ktp.offset
+
+    def _note_highwaters(self) -> None:
+        """The high watermark each owned partition's last fetch reported (librdkafka's cache, no
+        broker call), kept for :meth:`heads`, which other threads call. Fetch thread, lock held."""
+        for tp in self._queues:
+            try:
+                found = self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+            except KafkaException:
+                continue
+            if found is not None and found[1] >= 0:
+                self._highwaters[tp] = int(found[1])
+        for tp in [tp for tp in self._highwaters if tp not in self._queues]:
+            del self._highwaters[tp]
+
+    def _highwater(self, tp: TP) -> int | None:
+        return self._highwaters.get(tp)
+
+    def flush_mirror(self) -> None:
+        with self.lock:
+            offsets, self._mirror = self._mirror, {}
+        if not offsets:
+            return
+        assigned = self.assignment()
+        commit = [TopicPartition(tp[0], tp[1], offset, MIRROR_METADATA) for tp, offset in offsets.items()
+                  if tp in assigned]
+        if commit:
+            try:
+                self.consumer.commit(offsets=commit, asynchronous=True)
+            except KafkaException as exc:
+                log.debug("mirroring offsets to Kafka failed (harmless; the next commit mirrors again): %s", exc)
+
+    def group_stable(self) -> bool:
+        """Assigned partitions (possibly none) and not revoked since, as the callbacks saw it."""
+        with self._events_lock:
+            return self._joined
+
+    # -- ownership and position -----------------------------------------------------
+
+    # The consumer's part of own, disown, a reset and the throttle: wishes (lock held), carried
+    # out by the fetch thread (see the module's docstring). The last wish for a partition wins.
+
+    def _seek(self, tp: TP, offset: int) -> None:
+        self._want_seek[tp] = offset
+
+    def _pause(self, tps: Iterable[TP]) -> None:
+        self._want_paused.update(dict.fromkeys(tps, True))
+
+    def _resume(self, tps: Iterable[TP]) -> None:
+        self._want_paused.update(dict.fromkeys(tps, False))
+
+    def _carry_out(self) -> None:
+        """On the fetch thread, before consume(): seek, pause and resume as wished. Lock held.
+
+        Only partitions still assigned; a seek or a resume only for a partition kstore delivers
+        (one wished before a revoke must not start fetching it again before its new claim)."""
+        seeks, self._want_seek = self._want_seek, {}
+        wanted, self._want_paused = self._want_paused, {}
+        if not seeks and not wanted:
+            return
+        assigned = self.assignment()
+        for tp, offset in seeks.items():
+            if tp in assigned and tp in self._queues:
+                self._place(tp, offset)
+        pause = [TopicPartition(*tp) for tp, paused in wanted.items() if paused and tp in assigned]
+        resume = [TopicPartition(*tp) for tp, paused in wanted.items()
+                  if not paused and tp in assigned and tp in self._queues]
+        if pause:
+            self._quietly(self.consumer.pause, pause, "pausing")
+        if resume:
+            self._quietly(self.consumer.resume, resume, "resuming")
+
+    def _place(self, tp: TP, offset: int) -> None:
+        """Seek; where librdkafka stopped the partition's fetcher (it refuses a seek then), assign
+        afresh. Fetch thread, lock held."""
+        try:
+            self.consumer.seek(TopicPartition(tp[0], tp[1], offset))
+        except KafkaException as exc:
+            if _code(exc) != KafkaError._STATE:
+                log.debug("%s[%d] is no longer assigned: not seeking it (%s)", tp[0], tp[1], describe(exc))
+                return
+            self._reassign()
+
+    def _reassign(self) -> None:
+        """Assign the whole assignment again at kstore's positions (owned: the next offset to
+        queue; others: the placeholder), keeping paused what is not delivered. Fetch thread, lock held."""
+        current = self.assignment()
+        if not current:
+            return
+        placed = [TopicPartition(t, p, q.next_fetch if (q := self._queues.get((t, p))) else PLACEHOLDER_OFFSET)
+                  for t, p in sorted(current)]
+        log.info("placing %d partition(s) again (librdkafka stopped fetching one)", len(placed))
+        self.consumer.assign(placed)
+        idle = [TopicPartition(*tp) for tp in current
+                if tp not in self._queues or tp in self._unfetchable or self._throttled]
+        if idle:
+            self._quietly(self.consumer.pause, idle, "pausing")
+
+    @staticmethod
+    def _quietly(call: Any, ktps: list[TopicPartition], doing: str) -> None:
+        try:
+            call(ktps)
+        except KafkaException as exc:  # not assigned any more: its revoke event follows
+            log.debug("not %s %d partition(s): %s", doing, len(ktps), describe(exc))
+
+    def assignment(self) -> set[TP]:
+        with self._events_lock:
+            return set(self._assigned)
+
+    def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
+        bounds: dict[TP, tuple[int, int]] = {}
+        for tp in tps:
+            try:
+                found = self._querier.get_watermark_offsets(TopicPartition(*tp), timeout=REQUEST_TIMEOUT_S)
+            except KafkaException as exc:
+                raise BrokerError(f"cannot read the log bounds of {len(tps)} partition(s): {describe(exc)}") from exc
+            if found is None:
+                raise BrokerError(f"cannot read the log bounds of {tp[0]}[{tp[1]}]: no answer")
+            bounds[tp] = (int(found[0]), int(found[1]))
+        return bounds
+
+    def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
+        if not targets:
+            return {}
+        query = [TopicPartition(tp[0], tp[1], int(when.timestamp() * 1000)) for tp, when in targets.items()]
+        try:
+            found = self._querier.offsets_for_times(query, timeout=REQUEST_TIMEOUT_S)
+        except KafkaException as exc:
+            raise BrokerError(f"cannot look up offsets by time: {describe(exc)}") from exc
+        return {(k.topic, k.partition): (k.offset if k.offset >= 0 else None) for k in found}
+
+    def close(self) -> None:
+        """Leave the group; nothing is committed to Kafka (auto-commit is off)."""
+        try:
+            self.consumer.close()
+        finally:
+            self._querier.close()
+
+
+def consumer_id(settings: Any, worker_id: str) -> str:
+    return str(settings.client_id or f"kstore-{worker_id.replace(':', '-')}")
+
+
+def _code(exc: KafkaException) -> Any:
+    error = exc.args[0] if exc.args else None
+    return error.code() if isinstance(error, KafkaError) else None
+
+
+def _on_error(error: KafkaError) -> None:
+    """librdkafka's client-wide errors (a broker down, all brokers down): it retries by itself."""
+    log.warning("Kafka client: %s", error.str())
+
+
+def _mirrored(error: KafkaError | None, _partitions: list[TopicPartition]) -> None:
+    """A mirror commit's answer: a failure (a rebalance under way) is only logged; the next commit mirrors again."""
+    if error is not None:
+        log.debug("mirroring offsets to Kafka failed (harmless; the next commit mirrors again): %s", error.str())

@@ -1,0 +1,192 @@
+"""Unit tests of the confluent-kafka backend's settings: choosing the client, librdkafka option names,
+kstore's security settings as librdkafka properties, the records it queues. Nothing here connects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from confluent_kafka import Consumer, KafkaException
+
+from kstore import ConfigurationError, Settings
+from kstore.kafka.backends import source_class
+from kstore.kafka.confluent import ConfluentSource, to_record
+from kstore.kafka.consumer import KafkaSource
+from kstore.kafka.rdconnect import librdkafka_config
+from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
+
+
+def test_every_option_name_kstore_accepts_is_known_to_the_installed_librdkafka() -> None:
+    """The names are a copy of librdkafka's list: each one, given a value no property accepts,
+    makes librdkafka refuse the value, never the name."""
+    unknown = []
+    for name in sorted(LIBRDKAFKA_OPTIONS):
+        try:
+            Consumer({"group.id": "g", name: "\x01not-a-value"}).close()
+        except KafkaException as exc:
+            if "No such configuration property" in str(exc):
+                unknown.append(name)
+        except (TypeError, ValueError):
+            pass
+    assert unknown == []
+    with pytest.raises(KafkaException, match="No such configuration property"):
+        Consumer({"group.id": "g", "fetch.max.wait.ms": "1"})  # the check above can fail
+
+
+@pytest.mark.parametrize(("given", "name"), [
+    ("fetch.max.bytes", "fetch.max.bytes"),
+    ("fetch_max_bytes", "fetch.max.bytes"),  # as KSTORE_KAFKA_FETCH_MAX_BYTES gives it
+    (" Fetch.Wait.Max.MS ", "fetch.wait.max.ms"),
+    ("log_level", "log_level"),  # one of librdkafka's few names with an underscore
+])
+def test_librdkafka_names_are_read_as_users_write_them(given: str, name: str) -> None:
+    assert librdkafka_name(given) == name
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({"fetch.max.bytes": 1048576}, {"fetch.max.bytes": "1048576"}),
+    ({"socket.keepalive.enable": True}, {"socket.keepalive.enable": "true"}),
+    ({"fetch_wait_max_ms": " 50 "}, {"fetch.wait.max.ms": "50"}),
+    ({"isolation.level": "read_uncommitted"}, {"isolation.level": "read_uncommitted"}),
+])
+def test_librdkafka_options_become_librdkafkas_text(options: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert check_librdkafka_options(options) == expected
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("fetch.max.wait.ms", "unknown Kafka option 'fetch.max.wait.ms' (not a librdkafka consumer property"),
+    ("fetch_max_wait_ms", "unknown Kafka option 'fetch_max_wait_ms'"),  # kafka-python's name
+    ("enable.auto.commit", "is kstore's to set: offsets live in the database"),
+    ("enable.auto.offset.store", "is kstore's to set: offsets live in the database"),
+    ("auto.offset.reset", "is kstore's to set: a partition with no stored offset starts at start_from"),
+    ("group.id", "is kstore's to set"),
+    ("partition.assignment.strategy", "is kstore's to set: kstore's rebalance handling is built for the eager"),
+    ("group.protocol", "is kstore's to set"),
+    ("sasl.password", "has a kstore setting of its own: use sasl_password (KSTORE_SASL_PASSWORD)"),
+    ("bootstrap.servers", "has a kstore setting of its own: use bootstrap_servers"),
+    ("ssl.ca.location", "has a kstore setting of its own: use ssl_cafile"),
+    ("session.timeout.ms", "has a kstore setting of its own: use session_timeout_ms"),
+])
+def test_bad_librdkafka_options_are_one_clear_line(name: str, said: str) -> None:
+    with pytest.raises(ConfigurationError, match=_re(said)):
+        Settings(kafka_client="confluent", kafka_options={name: "1"})
+
+
+def test_isolation_level_is_checked() -> None:
+    with pytest.raises(ConfigurationError, match=r"isolation\.level must be read_committed or read_uncommitted"):
+        Settings(kafka_client="confluent", kafka_options={"isolation.level": "dirty"})
+
+
+def test_each_client_checks_its_own_option_names() -> None:
+    assert Settings(kafka_options={"fetch_max_wait_ms": "50"}).kafka_options == {"fetch_max_wait_ms": 50}
+    with pytest.raises(ConfigurationError, match="not a kafka-python consumer option"):
+        Settings(kafka_options={"fetch.wait.max.ms": "50"})
+    assert Settings(kafka_client="confluent", kafka_options={"fetch.wait.max.ms": "50"}).kafka_options == {
+        "fetch.wait.max.ms": "50"}
+
+
+def test_the_client_is_a_setting_from_arguments_environment_and_the_command_line() -> None:
+    assert Settings().kafka_client == "kafka-python"
+    assert Settings(kafka_client=" Confluent ").kafka_client == "confluent"
+    with pytest.raises(ConfigurationError, match="kafka_client must be kafka-python or confluent, got 'librdkafka'"):
+        Settings(kafka_client="librdkafka")
+    # KSTORE_KAFKA_CLIENT is the setting, not a Kafka option named "client"; KSTORE_KAFKA_<NAME> still are.
+    env = {"KSTORE_KAFKA_CLIENT": "confluent", "KSTORE_KAFKA_FETCH_WAIT_MAX_MS": "50"}
+    settings = Settings.from_env(env)
+    assert settings.kafka_client == "confluent" and settings.kafka_options == {"fetch.wait.max.ms": "50"}
+    assert Settings.from_env({}, kafka_client="confluent").kafka_client == "confluent"
+
+
+def test_the_cli_takes_the_client() -> None:
+    from kstore.cli import cli
+
+    result = CliRunner().invoke(cli, ["worker", "--help"])
+    assert "--kafka-client [kafka-python|confluent]" in result.output
+
+
+def test_the_worker_builds_the_source_of_its_client() -> None:
+    assert source_class(Settings()) is KafkaSource
+    assert source_class(Settings(kafka_client="confluent")) is ConfluentSource
+
+
+def test_kafka_python_only_sasl_mechanisms_are_refused_for_confluent() -> None:
+    with pytest.raises(ConfigurationError, match="AWS_MSK_IAM is kafka-python's only"):
+        Settings(kafka_client="confluent", security_protocol="SASL_SSL", sasl_mechanism="AWS_MSK_IAM")
+
+
+def test_security_settings_become_librdkafka_properties(tmp_path: Path) -> None:
+    settings = Settings(kafka_client="confluent", bootstrap_servers="b1:9093,b2:9093", security_protocol="SASL_SSL",
+                        sasl_mechanism="SCRAM-SHA-512", sasl_username="u", sasl_password="p",
+                        ssl_cafile=str(tmp_path / "ca.pem"), ssl_certfile=str(tmp_path / "c.pem"),
+                        ssl_key_password="k", ssl_check_hostname=False, kafka_options={"fetch.min.bytes": 10})
+    config = librdkafka_config(settings)
+    assert config == {
+        "bootstrap.servers": "b1:9093,b2:9093",
+        "security.protocol": "sasl_ssl",
+        "socket.connection.setup.timeout.ms": 30000,
+        "ssl.ca.location": str(tmp_path / "ca.pem"),
+        "ssl.certificate.location": str(tmp_path / "c.pem"),
+        "ssl.key.location": str(tmp_path / "c.pem"),  # the key after the certificate, in one file
+        "ssl.key.password": "k",
+        "ssl.endpoint.identification.algorithm": "none",
+        "sasl.mechanisms": "SCRAM-SHA-512",
+        "sasl.username": "u",
+        "sasl.password": "p",
+        "fetch.min.bytes": "10",
+        "isolation.level": "read_committed",
+    }
+
+
+def test_plaintext_has_no_tls_properties_and_reads_committed_records_only() -> None:
+    config = librdkafka_config(Settings(kafka_client="confluent"))
+    assert config == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "plaintext",
+                      "socket.connection.setup.timeout.ms": 30000, "isolation.level": "read_committed"}
+
+
+def test_an_oauth_token_provider_becomes_librdkafkas_callback() -> None:
+    settings = Settings(kafka_client="confluent", security_protocol="SASL_PLAINTEXT", sasl_mechanism="OAUTHBEARER",
+                        sasl_oauth_token_provider="tests.test_kafka_settings:token")
+    token, expires = librdkafka_config(settings)["oauth_cb"]("")
+    assert token == "a.b.c" and expires > 0
+
+
+class _Message:
+    """What confluent-kafka's Message answers, for the record kstore queues."""
+
+    def __init__(self, key: bytes | None, value: bytes | None) -> None:
+        self._key, self._value = key, value
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 3
+
+    def offset(self) -> int:
+        return 41
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1700000000000)
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return [("h", b"v")]
+
+
+def test_a_fetched_message_becomes_the_record_kstore_queues() -> None:
+    record = to_record(_Message(b"k", b"value"))  # type: ignore[arg-type]
+    assert record == ("t", 3, 41, 1700000000000, b"k", b"value", [("h", b"v")], 1, 5)
+    empty = to_record(_Message(None, None))  # type: ignore[arg-type]
+    assert (empty.serialized_key_size, empty.serialized_value_size) == (-1, -1)  # as kafka-python counts null
+
+
+def _re(text: str) -> str:
+    import re
+    return re.escape(text)
