@@ -120,7 +120,9 @@ def committed_in_kafka(kafka: str, group: str) -> dict[tuple[str, int], tuple[in
         found = admin.list_group_offsets({group: None}).get(group, {})
     finally:
         admin.close()
-    return {(tp.topic, tp.partition): (o.offset, o.metadata) for tp, o in found.items() if o.offset >= 0}
+    # confluent-kafka (the worker's other backend) commits the metadata with C's terminating NUL.
+    return {(tp.topic, tp.partition): (o.offset, (o.metadata or "").rstrip("\x00")) for tp, o in found.items()
+            if o.offset >= 0}
 
 
 def offsets_set(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

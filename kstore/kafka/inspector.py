@@ -97,7 +97,9 @@ class KafkaInspector:
         """
         committed = self._ask(f"read the committed offsets of group {group!r}",
                               lambda: self.admin.list_group_offsets({group: None}).get(group, {}))
-        if not mirrors and not any(getattr(o, "metadata", None) == MIRROR_METADATA for o in committed.values()):
+        # (confluent-kafka's commits carry the metadata with C's terminating NUL.)
+        if not mirrors and not any((getattr(o, "metadata", None) or "").rstrip("\x00") == MIRROR_METADATA
+                                   for o in committed.values()):
             return "not mirrored"
         if self.live_owners(group):
             return "left to live workers"
