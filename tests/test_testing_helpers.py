@@ -107,7 +107,10 @@ def test_a_users_test_run_sees_no_warning_from_kstore(tmp_path: Path) -> None:
     (tmp_path / "test_users.py").write_text(USERS_TEST)
     examples = Path(__file__).resolve().parents[1] / "examples"
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "error", "-q",
-                        "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_users.py")],
+                        "--rootdir", str(tmp_path), "-c", os.devnull,
+                        # Its own basetemp: a run in /tmp/pytest-of-<user> would prune the numbered
+                        # directories of the session running it, PostgreSQL's data among them.
+                        "--basetemp", str(tmp_path / "basetemp"), str(tmp_path / "test_users.py")],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(examples)})
     assert r.returncode == 0, r.stdout + r.stderr
