@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kstore.errors import ConfigurationError
-from kstore.rdkafkaoptions import check_librdkafka_options
+from kstore.rdkafkaoptions import check_librdkafka_options, refuse_reserved
 
 #: The Kafka clients kstore's worker can consume with: kafka-python (the default) or
 #: confluent-kafka (librdkafka), whose ``kafka_options`` are librdkafka's property names.
@@ -171,13 +171,7 @@ def check_kafka_options(options: Mapping[str, Any], client: str = "kafka-python"
     checked: dict[str, Any] = {}
     for raw_name, value in options.items():
         name = raw_name.strip().lower().replace(".", "_").replace("-", "_")
-        if name in _OWN_SETTING:
-            setting = _OWN_SETTING[name]
-            raise ConfigurationError(
-                f"Kafka option {raw_name!r} has a kstore setting of its own: use {setting} (KSTORE_{setting.upper()})"
-            )
-        if name in _KSTORE_CONTROLS:
-            raise ConfigurationError(f"Kafka option {raw_name!r} is kstore's to set: {_KSTORE_CONTROLS[name]}")
+        refuse_reserved(raw_name, name, _OWN_SETTING, _KSTORE_CONTROLS)
         if name not in known:
             raise ConfigurationError(f"unknown Kafka option {raw_name!r} (not a kafka-python consumer option)")
         checked[name] = _from_text(name, value, known[name]) if isinstance(value, str) else value

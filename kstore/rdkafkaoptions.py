@@ -100,6 +100,17 @@ _KSTORE_CONTROLS = {
 ISOLATION_LEVELS = ("read_committed", "read_uncommitted")
 
 
+def refuse_reserved(raw_name: str, name: str, own_setting: Mapping[str, str], controls: Mapping[str, str]) -> None:
+    """Refuse a Kafka option (by either client's name) that kstore has a setting for, or sets itself."""
+    if name in own_setting:
+        setting = own_setting[name]
+        raise ConfigurationError(
+            f"Kafka option {raw_name!r} has a kstore setting of its own: use {setting} (KSTORE_{setting.upper()})"
+        )
+    if name in controls:
+        raise ConfigurationError(f"Kafka option {raw_name!r} is kstore's to set: {controls[name]}")
+
+
 def check_librdkafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Validate ``kafka_options`` by librdkafka name; values become librdkafka's text.
 
@@ -110,13 +121,7 @@ def check_librdkafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for raw_name, value in options.items():
         name = librdkafka_name(raw_name)
-        if name in _OWN_SETTING:
-            setting = _OWN_SETTING[name]
-            raise ConfigurationError(
-                f"Kafka option {raw_name!r} has a kstore setting of its own: use {setting} (KSTORE_{setting.upper()})"
-            )
-        if name in _KSTORE_CONTROLS:
-            raise ConfigurationError(f"Kafka option {raw_name!r} is kstore's to set: {_KSTORE_CONTROLS[name]}")
+        refuse_reserved(raw_name, name, _OWN_SETTING, _KSTORE_CONTROLS)
         if name not in LIBRDKAFKA_OPTIONS:
             raise ConfigurationError(f"unknown Kafka option {raw_name!r} (not a librdkafka consumer property; "
                                      "kafka_client is confluent)")
