@@ -36,7 +36,7 @@ def test_offsets_set_and_show_right_after_a_broker_started_ask_again(pg_dsn: str
             admin.close()
         settings = Settings(dsn=pg_dsn, bootstrap_servers=fresh.bootstrap_servers)
         with caplog.at_level(logging.DEBUG, logger="kstore.kafka.inspector"):
-            moved = set_offsets(settings, "early", "fresh", to_earliest=True, execute=True)
+            moved = set_offsets(settings, "early", "fresh", to_earliest=True, execute=True, reason="test")
             shown = show_offsets(settings, "early")
     assert [(p.partition, p.to_offset, p.mirror) for p in moved] == [(0, 0, ""), (1, 0, "")]
     assert [(s.partition, s.next_offset, s.owner) for s in shown] == [(0, 0, None), (1, 0, None)]
@@ -48,7 +48,8 @@ def test_a_coordinator_that_stays_unavailable_is_one_line_and_exit_2(pg_dsn: str
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     topic = new_topic(partitions=1)
-    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "stuck", topic, to_earliest=True, execute=True)
+    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "stuck", topic, to_earliest=True, execute=True,
+                reason="test")
     asked: list[list[str]] = []
 
     def unavailable(_admin: Any, group_ids: list[str], *_args: Any, **_kwargs: Any) -> Any:

@@ -160,7 +160,7 @@ def test_a_schedule_with_a_late_commit_replays_identically(tmp_path: Path) -> No
 
 def _without_ids(trace: list[str]) -> list[str]:
     """Worker ids end in a random uuid: the only thing that differs between two runs."""
-    return [re.sub(r"[^ ]+:[0-9]+:[0-9a-f]{8}", "ID", line) for line in trace]
+    return [re.sub(r"kstore-[^ ]+-[0-9]+-[0-9a-f]{8}", "ID", line) for line in trace]
 
 
 # -- the checks themselves, on hand-made journals (pure logic) ---------------------------
