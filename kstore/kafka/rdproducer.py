@@ -11,6 +11,7 @@ of it on its own threads, in C: ``produce()`` only copies the record into its qu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -105,15 +106,10 @@ class RdShardPublisher:
         """As :meth:`kstore.kafka.producer.ShardPublisher.publish`."""
         assert confluent_kafka is not None
         producer = self._producer
-        refused: list[tuple[int, str]] = []
-
-        def delivered(err: Any, msg: Any, seq: int) -> None:
-            if err is not None:
-                refused.append((seq, err.str()))
-
+        refused: list[tuple[int, str]] = []  # (seq, reason) of the records librdkafka could not deliver
         try:
             producer.begin_transaction()
-            self._send(rows, delivered)
+            self._send(rows, refused)
             last = rows[-1][0]
             mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, f"{self._mark}{last}")
             producer.send_offsets_to_transaction([mark], self._group_meta, timeout_s)
@@ -131,14 +127,14 @@ class RdShardPublisher:
             raise
         # Committed: librdkafka commits only when every record of the transaction was delivered.
 
-    def _send(self, rows: Sequence[tuple[int, Produced]], delivered: Any) -> None:
+    def _send(self, rows: Sequence[tuple[int, Produced]], refused: list[tuple[int, str]]) -> None:
         assert confluent_kafka is not None
         producer = self._producer
         for seq, r in rows:
             try:
                 producer.produce(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
                                  partition=-1 if r.partition is None else r.partition,
-                                 on_delivery=lambda err, msg, seq=seq: delivered(err, msg, seq))
+                                 on_delivery=functools.partial(_note_refused, refused, seq))
             except BufferError:
                 producer.poll(0.05)
                 raise PublishFailed("librdkafka's queue is full") from None
@@ -165,6 +161,12 @@ class RdShardPublisher:
             producer.purge()
             producer.flush(0)
             self._producer = None
+
+
+def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any) -> None:
+    """A record's delivery report (librdkafka sends only failures: delivery.report.only.error)."""
+    if err is not None:
+        refused.append((seq, err.str()))
 
 
 def _fenced(exc: BaseException) -> bool:
