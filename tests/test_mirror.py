@@ -20,7 +20,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicPartition
 
 from kstore.dev.broker import run_tool
-from kstore.kafka.consumer import MIRROR_METADATA
+from kstore.kafka.consumer import MIRROR_METADATA, committed_metadata
 
 from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
@@ -120,9 +120,7 @@ def committed_in_kafka(kafka: str, group: str) -> dict[tuple[str, int], tuple[in
         found = admin.list_group_offsets({group: None}).get(group, {})
     finally:
         admin.close()
-    # confluent-kafka (the worker's other backend) commits the metadata with C's terminating NUL.
-    return {(tp.topic, tp.partition): (o.offset, (o.metadata or "").rstrip("\x00")) for tp, o in found.items()
-            if o.offset >= 0}
+    return {(tp.topic, tp.partition): (o.offset, committed_metadata(o)) for tp, o in found.items() if o.offset >= 0}
 
 
 def offsets_set(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -714,6 +714,12 @@ def _assignor(database_id: str, refused: list[str]) -> type[RangePartitionAssign
 MIRROR_METADATA = "kstore-mirror"
 
 
+def committed_metadata(committed: Any) -> str:
+    """A committed offset's metadata as it was given: confluent-kafka (2.16) commits it with C's
+    terminating NUL, kafka-python without, and kstore reads what either wrote."""
+    return (getattr(committed, "metadata", None) or "").rstrip("\x00")
+
+
 def _mirrored(offsets: Any, response: Any) -> None:
     """A mirror commit's answer: a failure (a rebalance under way) is only logged; the next commit mirrors again."""
     if isinstance(response, BaseException):

@@ -27,7 +27,7 @@ from kstore.errors import BrokerError, ConfigurationError
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .consumer import MIRROR_METADATA, TP, log_bounds, member_database, offsets_for_times
+from .consumer import MIRROR_METADATA, TP, committed_metadata, log_bounds, member_database, offsets_for_times
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,7 @@ class KafkaInspector:
         """
         committed = self._ask(f"read the committed offsets of group {group!r}",
                               lambda: self.admin.list_group_offsets({group: None}).get(group, {}))
-        # (confluent-kafka's commits carry the metadata with C's terminating NUL.)
-        if not mirrors and not any((getattr(o, "metadata", None) or "").rstrip("\x00") == MIRROR_METADATA
-                                   for o in committed.values()):
+        if not mirrors and not any(committed_metadata(o) == MIRROR_METADATA for o in committed.values()):
             return "not mirrored"
         if self.live_owners(group):
             return "left to live workers"

@@ -37,6 +37,7 @@ from kstore.errors import BrokerError
 from kstore.records import Produced
 
 from .connect import _open, client_config, open_admin
+from .consumer import committed_metadata
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +180,8 @@ def progress_of(settings: Any, admin: Any, ident: str, mark: str) -> int:
         found = admin.list_group_offsets({ident: None}).get(ident, {})
     except KafkaError as exc:
         raise _broker(settings, exc) from None
-    # confluent-kafka (2.16) sends the metadata with C's terminating NUL: a mark from either
-    # client reads the same.
     marks = [int(seq) for om in found.values()
-             for db, _, seq in [(om.metadata or "").rstrip("\x00").rpartition("/")]
+             for db, _, seq in [committed_metadata(om).rpartition("/")]
              if f"{db}/" == mark and seq.isdigit()]
     return max(marks, default=0)
 
