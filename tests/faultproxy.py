@@ -114,6 +114,9 @@ class PgWatcher:
         self.transaction: list[str] = []
         #: ``transaction`` as it was when its COMMIT was cut (the last one cut on this connection).
         self.cut_transaction: list[str] = []
+        #: The armed kinds ("commit", "transaction") this connection took and has not fired yet, oldest
+        #: first: a connection that closes before the answer comes gives them back to the proxy.
+        self.unfired: list[str] = []
 
     def _give_up(self, why: str) -> None:
         self.opaque = True
@@ -167,10 +170,12 @@ class PgWatcher:
         """What to do at the answer to ``sql``: nothing (None), or cut the connection, as an armed fault says."""
         kind = _commit_kind(sql)
         if kind is not None and self._take("commit"):
+            self.unfired.append("commit")
             return kind
         words, last = _first_and_last(sql)
         ends = (words[0] if words else "") in _TRANSACTION_ENDS or last in _TRANSACTION_ENDS
         if self._status == b"T" and not ends and self._take("transaction"):
+            self.unfired.append("transaction")
             return f"statement in a transaction ({sql[:40]!r})"
         return None
 
@@ -191,6 +196,7 @@ class PgWatcher:
                 elif kind == b"Z":
                     self._ready_for_query(body[:1], fault)
                     if fault is not None:
+                        del self.unfired[0]
                         return bytes(out), f"cut after {fault}: the server answered {self._tag!r}"
         except ValueError as e:
             out += self._server
@@ -593,6 +599,13 @@ class FaultProxy:
     def _close(self, conn: _Conn, why: str, reset: bool) -> None:
         conn.closed = True
         self._conns.pop(conn.cid, None)
+        if conn.watcher is not None and conn.watcher.unfired:
+            # The client gave up (a deadline, say) before the answer its armed fault waited for: no
+            # answer was cut, so the fault is still owed to the next COMMIT or statement.
+            for kind in conn.watcher.unfired:
+                self._armed[kind] += 1
+            self._log(f"conn#{conn.cid} gives back unfired fault(s) {conn.watcher.unfired}")
+            conn.watcher.unfired.clear()
         for sock in (conn.up.src, conn.down.src):
             if self._masks.pop(sock, None) is not None:
                 self._sel.unregister(sock)

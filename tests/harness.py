@@ -96,12 +96,16 @@ class WorkerProcess:
     def cleanup(self) -> None:
         """Kill it if the test left it running, after printing its stacks and log (shown if the test failed)."""
         if self.proc.poll() is None:
+            before = len(self.log)
             self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGUSR1)
             time.sleep(0.5)
             self.proc.kill()
             self.proc.wait(30)
-            print(f"--- {self.log_path.name} (killed at teardown) ---\n{self.log[-6000:]}")
+            log = self.log
+            # What it logged last, then its threads' stacks (the dump SIGUSR1 asked for), each in full enough.
+            print(f"--- {self.log_path.name} (killed at teardown) ---\n{log[:before][-8000:]}\n"
+                  f"--- its stacks ---\n{log[before:][-8000:]}")
         self._log_file.close()
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -178,6 +180,36 @@ def test_cut_mid_transaction_runs_the_statement_then_rolls_back(proxied: sa.Engi
     with proxied.begin() as conn:  # armed once only
         conn.execute(INSERT, {"id": 7})
     assert rows(direct) == {7}
+
+
+def test_a_commit_whose_client_gave_up_before_the_answer_leaves_its_fault_armed(
+        proxied: sa.Engine, proxy: FaultProxy, direct: sa.Engine) -> None:
+    """A COMMIT that takes the armed cut but whose client closes its socket before the answer (its
+    deadline cut it, say, while the proxy held the bytes) cuts no answer: the fault stays armed for
+    the next COMMIT, so a test waiting for N cut answers gets N."""
+    proxy.latency(1.0)
+    stale = proxied.raw_connection()
+    cursor = stale.cursor()
+    cursor.execute("INSERT INTO fp_rows (id) VALUES (1)")
+    before = proxy.client_bytes
+    committing, outcome = run_in_thread(stale.commit)
+    wait_until(lambda: proxy.client_bytes > before, 10, interval=0.005, what="the COMMIT at the proxy")
+    # The client gives up: its socket closes while the proxy still holds the COMMIT for the latency.
+    socket.socket(fileno=os.dup(stale.driver_connection.fileno())).shutdown(socket.SHUT_RDWR)
+    proxy.cut_after_commit()
+    committing.join(10)
+    assert "error" in outcome
+    wait_until(lambda: any("closed by the client" in e for e in proxy.events), 10, what="the stale connection closed")
+    assert proxy.commits_cut == 0
+    proxy.latency(0)
+    conn = proxied.connect()
+    conn.execute(INSERT, {"id": 2})
+    with pytest.raises(sa.exc.OperationalError):
+        conn.commit()
+    conn.close()
+    assert proxy.commits_cut == 1
+    assert 2 in rows(direct)
+    stale.invalidate()
 
 
 def test_blackhole_holds_traffic_until_heal(proxied: sa.Engine, proxy: FaultProxy) -> None:

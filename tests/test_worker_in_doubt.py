@@ -51,6 +51,7 @@ def pg_proxy(pg_dsn: str) -> Iterator[FaultProxy]:
     url = make_url(pg_dsn)
     with FaultProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         yield proxy
+    print("--- the proxy's last events ---\n" + "\n".join(proxy.events[-150:]))  # shown when the test failed
 
 
 def dead_letters(dsn: str) -> list[Any]:
