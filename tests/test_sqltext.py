@@ -68,6 +68,12 @@ def test_the_body_ends_at_the_last_token(sql: str, body: str | None) -> None:
     ("INSERT INTO t (a, b) values(%(a)s, /* ) */ 'x)' -- )\n)",
      ("INSERT INTO t (a, b) values", "(%(a)s, /* ) */ 'x)' -- )\n)")),
     ("INSERT INTO t (a, b) VALUES (%(a)s, NULL)", ("INSERT INTO t (a, b) VALUES ", "(%(a)s, NULL)")),
+    # psycopg 3's dialect casts each parameter, a timezone-aware DateTime's to a type of four words.
+    ("INSERT INTO t (a, b, c) VALUES (%(a)s::VARCHAR, %(b)s::TIMESTAMP WITH TIME ZONE, %(c)s::DOUBLE PRECISION)",
+     ("INSERT INTO t (a, b, c) VALUES ",
+      "(%(a)s::VARCHAR, %(b)s::TIMESTAMP WITH TIME ZONE, %(c)s::DOUBLE PRECISION)")),
+    ("INSERT INTO t (a) VALUES (%(a)s::time without time zone)",
+     ("INSERT INTO t (a) VALUES ", "(%(a)s::time without time zone)")),
 ])
 def test_the_ending_values_row_is_found_by_its_tokens(sql: str, split: tuple[str, str]) -> None:
     assert ending_values_row(sql) == split
@@ -83,6 +89,9 @@ def test_the_ending_values_row_is_found_by_its_tokens(sql: str, split: tuple[str
     "INSERT INTO t (a) VALUES (%(a)s) RETURNING (a)",
     "INSERT INTO t (a, b) SELECT %(b)s, x FROM u VALUES (%(a)s)",
     "INSERT INTO t (a) VALUES (%(a)s); INSERT INTO t (a) VALUES (%(a)s)",
+    "INSERT INTO t (a) VALUES (%(a)s::TIMESTAMP WITH now)",
+    "INSERT INTO t (a) VALUES (%(a)s::INTEGER WITH TIME ZONE)",
+    "INSERT INTO t (a) VALUES (%(a)s::)",
 ])
 def test_no_single_values_row_at_the_end(sql: str) -> None:
     assert ending_values_row(sql) is None

@@ -174,18 +174,36 @@ def ending_values_row(sql: str) -> tuple[str, str] | None:
 
 
 def _plain_row(row: list[Token]) -> bool:
-    cast = False
-    for t in row:
-        if cast:
-            if t.kind != "word":
+    words = [t for t in row if t.kind not in QUIET]
+    i = 0
+    while i < len(words):
+        t = words[i]
+        if t.kind == "op" and t.text == "::":
+            # A cast: one type name, of one word or of several (``TIMESTAMP WITH TIME ZONE``,
+            # which psycopg 3's dialect renders for a timezone-aware DateTime).
+            if i + 1 >= len(words) or words[i + 1].kind != "word":
                 return False
-            cast = False
-        elif t.kind == "op" and t.text == "::":
-            cast = True
-        elif not (t.kind in _ROW_KINDS or (t.text == "," and t.kind == "punct")
-                  or (t.kind == "word" and t.text.upper() in _ROW_WORDS)):
+            i += 2
+            for tail in _TYPE_TAILS.get(words[i - 1].text.upper(), ()):
+                if [w.text.upper() for w in words[i:i + len(tail)] if w.kind == "word"] == list(tail):
+                    i += len(tail)
+                    break
+            continue
+        if not (t.kind in _ROW_KINDS or (t.text == "," and t.kind == "punct")
+                or (t.kind == "word" and t.text.upper() in _ROW_WORDS)):
             return False
-    return not cast
+        i += 1
+    return True
+
+
+#: The type names of more than one word a cast may name, by their first word: what may follow it.
+_TYPE_TAILS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "TIMESTAMP": (("WITH", "TIME", "ZONE"), ("WITHOUT", "TIME", "ZONE")),
+    "TIME": (("WITH", "TIME", "ZONE"), ("WITHOUT", "TIME", "ZONE")),
+    "DOUBLE": (("PRECISION",),),
+    "CHARACTER": (("VARYING",),),
+    "BIT": (("VARYING",),),
+}
 
 
 def _depth(toks: list[Token]) -> int:
