@@ -3,6 +3,7 @@ kstore's security settings as librdkafka properties, the records it queues. Noth
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,9 @@ class _Message:
     def headers(self) -> list[tuple[str, bytes]] | None:
         return [("h", b"v")]
 
+    def error(self) -> None:
+        return None
+
 
 def test_a_fetched_message_becomes_the_record_kstore_queues() -> None:
     record = to_record(_Message(b"k", b"value"))  # type: ignore[arg-type]
@@ -190,3 +194,35 @@ def test_a_fetched_message_becomes_the_record_kstore_queues() -> None:
 def _re(text: str) -> str:
     import re
     return re.escape(text)
+
+
+class _ScriptedConsumer:
+    """confluent-kafka's consume(n, timeout) as librdkafka answers it: at once once n messages are
+    there (or with the timeout 0), else only when the timeout has passed (on a scripted clock)."""
+
+    def __init__(self, waiting: int) -> None:
+        self.waiting = waiting
+        self.waited_s = 0.0
+
+    def consume(self, num_messages: int, timeout: float) -> list[_Message]:
+        if self.waiting < num_messages and timeout > 0:
+            self.waited_s += timeout
+        taken = min(num_messages, self.waiting)
+        self.waiting -= taken
+        return [_Message(b"k", b"v") for _ in range(taken)]
+
+
+@pytest.mark.parametrize("waiting", [0, 1, 5, 999, 1000, 2500])
+def test_a_fetch_hands_over_what_librdkafka_holds_without_waiting_for_a_full_poll(waiting: int) -> None:
+    """Fewer messages than max_poll_records are there: the fetch takes them at once. (It asked
+    librdkafka for max_poll_records with the poll timeout, which returns only once that many came
+    or the timeout passed: at a steady rate every message waited up to the poll timeout.) With
+    nothing there, it waits the poll timeout, once, for the first message."""
+    source = ConfluentSource.__new__(ConfluentSource)
+    source.settings = Settings(max_poll_records=1000)
+    source.lock = threading.RLock()
+    source._want_seek, source._want_paused = {}, {}
+    source.consumer = consumer = _ScriptedConsumer(waiting)
+    fetched = [r for _, records in source._fetch(200, None) for r in records]
+    assert len(fetched) == min(waiting, 1000)
+    assert consumer.waited_s == (0.2 if waiting == 0 else 0.0)

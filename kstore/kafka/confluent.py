@@ -203,8 +203,17 @@ class ConfluentSource(KafkaSource):
     def _fetch(self, timeout_ms: int, max_records: int | None) -> Iterable[tuple[TP, Sequence[Any]]]:
         with self.lock:
             self._carry_out()
+        most = max(1, max_records or self.settings.max_poll_records)
         try:
-            messages = self.consumer.consume(max(1, max_records or self.settings.max_poll_records), timeout_ms / 1000)
+            # consume(n, timeout) returns only once it has n records or the timeout passed: at a
+            # steady rate below n per timeout every record would wait up to the whole timeout. So
+            # what librdkafka holds now goes at once; else the wait is for the first record only,
+            # and what came with it.
+            messages = self.consumer.consume(most, 0)
+            if not messages:
+                messages = self.consumer.consume(1, timeout_ms / 1000)
+                if messages and most > 1:
+                    messages += self.consumer.consume(most - 1, 0)
         except KafkaException as exc:
             raise BrokerError(f"consuming from Kafka failed: {describe(exc)}") from exc
         fetched: dict[TP, list[ConfluentRecord]] = {}
