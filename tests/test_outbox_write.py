@@ -1,9 +1,10 @@
 """The outbox's write against SQLAlchemy's own executemany, on generated records and both drivers.
 
-``Outbox.write`` sends a batch's records as one multi-row INSERT quoted by the driver
-(:mod:`kstore.db.manyrows`), its row count checked. The same batches written the plain way (the
-fast path refused, so SQLAlchemy's own executemany runs) must leave the same rows: the same
-``seq`` per shard, and every record read back by the relay (``Outbox.pending``) as it was produced.
+``Outbox.write`` sends a batch's records with COPY when there are many (:mod:`kstore.db.copy`), else
+as one multi-row INSERT quoted by the driver (:mod:`kstore.db.manyrows`), the row count checked
+either way. The same batches written the plain way (both refused, so SQLAlchemy's own executemany
+runs) must leave the same rows: the same ``seq`` per shard, and every record read back by the relay
+(``Outbox.pending``) as it was produced.
 """
 
 from __future__ import annotations
@@ -49,20 +50,25 @@ def engine(request: Any, pg_dsn: str) -> Iterator[sa.Engine]:
     e.dispose()
 
 
-def written(engine: sa.Engine, batches: list[list[Produced]], fast: bool) -> tuple[Outbox, list[bool]]:
-    """A fresh group's outbox with ``batches`` written, each in its own transaction; and, per
-    batch, whether the multi-row INSERT ran (False: SQLAlchemy's own executemany did)."""
+def written(engine: sa.Engine, batches: list[list[Produced]], path: str) -> tuple[Outbox, list[str]]:
+    """A fresh group's outbox with ``batches`` written, each in its own transaction, by ``path``
+    ("copy", "insert" or "plain"); and the path each batch took."""
     outbox = Outbox(engine, f"w-{uuid.uuid4().hex[:8]}")
     outbox.ensure_shards(SHARDS)
-    took: list[bool] = []
-    real = outbox_module.execute_many
+    took: list[str] = []
+    real_many, real_copy = outbox_module.execute_many, outbox_module.copy_rows
 
-    def spy(*args: Any) -> Any:
-        result = real(*args) if fast else None
-        took.append(result is not None)
+    def many(*args: Any) -> Any:
+        result = real_many(*args) if path == "insert" else None
+        took.append("insert" if result is not None else "plain")
         return result
 
-    with mock.patch.object(outbox_module, "execute_many", spy):
+    def copy(*args: Any) -> Any:
+        took.append("copy")
+        return real_copy(*args)
+
+    with mock.patch.object(outbox_module, "execute_many", many), mock.patch.object(outbox_module, "copy_rows", copy), \
+            mock.patch.object(outbox_module, "COPY_FROM_ROWS", 1 if path == "copy" else 10**9):
         for batch in batches:
             with engine.connect() as conn, conn.begin():
                 outbox.write(conn, batch)
@@ -74,13 +80,15 @@ def written(engine: sa.Engine, batches: list[list[Produced]], fast: bool) -> tup
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_the_multi_row_write_leaves_what_sqlalchemys_own_leaves(engine: sa.Engine,
                                                                 batches: list[list[Produced]]) -> None:
-    fast, took = written(engine, batches, fast=True)
-    plain, _ = written(engine, batches, fast=False)
-    assert all(took), "the outbox's write did not take the multi-row INSERT"
-    for shard in range(SHARDS):
-        expected = [r for batch in batches for r in batch if shard_of(r, SHARDS) == shard]
-        got_fast = fast.pending(shard, 0, 10**6)
-        got_plain = plain.pending(shard, 0, 10**6)
-        assert [(p.seq, p.record) for p in got_fast] == [(p.seq, p.record) for p in got_plain]
-        assert [p.record for p in got_fast] == expected
-        assert [p.seq for p in got_fast] == list(range(1, len(expected) + 1))
+    plain, took = written(engine, batches, "plain")
+    assert set(took) == {"plain"}
+    for path in ("copy", "insert"):
+        fast, took = written(engine, batches, path)
+        assert set(took) == {path}, f"the outbox's write did not take the {path} path"
+        for shard in range(SHARDS):
+            expected = [r for batch in batches for r in batch if shard_of(r, SHARDS) == shard]
+            got_fast = fast.pending(shard, 0, 10**6)
+            got_plain = plain.pending(shard, 0, 10**6)
+            assert [(p.seq, p.record) for p in got_fast] == [(p.seq, p.record) for p in got_plain]
+            assert [p.record for p in got_fast] == expected
+            assert [p.seq for p in got_fast] == list(range(1, len(expected) + 1))
