@@ -14,6 +14,7 @@ an error at the first contender that fails.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -181,7 +182,7 @@ class Runner:
             "contender": c.name, "entry": c.entry, "phase": phase,
             "bootstrap": self.bootstrap, "topic": topic, "partitions": self.opts.partitions,
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
-            "table": f"bench_{self.run_id}_{tag.replace('-', '_')}" if c.writes_rows else None,
+            "table": table_name(self.run_id, tag) if c.writes_rows else None,
             "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn), "kstore_settings": c.settings,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
@@ -316,6 +317,20 @@ class Runner:
 
     def server_version(self) -> str:
         return effects.server_version(self.engine)
+
+
+#: PostgreSQL cuts longer identifiers to this many bytes.
+MAX_IDENTIFIER = 63
+
+
+def table_name(run_id: str, tag: str) -> str:
+    """The effects table of one phase, readable but short enough that its ``_offsets`` sibling
+    (the hand-written loops' own offsets table) is not cut to the same name by PostgreSQL."""
+    name = f"bench_{run_id}_{tag.replace('-', '_')}"
+    room = MAX_IDENTIFIER - len("_offsets")
+    if len(name) <= room:
+        return name
+    return f"{name[:room - 9]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def with_driver(dsn: str, driver: str | None) -> str:
