@@ -140,6 +140,7 @@ def _run_all(runner: Runner, opts: Options, results: dict[str, Any]) -> None:
 def _finish(results: dict[str, Any], opts: Options) -> None:
     """Ratios, the JSON file, the chart and the table: also after a failure, for what ran."""
     done = results["contenders"]
+    results["ceilings"] = report.ceilings(done)
     results["ratios"] = report.ratios(done)
     results["rss_target"] = report.rss_target(done, opts.messages)
     results["latency_target"] = report.latency_target(done)

@@ -29,7 +29,7 @@ from kstore import Settings, migrate
 
 from . import effects, workload
 from .contenders import Contender
-from .handwritten import offsets_table
+from .handsql import offsets_table
 from .noise import WARN_CORES, Noise
 from .profiling import summarize
 from .spawn import BenchmarkError, Child, Outcome
@@ -149,7 +149,8 @@ class Runner:
         drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
         rate = latency_rate(self.opts.rate, drained["throughput_msgs_per_s"])
         latency = self._least_disturbed(lambda suffix: self._latency(c, rate, suffix=suffix))
-        return {"number": c.number, "name": c.name, "label": c.label, **drained, "latency": latency}
+        return {"number": c.number, "name": c.name, "label": c.label, "client": c.client, **drained,
+                "latency": latency}
 
     def _least_disturbed(self, phase: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """Run a phase; while other processes disturbed it, again (``--retries``), keeping the calmest run.
@@ -183,7 +184,8 @@ class Runner:
             "bootstrap": self.bootstrap, "topic": topic, "partitions": self.opts.partitions,
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
             "table": table_name(self.run_id, tag) if c.writes_rows else None,
-            "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn), "kstore_settings": c.settings,
+            "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn),
+            "kstore_settings": c.kstore_settings if c.kstore else {},
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
 

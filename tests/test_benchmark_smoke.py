@@ -31,6 +31,8 @@ CONTENDERS = [
     "kstore-batch-metrics", "kstore-batch-unrecorded",
     "at-least-once-values", "exactly-once-by-hand", "kstore-text", "kstore-copy",
     "kstore-batch-psycopg3", "kstore-handle-psycopg3", "kstore-text-psycopg3", "kstore-copy-psycopg3",
+    "exactly-once-by-hand-confluent", "at-least-once-confluent", "kstore-noop-confluent", "kstore-handle-confluent",
+    "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
 ]
 
 
@@ -62,9 +64,15 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
     assert {c["name"]: c["messages"] for c in results["contenders"]}["kstore-txn-per-msg"] == 200
     assert [r["ratio"] for r in results["ratios"]] == [r.key for r in RATIOS]
     assert [t["contender"] for t in results["latency_target"]] == [
-        "kstore-handle", "kstore-batch", "kstore-text", "kstore-copy"]
+        "kstore-handle", "kstore-batch", "kstore-text", "kstore-copy",
+        "kstore-handle-confluent", "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent"]
+    settings = {c["name"]: c["kstore_settings"] for c in results["contenders"] if "kstore_settings" in c}
+    assert {name: s["kafka_client"] for name, s in settings.items()} == {
+        c.name: c.client for c in map(BY_KEY.__getitem__, CONTENDERS) if c.kstore}
+    assert [c["client"] for c in results["ceilings"]] == ["kafka-python", "confluent"]
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     assert "throughput ratios" in done.stdout
+    assert "ceilings (raw loops, reading only): kafka-python " in done.stdout
 
 
 def assert_checked(name: str, check: dict[str, Any], messages: int) -> None:
