@@ -28,15 +28,23 @@ class _ReadyListener(ConsumerRebalanceListener):  # type: ignore[misc]
         pass
 
 
+def kafka_python_tuning(config: dict[str, Any]) -> dict[str, Any]:
+    """The contender's ``KafkaConsumer`` options beyond the defaults: ``max_poll_records`` if tuned."""
+    tuning = config.get("tuning", {})
+    return {"max_poll_records": int(tuning["max_poll_records"])} if "max_poll_records" in tuning else {}
+
+
 def kafka_python_consumer(config: dict[str, Any]) -> Any:
-    """A kafka-python consumer as a hand-written loop would make it: kafka-python's defaults,
-    a fresh group from the start of the topic, no auto-commit (each loop decides what to commit)."""
+    """A kafka-python consumer as a hand-written loop would make it: kafka-python's defaults but
+    for the contender's tuning, a fresh group from the start of the topic, no auto-commit (each
+    loop decides what to commit)."""
     consumer = KafkaConsumer(
         bootstrap_servers=config["bootstrap"],
         group_id=config["group"],
         client_id=f"bench-{config['contender']}",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
+        **kafka_python_tuning(config),
     )
     consumer.subscribe([config["topic"]], listener=_ReadyListener(config.get("ready_file")))
     return consumer

@@ -149,8 +149,8 @@ class Runner:
         drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
         rate = latency_rate(self.opts.rate, drained["throughput_msgs_per_s"])
         latency = self._least_disturbed(lambda suffix: self._latency(c, rate, suffix=suffix))
-        return {"number": c.number, "name": c.name, "label": c.label, "client": c.client, **drained,
-                "latency": latency}
+        return {"number": c.number, "name": c.name, "label": c.label, "client": c.client,
+                **({"tuning": c.tuning} if c.tuning else {}), **drained, "latency": latency}
 
     def _least_disturbed(self, phase: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """Run a phase; while other processes disturbed it, again (``--retries``), keeping the calmest run.
@@ -185,7 +185,7 @@ class Runner:
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
             "table": table_name(self.run_id, tag) if c.writes_rows else None,
             "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn),
-            "kstore_settings": c.kstore_settings if c.kstore else {},
+            "kstore_settings": c.kstore_settings if c.kstore else {}, "tuning": c.tuning,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
 

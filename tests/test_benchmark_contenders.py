@@ -34,6 +34,14 @@ def test_a_kstore_contender_with_a_target_is_judged_against_a_loop_on_its_own_cl
     assert {BY_NUMBER[n].client for n in CEILINGS.values()} == set(CEILINGS)
 
 
+def test_the_headline_loops_are_tuned_and_their_defaults_kept_as_references() -> None:
+    for number in (1, 2, 11, 12, 19, 20):
+        assert BY_NUMBER[number].tuning, number
+    assert not BY_NUMBER[26].tuning and BY_NUMBER[26].entry == BY_NUMBER[1].entry
+    assert not BY_NUMBER[27].tuning and BY_NUMBER[27].entry == BY_NUMBER[12].entry
+    assert not BY_NUMBER[3].tuning  # the obvious code, as a user writes it today
+
+
 @pytest.mark.parametrize("environ_client", ["kafka-python", "confluent"])
 def test_a_kstore_contender_runs_on_the_client_it_names(
     environ_client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

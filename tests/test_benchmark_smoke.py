@@ -33,6 +33,7 @@ CONTENDERS = [
     "kstore-batch-psycopg3", "kstore-handle-psycopg3", "kstore-text-psycopg3", "kstore-copy-psycopg3",
     "exactly-once-by-hand-confluent", "at-least-once-confluent", "kstore-noop-confluent", "kstore-handle-confluent",
     "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
+    "kafka-python-defaults", "exactly-once-by-hand-defaults",
 ]
 
 
