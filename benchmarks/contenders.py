@@ -47,8 +47,8 @@ class Contender:
         return {"kafka_client": self.client, **self.settings}
 
 
-#: The hand-written and raw loops at their best for throughput, as a competent user tunes them
-#: (docs/benchmarks.md, "Tuning the baselines").
+#: The hand-written and raw loops at their best for throughput, as a competent user tunes them:
+#: picked with ``python -m benchmarks.sweep`` (docs/benchmarks.md, "Tuning the baselines").
 #: kafka-python's defaults are 500 records per poll, psycopg2's 100 rows per ``execute_values``.
 TUNED_KAFKA_PYTHON: dict[str, Any] = {"max_poll_records": 2000, "page_size": 0}
 TUNED_CONFLUENT: dict[str, Any] = {"consume_batch": 2000, "page_size": 0}

@@ -189,6 +189,10 @@ class Runner:
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
 
+    def drain(self, c: Contender, suffix: str = "") -> dict[str, Any]:
+        """The throughput phase alone (``benchmarks.sweep``): drain the backlog, checked exactly once."""
+        return self._throughput(c, suffix)
+
     def _throughput(self, c: Contender, suffix: str = "") -> dict[str, Any]:
         messages = self.messages_for(c)
         topic, ends = self.backlogs[messages]

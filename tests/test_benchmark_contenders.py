@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.contenders import CEILINGS, CONTENDERS, LATENCY_JUDGED, RATIOS
+from benchmarks.contenders import CEILINGS, CONTENDERS, LATENCY_JUDGED, RATIOS, select
 from benchmarks.report import table
 from benchmarks.runner import Options, Runner
+from benchmarks.sweep import variants
 from kstore import Settings
 
 BY_NUMBER = {c.number: c for c in CONTENDERS}
@@ -64,6 +65,19 @@ def test_a_kstore_contender_runs_on_the_client_it_names(
     assert {c.name for c in CONTENDERS if c.kstore and c.client == "confluent"} >= {
         "kstore-noop-confluent", "kstore-handle-confluent", "kstore-batch-confluent", "kstore-text-confluent",
         "kstore-copy-confluent"}
+
+
+def test_the_sweep_tries_every_combination_once() -> None:
+    runs = variants(select("12,19,1"), [1000, 2000], [100, 0])
+    assert [c.name for c in runs] == [
+        "kafka-python-b1000", "kafka-python-b2000",
+        "exactly-once-by-hand-b1000-p100", "exactly-once-by-hand-b1000-p0",
+        "exactly-once-by-hand-b2000-p100", "exactly-once-by-hand-b2000-p0",
+        "exactly-once-by-hand-confluent-b1000-p100", "exactly-once-by-hand-confluent-b1000-p0",
+        "exactly-once-by-hand-confluent-b2000-p100", "exactly-once-by-hand-confluent-b2000-p0",
+    ]
+    assert runs[0].tuning == {"max_poll_records": 1000}
+    assert runs[-1].tuning == {"consume_batch": 2000, "page_size": 0}
 
 
 def test_the_table_names_both_ceilings_and_groups_the_ratios_by_client() -> None:
