@@ -190,7 +190,10 @@ class Runner:
         }
 
     def drain(self, c: Contender, suffix: str = "") -> dict[str, Any]:
-        """The throughput phase alone (``benchmarks.sweep``): drain the backlog, checked exactly once."""
+        """The throughput phase alone (``benchmarks.sweep``): drain the backlog, checked exactly once;
+        with ``--quiet-wait``, once the machine is quiet."""
+        if self.opts.quiet_wait > 0:
+            self._wait_quiet()
         return self._throughput(c, suffix)
 
     def _throughput(self, c: Contender, suffix: str = "") -> dict[str, Any]:

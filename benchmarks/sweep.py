@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import statistics
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .cli import DEFAULT_OUT, services_for
+from .cli import DEFAULT_OUT, _interrupt, services_for
 from .contenders import BY_KEY, CONTENDERS, Contender
 from .report import machine, write_json
 from .runner import Options, Runner, say
@@ -48,6 +49,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--partitions", type=int, default=12)
     add("--size", type=int, default=100)
     add("--broker-warmup", type=float, default=5.0, help="seconds of an unreported phase first (0: none)")
+    add("--quiet-wait", type=float, default=0.0,
+        help="before each drain, wait up to this many seconds for other processes to go quiet (default 0)")
     add("--bootstrap-servers", default=None, help="use this Kafka instead of starting a local one")
     add("--dsn", default=None, help="use this PostgreSQL instead of a throwaway one")
     add("--out", type=Path, default=DEFAULT_OUT, help="where sweep.json and the logs go")
@@ -87,12 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               "tuning", file=sys.stderr)
         return 2
     runs = variants(loops, _ints(args.batches), _ints(args.pages))
+    signal.signal(signal.SIGTERM, _interrupt)  # as the main run: the child, the broker and PostgreSQL stop
     opts = Options(messages=args.messages, partitions=args.partitions, size=args.size, out=args.out,
-                   broker_warmup=args.broker_warmup)
+                   broker_warmup=args.broker_warmup, quiet_wait=args.quiet_wait)
     results: dict[str, Any] = {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "parameters": {"messages": args.messages, "partitions": args.partitions, "size": args.size,
-                       "repeat": args.repeat, "loops": args.loops, "batches": args.batches, "pages": args.pages},
+                       "repeat": args.repeat, "loops": args.loops, "batches": args.batches, "pages": args.pages,
+                       "quiet_wait_s": args.quiet_wait},
         "machine": machine(), "drains": [],
     }
     code = 0
