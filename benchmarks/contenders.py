@@ -48,22 +48,22 @@ class Contender:
 
 
 #: The hand-written and raw loops at their best for throughput, as a competent user tunes them:
-#: picked with ``python -m benchmarks.sweep`` (docs/benchmarks.md, "Tuning the baselines").
-#: kafka-python's defaults are 500 records per poll, psycopg2's 100 rows per ``execute_values``.
-TUNED_KAFKA_PYTHON: dict[str, Any] = {"max_poll_records": 2000, "page_size": 0}
-TUNED_CONFLUENT: dict[str, Any] = {"consume_batch": 2000, "page_size": 0}
-
-
-def _raw(tuning: dict[str, Any]) -> dict[str, Any]:
-    """A raw loop's tuning: its batch size only (it writes nothing)."""
-    return {k: v for k, v in tuning.items() if k != "page_size"}
+#: each the fastest of ``python -m benchmarks.sweep --loops 1,2,12,19 --repeat 2 --batches
+#: 500,1000,2000,5000 --pages 100,1000,0`` (100,000 messages, 2026-12-02; docs/benchmarks.md,
+#: "Tuning the baselines"). kafka-python's defaults are 500 records per poll, psycopg2's 100 rows
+#: per ``execute_values``; the at-least-once loops (11, 20) take their exactly-once twins' values.
+TUNED_KAFKA_PYTHON: dict[str, Any] = {"max_poll_records": 2000, "page_size": 1000}
+TUNED_CONFLUENT: dict[str, Any] = {"consume_batch": 5000, "page_size": 100}
+#: The raw loops write nothing: only their batch size.
+RAW_KAFKA_PYTHON: dict[str, Any] = {"max_poll_records": 5000}
+RAW_CONFLUENT: dict[str, Any] = {"consume_batch": 2000}
 
 
 CONTENDERS: tuple[Contender, ...] = (
     Contender(1, "kafka-python", "raw kafka-python loop", "benchmarks.raw_loops:kafka_python",
-              tuning=_raw(TUNED_KAFKA_PYTHON)),
+              tuning=RAW_KAFKA_PYTHON),
     Contender(2, "confluent-kafka", "raw confluent-kafka loop", "benchmarks.confluent_loops:raw",
-              client="confluent", tuning=_raw(TUNED_CONFLUENT)),
+              client="confluent", tuning=RAW_CONFLUENT),
     Contender(3, "at-least-once", "at-least-once: kafka-python + psycopg2", "benchmarks.baseline_loop:run",
               writes_rows=True),
     Contender(4, "kstore-noop", "kstore, no-op processor", "benchmarks.kstore_loop:noop", kstore=True),
