@@ -57,10 +57,16 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     add("--retries", type=int, default=0,
         help="run a phase again, up to this many times, while other processes disturbed it; the calmest "
              "attempt is reported (default 0)")
+    add("--tiny", action="store_true",
+        help="2,000 messages on 2 partitions (200 for contender 7), 1-second latency phases at 1,000/s, no "
+             "broker warm-up: only proves every contender runs (CI's smoke test); the numbers mean nothing")
     add("--profile", nargs="?", const="threads", choices=("threads", "gil"), default=None,
         help="sample each contender (both phases) with py-spy, which slows it down a little; "
              "'--profile gil' samples only the thread holding the GIL: where the interpreter's time goes")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.messages, args.partitions, args.txn_messages = 2000, 2, 200
+        args.rate, args.latency_seconds, args.broker_warmup = 1000.0, 1.0, 0.0
     if args.size < 20:
         parser.error("--size must be at least 20 bytes (the value carries its produce time)")
     if args.db_latency_ms < 0:
@@ -119,7 +125,7 @@ def _parameters(opts: Options, args: argparse.Namespace) -> dict[str, Any]:
         "messages": opts.messages, "partitions": opts.partitions, "size": opts.size, "rate": opts.rate,
         "latency_seconds": opts.latency_seconds, "latency_warmup_s": opts.warmup_s,
         "per_message_txn_messages": opts.txn_messages, "broker_warmup_s": opts.broker_warmup, "only": opts.only,
-        "quiet_wait_s": opts.quiet_wait, "retries": opts.retries,
+        "quiet_wait_s": opts.quiet_wait, "retries": opts.retries, "tiny": args.tiny,
         "kafka": "external (--bootstrap-servers)" if args.bootstrap_servers else
                  f"local Apache Kafka {DEFAULT_VERSION} (kstore.dev.broker)",
         "database": "external (--dsn)" if args.dsn else "throwaway local PostgreSQL, default settings",
@@ -140,6 +146,7 @@ def _run_all(runner: Runner, opts: Options, results: dict[str, Any]) -> None:
 def _finish(results: dict[str, Any], opts: Options) -> None:
     """Ratios, the JSON file, the chart and the table: also after a failure, for what ran."""
     done = results["contenders"]
+    results["ceilings"] = report.ceilings(done)
     results["ratios"] = report.ratios(done)
     results["rss_target"] = report.rss_target(done, opts.messages)
     results["latency_target"] = report.latency_target(done)

@@ -1,8 +1,8 @@
 """Contenders 11 and 12: the loops a competent user writes by hand with ``execute_values``.
 
-kafka-python and psycopg2 only. Per poll, every message's row goes in with
-``psycopg2.extras.execute_values`` (psycopg2's multi-row ``INSERT ... VALUES``,
-its own default page of 100 rows per statement):
+kafka-python and psycopg2 only (the same loops on confluent-kafka:
+``handwritten_confluent``). Per poll, every message's row goes in with
+``psycopg2.extras.execute_values`` (psycopg2's multi-row ``INSERT ... VALUES``):
 
 - **at-least-once** (11): the database COMMIT, then ``consumer.commit()``. A crash
   between the two repeats the poll's rows.
@@ -11,6 +11,11 @@ its own default page of 100 rows per statement):
   COMMIT, nothing committed to Kafka; on assignment it seeks every partition to its
   stored offset. No fencing of a paused worker, no reset handling, no answer to a
   lost COMMIT: the loop kstore replaces, at its simplest.
+
+Tuned as a competent user would for throughput (``config["tuning"]``, set per
+contender in ``contenders``): kafka-python's ``max_poll_records`` and
+``execute_values``' ``page_size``; without them, the libraries' defaults (500
+records per poll, 100 rows per statement).
 """
 
 from __future__ import annotations
@@ -20,18 +25,21 @@ from typing import Any
 
 import psycopg2
 from kafka import ConsumerRebalanceListener, KafkaConsumer
-from psycopg2.extras import execute_values
 
+from .handsql import (
+    Rows,
+    create_offsets_table,
+    insert_sql,
+    offsets_table,
+    page_size,
+    stored_offsets,
+    upsert_sql,
+    write_values,
+)
 from .meter import Meter, signal_ready
-from .raw_loops import kafka_python_consumer
+from .raw_loops import kafka_python_consumer, kafka_python_tuning
 
-
-def _insert_sql(config: dict[str, Any]) -> str:
-    # The table name is made by the benchmark (letters, digits, _), never user input.
-    return f"INSERT INTO {config['table']} (partition_id, kafka_offset, payload) VALUES %s"
-
-
-Rows = list[tuple[int, int, bytes]]
+__all__ = ["at_least_once", "at_least_once_with", "drain", "exactly_once", "offsets_table"]
 
 
 def drain(consumer: Any, meter: Meter, write: Callable[[Any, Rows], None],
@@ -55,7 +63,8 @@ def drain(consumer: Any, meter: Meter, write: Callable[[Any, Rows], None],
 
 
 def at_least_once(config: dict[str, Any], meter: Meter) -> None:
-    at_least_once_with(config, meter, _insert_sql(config), execute_values)
+    page = page_size(config)
+    at_least_once_with(config, meter, insert_sql(config), lambda cur, sql, rows: write_values(cur, sql, rows, page))
 
 
 def at_least_once_with(config: dict[str, Any], meter: Meter, sql: str,
@@ -76,11 +85,6 @@ def at_least_once_with(config: dict[str, Any], meter: Meter, sql: str,
         conn.close()
 
 
-def offsets_table(config: dict[str, Any]) -> str:
-    """The hand-written exactly-once loop's own offsets table, beside its effects table."""
-    return f"{config['table']}_offsets"
-
-
 class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
     """On assignment, seek each partition to the offset stored in the database (or 0)."""
 
@@ -90,10 +94,7 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
         self.conn = psycopg2.connect(**config["conninfo"])
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        with self.conn, self.conn.cursor() as cur:
-            cur.execute(f"SELECT topic, partition_id, next_offset FROM {offsets_table(self.config)} "
-                        "WHERE consumer_group = %s", (self.config["group"],))
-            stored = {(t, p): n for t, p, n in cur.fetchall()}
+        stored = stored_offsets(self.conn, self.config)
         for tp in assigned:
             self.consumer.seek(tp, stored.get((tp.topic, tp.partition), 0))
         if assigned:
@@ -105,24 +106,20 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
 
 def exactly_once(config: dict[str, Any], meter: Meter) -> None:
     conn = psycopg2.connect(**config["conninfo"])
-    offsets = offsets_table(config)
-    with conn, conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE IF NOT EXISTS {offsets} (consumer_group text, topic text, partition_id integer, "
-                    "next_offset bigint NOT NULL, PRIMARY KEY (consumer_group, topic, partition_id))")
-    sql = _insert_sql(config)
-    upsert = (f"INSERT INTO {offsets} (consumer_group, topic, partition_id, next_offset) VALUES %s "
-              "ON CONFLICT (consumer_group, topic, partition_id) DO UPDATE SET next_offset = EXCLUDED.next_offset")
+    create_offsets_table(conn, config)
+    sql, upsert, page = insert_sql(config), upsert_sql(config), page_size(config)
     group = config["group"]
     consumer = KafkaConsumer(
         bootstrap_servers=config["bootstrap"], group_id=group, client_id=f"bench-{config['contender']}",
-        enable_auto_commit=False, auto_offset_reset="earliest",
+        enable_auto_commit=False, auto_offset_reset="earliest", **kafka_python_tuning(config),
     )
     listener = _SeekToStored(consumer, config)
     consumer.subscribe([config["topic"]], listener=listener)
+
     def write(batches: Any, rows: Rows) -> None:
-        execute_values(cur, sql, rows)
-        execute_values(cur, upsert, [(group, tp.topic, tp.partition, records[-1].offset + 1)
-                                     for tp, records in batches.items()])
+        write_values(cur, sql, rows, page)
+        write_values(cur, upsert, [(group, tp.topic, tp.partition, records[-1].offset + 1)
+                                   for tp, records in batches.items()], 0)
         conn.commit()
 
     try:

@@ -14,6 +14,7 @@ an error at the first contender that fails.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from kstore import Settings, migrate
 
 from . import effects, workload
 from .contenders import Contender
-from .handwritten import offsets_table
+from .handsql import offsets_table
 from .noise import WARN_CORES, Noise
 from .profiling import summarize
 from .spawn import BenchmarkError, Child, Outcome
@@ -148,7 +149,8 @@ class Runner:
         drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
         rate = latency_rate(self.opts.rate, drained["throughput_msgs_per_s"])
         latency = self._least_disturbed(lambda suffix: self._latency(c, rate, suffix=suffix))
-        return {"number": c.number, "name": c.name, "label": c.label, **drained, "latency": latency}
+        return {"number": c.number, "name": c.name, "label": c.label, "client": c.client,
+                **({"tuning": c.tuning} if c.tuning else {}), **drained, "latency": latency}
 
     def _least_disturbed(self, phase: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         """Run a phase; while other processes disturbed it, again (``--retries``), keeping the calmest run.
@@ -181,10 +183,18 @@ class Runner:
             "contender": c.name, "entry": c.entry, "phase": phase,
             "bootstrap": self.bootstrap, "topic": topic, "partitions": self.opts.partitions,
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
-            "table": f"bench_{self.run_id}_{tag.replace('-', '_')}" if c.writes_rows else None,
-            "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn), "kstore_settings": c.settings,
+            "table": table_name(self.run_id, tag) if c.writes_rows else None,
+            "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn),
+            "kstore_settings": c.kstore_settings if c.kstore else {}, "tuning": c.tuning,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
         }
+
+    def drain(self, c: Contender, suffix: str = "") -> dict[str, Any]:
+        """The throughput phase alone (``benchmarks.sweep``): drain the backlog, checked exactly once;
+        with ``--quiet-wait``, once the machine is quiet."""
+        if self.opts.quiet_wait > 0:
+            self._wait_quiet()
+        return self._throughput(c, suffix)
 
     def _throughput(self, c: Contender, suffix: str = "") -> dict[str, Any]:
         messages = self.messages_for(c)
@@ -316,6 +326,20 @@ class Runner:
 
     def server_version(self) -> str:
         return effects.server_version(self.engine)
+
+
+#: PostgreSQL cuts longer identifiers to this many bytes.
+MAX_IDENTIFIER = 63
+
+
+def table_name(run_id: str, tag: str) -> str:
+    """The effects table of one phase, readable but short enough that its ``_offsets`` sibling
+    (the hand-written loops' own offsets table) is not cut to the same name by PostgreSQL."""
+    name = f"bench_{run_id}_{tag.replace('-', '_')}"
+    room = MAX_IDENTIFIER - len("_offsets")
+    if len(name) <= room:
+        return name
+    return f"{name[:room - 9]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def with_driver(dsn: str, driver: str | None) -> str:

@@ -31,16 +31,14 @@ CONTENDERS = [
     "kstore-batch-metrics", "kstore-batch-unrecorded",
     "at-least-once-values", "exactly-once-by-hand", "kstore-text", "kstore-copy",
     "kstore-batch-psycopg3", "kstore-handle-psycopg3", "kstore-text-psycopg3", "kstore-copy-psycopg3",
+    "exactly-once-by-hand-confluent", "at-least-once-confluent", "kstore-noop-confluent", "kstore-handle-confluent",
+    "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
+    "kafka-python-defaults", "exactly-once-by-hand-defaults",
 ]
 
 
 def run_benchmark(kafka: str, dsn: str, out: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable, "-m", "benchmarks",
-        "--messages", "2000", "--partitions", "2", "--per-message-txn-messages", "200",
-        "--rate", "1000", "--latency-seconds", "1", "--broker-warmup", "0",
-        "--bootstrap-servers", kafka, "--dsn", dsn, "--out", str(out),
-    ]
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--bootstrap-servers", kafka, "--dsn", dsn, "--out", str(out)]
     return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=540, check=False)
 
 
@@ -62,9 +60,35 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
     assert {c["name"]: c["messages"] for c in results["contenders"]}["kstore-txn-per-msg"] == 200
     assert [r["ratio"] for r in results["ratios"]] == [r.key for r in RATIOS]
     assert [t["contender"] for t in results["latency_target"]] == [
-        "kstore-handle", "kstore-batch", "kstore-text", "kstore-copy"]
+        "kstore-handle", "kstore-batch", "kstore-text", "kstore-copy",
+        "kstore-handle-confluent", "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent"]
+    settings = {c["name"]: c["kstore_settings"] for c in results["contenders"] if "kstore_settings" in c}
+    assert {name: s["kafka_client"] for name, s in settings.items()} == {
+        c.name: c.client for c in map(BY_KEY.__getitem__, CONTENDERS) if c.kstore}
+    assert [c["client"] for c in results["ceilings"]] == ["kafka-python", "confluent"]
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     assert "throughput ratios" in done.stdout
+    assert "ceilings (raw loops, reading only): kafka-python " in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_baseline_sweep_runs(kafka: str, postgresql: Any, tmp_path: Path) -> None:
+    """``python -m benchmarks.sweep --tiny``: each hand-written exactly-once loop drains once per
+    combination, checked exactly once, and one combination per loop is named the fastest."""
+    info = postgresql.info
+    dsn = f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--bootstrap-servers", kafka, "--dsn", dsn,
+         "--out", str(tmp_path)],
+        cwd=REPO_DIR, capture_output=True, text=True, timeout=280, check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    summary = json.loads((tmp_path / "sweep.json").read_text())["summary"]
+    assert [r["name"] for r in summary] == [
+        "exactly-once-by-hand-b1000-p100", "exactly-once-by-hand-b1000-p0",
+        "exactly-once-by-hand-confluent-b1000-p100", "exactly-once-by-hand-confluent-b1000-p0"]
+    assert sorted(r["number"] for r in summary if r.get("best")) == [12, 19]
+    assert done.stdout.count("<- fastest") == 2
 
 
 def assert_checked(name: str, check: dict[str, Any], messages: int) -> None:

@@ -1,0 +1,114 @@
+"""The side-by-side benchmark's contenders and ratios hang together (no broker, no database)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.contenders import CEILINGS, CONTENDERS, LATENCY_JUDGED, RATIOS, select
+from benchmarks.report import table
+from benchmarks.runner import Options, Runner
+from benchmarks.sweep import variants
+from kstore import Settings
+
+BY_NUMBER = {c.number: c for c in CONTENDERS}
+DSN = "postgresql+psycopg2://bench@127.0.0.1:1/bench"
+
+
+def test_every_ratio_names_contenders_that_exist() -> None:
+    assert len({c.number for c in CONTENDERS}) == len(CONTENDERS)
+    assert len({c.name for c in CONTENDERS}) == len(CONTENDERS)
+    for r in RATIOS:
+        assert r.numerator in BY_NUMBER and r.denominator in BY_NUMBER, r.key
+    assert len({r.key for r in RATIOS}) == len(RATIOS)
+
+
+def test_a_kstore_contender_with_a_target_is_judged_against_a_loop_on_its_own_client() -> None:
+    """Per client: kstore against the hand-written loop, or the no-op against the raw loop, on the same client."""
+    judged = [r for r in RATIOS if r.target is not None and not BY_NUMBER[r.denominator].kstore]
+    assert judged
+    for r in judged:
+        assert BY_NUMBER[r.numerator].client == BY_NUMBER[r.denominator].client, r.key
+    for baseline, numbers in LATENCY_JUDGED.items():
+        assert {BY_NUMBER[n].client for n in numbers} == {BY_NUMBER[baseline].client}
+    assert {BY_NUMBER[n].client for n in CEILINGS.values()} == set(CEILINGS)
+
+
+def test_the_headline_loops_are_tuned_and_their_defaults_kept_as_references() -> None:
+    for number in (1, 2, 11, 12, 19, 20):
+        assert BY_NUMBER[number].tuning, number
+    assert not BY_NUMBER[26].tuning and BY_NUMBER[26].entry == BY_NUMBER[1].entry
+    assert not BY_NUMBER[27].tuning and BY_NUMBER[27].entry == BY_NUMBER[12].entry
+    assert not BY_NUMBER[3].tuning  # the obvious code, as a user writes it today
+
+
+@pytest.mark.parametrize("environ_client", ["kafka-python", "confluent"])
+def test_a_kstore_contender_runs_on_the_client_it_names(
+    environ_client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its settings travel in the child's config to ``Settings.from_env`` (kstore_loop), over any
+    ``KSTORE_KAFKA_CLIENT``."""
+    monkeypatch.setenv("KSTORE_KAFKA_CLIENT", environ_client)
+    runner = Runner(Options(out=tmp_path), "127.0.0.1:1", DSN, [])
+    try:
+        for c in CONTENDERS:
+            if not c.kstore:
+                continue
+            config = runner._config(c, "throughput", "topic", 10, "tag")
+            settings = Settings.from_env(dsn=DSN, **config["kstore_settings"])
+            assert settings.kafka_client == c.client, c.name
+            for name, value in c.settings.items():
+                assert getattr(settings, name) == value, (c.name, name)
+    finally:
+        runner.engine.dispose()
+    assert {c.name for c in CONTENDERS if c.kstore and c.client == "confluent"} >= {
+        "kstore-noop-confluent", "kstore-handle-confluent", "kstore-batch-confluent", "kstore-text-confluent",
+        "kstore-copy-confluent"}
+
+
+def test_the_sweep_tries_every_combination_once() -> None:
+    runs = variants(select("12,19,1"), [1000, 2000], [100, 0])
+    assert [c.name for c in runs] == [
+        "kafka-python-b1000", "kafka-python-b2000",
+        "exactly-once-by-hand-b1000-p100", "exactly-once-by-hand-b1000-p0",
+        "exactly-once-by-hand-b2000-p100", "exactly-once-by-hand-b2000-p0",
+        "exactly-once-by-hand-confluent-b1000-p100", "exactly-once-by-hand-confluent-b1000-p0",
+        "exactly-once-by-hand-confluent-b2000-p100", "exactly-once-by-hand-confluent-b2000-p0",
+    ]
+    assert runs[0].tuning == {"max_poll_records": 1000}
+    assert runs[-1].tuning == {"consume_batch": 2000, "page_size": 0}
+
+
+def test_the_table_names_both_ceilings_and_groups_the_ratios_by_client() -> None:
+    def ran(number: int, throughput: float) -> dict[str, object]:
+        c = BY_NUMBER[number]
+        return {"number": number, "name": c.name, "label": c.label, "messages": 1000,
+                "throughput_msgs_per_s": throughput, "peak_rss_mb": 100.0, "cpu_s": 1.0,
+                "exactly_once": {"passed": True},
+                "latency": {"rate": 1000.0, "p50_ms": 1.0, "p99_ms": 2.0}}
+
+    from benchmarks import report
+
+    done = [ran(1, 200_000.0), ran(2, 250_000.0), ran(12, 80_000.0), ran(19, 90_000.0), ran(25, 180_000.0),
+            ran(14, 150_000.0)]
+    text = table({"contenders": done, "ratios": report.ratios(done), "ceilings": report.ceilings(done)})
+    assert "ceilings (raw loops, reading only): kafka-python 200,000 msg/s; confluent 250,000 msg/s" in text
+    lines = text.splitlines()
+    confluent = next(i for i, line in enumerate(lines) if line.startswith(" confluent-kafka:"))
+    assert "25/19" in lines[confluent + 1] and "2.00" in lines[confluent + 1]
+    assert any("25/14" in line and "1.20" in line and "NOT MET" in line for line in lines)
+
+
+def test_an_effects_table_and_its_offsets_table_keep_apart_within_postgresqls_63_bytes() -> None:
+    from benchmarks.runner import table_name
+
+    names = set()
+    for c in CONTENDERS:
+        for phase in ("throughput", "latency"):
+            for suffix in ("", "-again1", "-sweep0"):
+                table = table_name("0123abcd", f"{c.number}-{c.name}-b5000-p1000-{phase}{suffix}")
+                assert len(table + "_offsets") <= 63
+                names.add(table)
+    assert len(names) == len(CONTENDERS) * 6
+    assert table_name("0123abcd", "12-exactly-once-by-hand-latency") == "bench_0123abcd_12_exactly_once_by_hand_latency"
