@@ -135,12 +135,7 @@ def drain(consumer: Consumer, fetch: Callable[[], list[Any]], meter: Meter,
             rows.append((partition, offset, msg.value()))
             ends[(msg.topic(), partition)] = offset + 1
         write(ends, rows)
-        if meter.latency:
-            meter.stamp(row[2] for row in rows)
-        if after is not None:
-            after()
-        if meter.counted(len(rows)):
-            meter.finished()
+        if meter.batch_done(rows, after):
             return
 
 

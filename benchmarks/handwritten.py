@@ -53,12 +53,7 @@ def drain(consumer: Any, meter: Meter, write: Callable[[Any, Rows], None],
         meter.started()
         rows = [(r.partition, r.offset, r.value) for records in batches.values() for r in records]
         write(batches, rows)
-        if meter.latency:
-            meter.stamp(row[2] for row in rows)
-        if after is not None:
-            after()
-        if meter.counted(len(rows)):
-            meter.finished()
+        if meter.batch_done(rows, after):
             return
 
 

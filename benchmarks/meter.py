@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,18 @@ class Meter:
         before = len(self._produced)
         self._produced.extend(int(v[:STAMP_DIGITS]) for v in values)
         self._done.extend([now] * (len(self._produced) - before))
+
+    def batch_done(self, rows: Sequence[tuple[Any, Any, bytes]], after: Callable[[], None] | None) -> bool:
+        """A hand-written loop committed ``rows`` (``(partition, offset, value)``): stamp them (latency
+        phase), run ``after`` (its Kafka commit, if any), count them; True once all are done."""
+        if self.latency:
+            self.stamp(row[2] for row in rows)
+        if after is not None:
+            after()
+        if self.counted(len(rows)):
+            self.finished()
+            return True
+        return False
 
     def result(self, warmup_s: float) -> dict[str, Any]:
         if self.first is None or self.last is None:
