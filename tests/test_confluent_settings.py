@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from confluent_kafka import Consumer, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from kstore import ConfigurationError, Settings
 from kstore.kafka.backends import source_class
-from kstore.kafka.confluent import ConfluentSource, to_record
+from kstore.kafka.confluent import ConfluentRecord, ConfluentSource, by_partition, to_records
 from kstore.kafka.consumer import KafkaSource
 from kstore.kafka.rdconnect import librdkafka_config
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
@@ -153,42 +153,41 @@ def test_an_oauth_token_provider_becomes_librdkafkas_callback() -> None:
     assert token == "a.b.c" and expires > 0
 
 
-class _Message:
-    """What confluent-kafka's Message answers, for the record kstore queues."""
-
-    def __init__(self, key: bytes | None, value: bytes | None) -> None:
-        self._key, self._value = key, value
-
-    def topic(self) -> str:
-        return "t"
-
-    def partition(self) -> int:
-        return 3
-
-    def offset(self) -> int:
-        return 41
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 1700000000000)
-
-    def key(self) -> bytes | None:
-        return self._key
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def headers(self) -> list[tuple[str, bytes]] | None:
-        return [("h", b"v")]
-
-    def error(self) -> None:
-        return None
+def _message(key: bytes | None, value: bytes | None, partition: int = 3, offset: int = 41,
+             error: KafkaError | None = None) -> Message:
+    """A message as confluent-kafka's consume() hands it over (its own class, built for tests)."""
+    return Message(topic="t", partition=partition, offset=offset, key=key, value=value, headers=[("h", b"v")],
+                   timestamp=(1, 1700000000000), error=error)
 
 
 def test_a_fetched_message_becomes_the_record_kstore_queues() -> None:
-    record = to_record(_Message(b"k", b"value"))  # type: ignore[arg-type]
+    (record, empty) = to_records([_message(b"k", b"value"), _message(None, None)])
     assert record == ("t", 3, 41, 1700000000000, b"k", b"value", [("h", b"v")], 1, 5)
-    empty = to_record(_Message(None, None))  # type: ignore[arg-type]
+    assert type(record) is ConfluentRecord and (record.topic, record.partition, record.offset) == ("t", 3, 41)
     assert (empty.serialized_key_size, empty.serialized_value_size) == (-1, -1)  # as kafka-python counts null
+    assert to_records([_message(b"", b"")])[0][-2:] == (0, 0)
+
+
+def test_fetched_records_are_grouped_by_partition_in_their_order() -> None:
+    """librdkafka hands over runs of one partition's records, a partition's runs possibly apart:
+    each partition's records stay in the order given, none lost or doubled."""
+    order = [(0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (2, 1), (1, 1), (0, 3)]
+    grouped = by_partition(to_records([_message(None, b"v", p, o) for p, o in order]))
+    assert {tp: [r.offset for r in records] for tp, records in grouped.items()} == {
+        ("t", 0): [0, 1, 2, 3], ("t", 1): [0, 1], ("t", 2): [0, 1]}
+    assert by_partition([]) == {}
+
+
+def test_a_fetch_sets_error_messages_apart_and_queues_the_rest() -> None:
+    """An error librdkafka hands over among the records is noted, never queued as a record."""
+    source = _source(_ScriptedConsumer(0))
+    seen: list[Any] = []
+    source._fetch_error = lambda msg, error: seen.append((msg.partition(), error.code()))  # type: ignore[method-assign]
+    error = KafkaError(KafkaError._AUTO_OFFSET_RESET, "offset out of range")
+    source.consumer.script = [_message(None, b"a", 0, 5), _message(None, None, 1, 7, error), _message(None, b"b", 0, 6)]
+    fetched = dict(source._fetch(200, None))
+    assert {tp: [r.offset for r in records] for tp, records in fetched.items()} == {("t", 0): [5, 6]}
+    assert seen == [(1, KafkaError._AUTO_OFFSET_RESET)]
 
 
 def _re(text: str) -> str:
@@ -203,13 +202,27 @@ class _ScriptedConsumer:
     def __init__(self, waiting: int) -> None:
         self.waiting = waiting
         self.waited_s = 0.0
+        #: Messages handed over first, whatever is asked (then ``waiting`` more).
+        self.script: list[Message] = []
 
-    def consume(self, num_messages: int, timeout: float) -> list[_Message]:
+    def consume(self, num_messages: int, timeout: float) -> list[Message]:
+        if self.script:
+            taken, self.script = self.script, []
+            return taken
         if self.waiting < num_messages and timeout > 0:
             self.waited_s += timeout
         taken = min(num_messages, self.waiting)
         self.waiting -= taken
-        return [_Message(b"k", b"v") for _ in range(taken)]
+        return [_message(b"k", b"v", offset=o) for o in range(taken)]
+
+
+def _source(consumer: _ScriptedConsumer) -> ConfluentSource:
+    source = ConfluentSource.__new__(ConfluentSource)
+    source.settings = Settings(max_poll_records=1000)
+    source.lock = threading.RLock()
+    source._want_seek, source._want_paused = {}, {}
+    source.consumer = consumer  # type: ignore[assignment]
+    return source
 
 
 @pytest.mark.parametrize("waiting", [0, 1, 5, 999, 1000, 2500])
@@ -218,11 +231,7 @@ def test_a_fetch_hands_over_what_librdkafka_holds_without_waiting_for_a_full_pol
     librdkafka for max_poll_records with the poll timeout, which returns only once that many came
     or the timeout passed: at a steady rate every message waited up to the poll timeout.) With
     nothing there, it waits the poll timeout, once, for the first message."""
-    source = ConfluentSource.__new__(ConfluentSource)
-    source.settings = Settings(max_poll_records=1000)
-    source.lock = threading.RLock()
-    source._want_seek, source._want_paused = {}, {}
-    source.consumer = consumer = _ScriptedConsumer(waiting)
+    source = _source(consumer := _ScriptedConsumer(waiting))
     fetched = [r for _, records in source._fetch(200, None) for r in records]
     assert len(fetched) == min(waiting, 1000)
     assert consumer.waited_s == (0.2 if waiting == 0 else 0.0)
