@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from datetime import datetime, timezone
 
@@ -9,6 +10,7 @@ import pytest
 
 from kstore import EARLIEST, LATEST, ConfigurationError, RetryPolicy, Settings
 from kstore.engine.failures import Failures
+from kstore.engine.worker import GC_YOUNG_THRESHOLD, PYTHON_GC_THRESHOLDS, tune_collector
 from kstore.retry import Retry
 from kstore.targets import check_target, policy_offset
 
@@ -137,3 +139,18 @@ def test_failures_forget_partitions_no_longer_owned() -> None:
     failures.retain({("t", 1)})
     failures.done([("t", 1, 5)])
     assert failures.batch_size(10) == 10
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    (PYTHON_GC_THRESHOLDS, (GC_YOUNG_THRESHOLD, *PYTHON_GC_THRESHOLDS[1:])),
+    ((1000, 5, 5), (1000, 5, 5)),  # the process chose its own: left alone
+])
+def test_a_worker_raises_the_collectors_young_threshold_unless_the_process_set_its_own(
+        before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(*before)
+        tune_collector()
+        assert gc.get_threshold() == after
+    finally:
+        gc.set_threshold(*saved)
