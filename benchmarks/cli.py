@@ -18,6 +18,7 @@ from kstore.dev.broker import DEFAULT_VERSION
 
 from . import report, services
 from .contenders import CONTENDERS, select
+from .profiling import py_spy
 from .runner import Options, Runner, say
 from .spawn import BenchmarkError
 
@@ -166,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, args = parse(argv)
     try:
         select(opts.only)
-    except ValueError as exc:
+        if opts.profile:
+            py_spy()  # before any service starts: without it, one line, not a traceback minutes in
+    except (ValueError, RuntimeError) as exc:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
