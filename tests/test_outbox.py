@@ -7,6 +7,9 @@ and per key in the order the batches committed (tests/outbox_processors.py says 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +25,7 @@ from kstore.dev.broker import Cluster
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy
-from .harness import WorkerProcess, read_committed, stored_offsets, wait_until
+from .harness import TESTS_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
 
 BOOKER = "outbox_processors:Booker"
@@ -265,6 +268,21 @@ def test_records_that_could_never_be_published_dead_letter_their_message_alone(
     assert sorted(v for _, v in read_committed(kafka, out)) == sorted(f"ok{i}".encode() for i in range(30))
     assert "stopped on row" not in w.log
     assert w.terminate() == 0
+
+    # Replayed unedited, the letter for the topic the cluster lacks fails again at produce(): the
+    # replay asks the brokers it is given, as the worker does, and nothing goes to the outbox.
+    with engine.connect() as conn:
+        nowhere = conn.execute(sa.text("SELECT id FROM kstore_dead_letters WHERE consumer_group = 'picky' "
+                                       "AND value = :v"), {"v": b"to-nowhere"}).scalar_one()
+    env = {k: v for k, v in os.environ.items() if k != "KSTORE_BOOTSTRAP_SERVERS"}
+    r = subprocess.run([sys.executable, "-m", "kstore", "dead-letters", "replay", "outbox_processors:Picky",
+                        "--group", "picky", "--id", str(nowhere), "--dsn", pg_dsn, "--bootstrap-servers", kafka],
+                       capture_output=True, text=True, cwd=TESTS_DIR, timeout=120,
+                       env={**env, "KSTORE_TEST_OUT_TOPIC": out})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"dead letter {nowhere} failed again" in r.stderr and "does not exist" in r.stderr, r.stderr
+    assert outbox_rows(pg_dsn) == 0
+    engine.dispose()
 
 
 def test_the_worker_stops_taking_batches_while_too_many_records_wait(

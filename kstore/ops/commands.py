@@ -192,8 +192,7 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> 
 
 @dead_letters.command("replay")
 @click.argument("processor")
-@dsn_option
-@click.option("--group", required=True)
+@group_connection_options
 @click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
 @click.option("--value", default=None, help="Replay with this value instead (UTF-8); needs exactly one --id.")
 @click.option("--value-file", default=None, metavar="PATH",
@@ -206,7 +205,9 @@ def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: 
     """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects.
 
     With --value, --value-file or --key the processor gets the edited message; the dead letter
-    keeps the original, and its history the edited one.
+    keeps the original, and its history the edited one. What the processor produces is checked
+    against the brokers (--bootstrap-servers) as the worker checks it: a record for a topic the
+    cluster lacks fails the replay instead of waiting in the outbox.
     """
     def replay(s: Settings) -> replays.ReplayResult:
         edits = replays.edits_from_options(ids, key, value, value_file)
