@@ -27,6 +27,7 @@ from .conftest import TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy
 from .harness import TESTS_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
+from .test_metrics import get, port_of, scrape, total
 
 BOOKER = "outbox_processors:Booker"
 
@@ -299,8 +300,15 @@ def test_the_worker_stops_taking_batches_while_too_many_records_wait(
     waiting = outbox_rows(pg_dsn)
     assert 300 < waiting < 300 + 2 * 50 * 2, waiting  # at most the batch that crossed the bound, and the next
     assert (stored_offsets(pg_dsn, "booker").get((source, 0)) or 0) < 2000
-    r = relays(pg_dsn, "booker")
+    r = relays(pg_dsn, "booker", env={"KSTORE_METRICS_PORT": "0", "KSTORE_METRICS_HOST": "127.0.0.1"})
     wait_done(pg_dsn, "booker", sent)
     assert "processing again" in w.log
-    check_outputs(read_committed(kafka, out), sent)
+    published = read_committed(kafka, out)
+    check_outputs(published, sent)
+    # The standalone relay serves its own metrics and probes: every record was its to publish.
+    port = port_of(r)
+    wait_until(lambda: total(scrape(port), "kstore_outbox_published_total", group="booker") == len(published), 30,
+               what="the relay's published count to reach what Kafka holds")
+    assert get(port, "/livez")[0] == 200
+    assert get(port, "/readyz") == (200, "ok: 1 of 1 shard(s) held here\n")
     assert w.terminate() == 0 and r.terminate() == 0

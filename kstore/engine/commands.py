@@ -29,6 +29,7 @@ from kstore.db.migration import check_migrated
 from kstore.db.store import Store, make_engine
 from kstore.processor import load_processor
 from kstore.settings import Settings
+from kstore.telemetry.health import HealthServer, app
 
 from .relay import Relay
 from .worker import Worker
@@ -82,6 +83,10 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
 
 @click.command()
 @group_connection_options
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
+@click.option("--metrics-host", default=None, metavar="ADDRESS",
+              help="The address the metrics port listens on [env KSTORE_METRICS_HOST; default 0.0.0.0]")
 @click.pass_context
 def relay(ctx: click.Context, /, **options: Any) -> None:
     """Publish a group's outbox (what its processor produced) to Kafka until SIGTERM/SIGINT.
@@ -99,7 +104,16 @@ def relay(ctx: click.Context, /, **options: Any) -> None:
             LOG_CONTEXT.group = settings.group
             r = Relay(settings, str(settings.group), engine)
             stop_on_signals(r.request_stop)
-            r.run()
+            http = None
+            if settings.metrics_port is not None:
+                http = HealthServer(settings.metrics_host, settings.metrics_port,
+                                    app(r.metrics.registry, r.liveness, r.readiness)).start()
+                log.info("serving /metrics, /livez and /readyz on http://%s:%d", settings.metrics_host, http.port)
+            try:
+                r.run()
+            finally:
+                if http is not None:
+                    http.stop()
         finally:
             engine.dispose()
 

@@ -136,6 +136,9 @@ class Relay:
         self._shard_reason: str | None = None
         #: What ended the relay's thread, if anything did (a bug): the worker stops on it.
         self.error: BaseException | None = None
+        #: When the lease loop last turned, and whether it has read the shards (for the probes).
+        self._turned_at = time.monotonic()
+        self._running = False
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -163,8 +166,10 @@ class Relay:
         if self._stop.is_set():
             return
         log.info("outbox relay %s for group %r: %d shard(s)", self.member, self.group, self.outbox.shards)
+        self._running = True
         try:
             while not self._stop.is_set():
+                self._turned_at = time.monotonic()
                 if self.error is not None:  # a shard's thread died: its shard would be held and never published
                     raise self.error
                 self._check_stuck()
@@ -179,6 +184,29 @@ class Relay:
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
+
+    def liveness(self) -> tuple[bool, str]:
+        """Healthy while the lease loop keeps turning (it turns at least every lease/3 seconds) and
+        no shard's Kafka transaction is stuck (see :meth:`_check_stuck`)."""
+        idle, limit = time.monotonic() - self._turned_at, self.settings.liveness_timeout_s
+        if idle > max(limit, self.settings.outbox_lease_s):
+            return False, f"the relay's lease loop has not turned for {idle:.0f}s"
+        try:
+            self._check_stuck()
+        except RelayStuck as exc:
+            return False, str(exc)
+        return True, "the relay's lease loop is turning"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready once it has read the outbox's shards, while its last lease round reached the database."""
+        if not self._running:
+            return False, self.last_error or "reading the outbox's shards"
+        if self.last_error is not None:
+            return False, self.last_error
+        blocked = self.shards_blocked
+        held = f"{len(self.shards_held)} of {self.outbox.shards} shard(s) held here"
+        return True, held + (f", shard(s) {', '.join(map(str, blocked))} stopped on a row Kafka refused"
+                             if blocked else "")
 
     def _check_stuck(self) -> None:
         """A shard whose Kafka transaction has not returned long past its timeout stops the relay
