@@ -213,10 +213,17 @@ def env() -> dict[str, str]:
 
 
 def start_worker(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    say("$ kstore " + " ".join(cmd))
+    say("$ kstore " + " ".join(shown(arg) for arg in cmd))
     with log_path.open("ab") as log:
         return subprocess.Popen([sys.executable, "-m", "kstore", *cmd], cwd=WORKDIR, env=env(),
                                 stdout=log, stderr=subprocess.STDOUT)
+
+
+def shown(arg: str) -> str:
+    """A command-line argument as the demo prints it: a DSN's password hidden."""
+    if "://" not in arg:
+        return arg
+    return sa.make_url(arg).render_as_string(hide_password=True)
 
 
 def counted(dsn: str) -> int:

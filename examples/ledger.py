@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from kstore import Message, Processor, Reject, RetryPolicy
+from kstore import Message, Processor, Reject
 
 # The application's tables. Created by setup() (CREATE TABLE IF NOT EXISTS) so the example
 # runs with one command; a real project creates them with its own migrations.
@@ -78,11 +78,9 @@ class Ledger(Processor):
     topics = ["transfers"]
     group = "ledger"
     value_format = "json"
+    # A value that is not JSON fails in deserialize(), before handle(): kstore dead-letters it at
+    # once, in its batch's transaction, as it does a Reject (raised below), with no retries.
     on_error = "dead_letter"
-    # A value that is not JSON fails in deserialize(), before handle(): give up on it at
-    # once instead of retrying it (the batch is narrowed down to it first, then it is
-    # dead-lettered). Reject, raised below, is always final.
-    retry = RetryPolicy(give_up_on=(json.JSONDecodeError,))
 
     def setup(self) -> None:
         with self.engine.begin() as conn:

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -18,6 +18,8 @@ from kstore import Message, Processor
 #: own name, so it imports nothing of the tests package.
 INSERT_TEXT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
                       "VALUES (:topic, :partition_id, :kafka_offset, :value, :worker)")
+UPSERT_TEXT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
+                      "VALUES (:topic, :partition_id, :kafka_offset, :value, :worker) ON CONFLICT DO NOTHING")
 _STALL = os.environ.get("KSTORE_TEST_STALL_VALUE")
 
 
@@ -105,6 +107,20 @@ class EndsTransaction(Processor):
             with contextlib.suppress(Exception):
                 raw.commit() if msg.value.startswith("dbapi-commit") else raw.rollback()
         elif msg.value.startswith("sql-commit"):
+            self.session.execute(sa.text("COMMIT"))
+
+
+class UpsertsFirst(Processor):
+    """handle_batch() whose first round trip is an executemany of an upsert (as the demo's page-view
+    counter does): one row per message, ``ON CONFLICT DO NOTHING``. A batch holding "sql-commit" then
+    sends COMMIT through SQL."""
+
+    group = "upserts-first"
+    value_format = "str"
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        self.session.execute(UPSERT_TEXT, [_row(m, "upserts") for m in msgs])
+        if any(m.value == "sql-commit" for m in msgs):
             self.session.execute(sa.text("COMMIT"))
 
 

@@ -191,6 +191,28 @@ def test_a_processor_that_commits_through_sql_stops_the_worker_before_its_offset
 
 
 @pytest.mark.parametrize("driver", [*DRIVERS, "sqlite"])
+def test_a_batch_whose_first_round_trip_is_an_executemany_commits(
+        request: pytest.FixtureRequest, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
+    """An upsert of the batch's rows as its first statement (the demo's page-view counter): psycopg 3
+    sends it in pipeline mode, which it enters while the server is still outside the transaction, and
+    that was taken for the processor ending the transaction itself (the worker stopped at its first
+    batch). Every message lands once; a COMMIT through SQL after such an executemany still stops it."""
+    topic = new_topic(1)
+    sent = set(produce(topic, [f"m{i}" for i in range(500)]))
+    dsn = dsn_for(request, driver)
+    w = workers(dsn, topic, "upserts", processor="contract_processors:UpsertsFirst",
+                args=["--max-batch-size", "50"])
+    wait_until(lambda: stored_offsets(dsn, "upserts") == {(topic, 0): 500}, 90, what="offsets at the end")
+    (bad,) = produce(topic, ["sql-commit"])
+    assert w.wait(120) == 1
+    assert "ended the batch's transaction itself" in w.log
+    assert stored_offsets(dsn, "upserts") == {(topic, 0): 500}
+    landed = effects(dsn)
+    del landed[bad]  # committed by the processor's own COMMIT, without its offset
+    assert_exactly_once(landed, sent)
+
+
+@pytest.mark.parametrize("driver", [*DRIVERS, "sqlite"])
 def test_batches_that_write_nothing_commit_their_offsets(
         request: pytest.FixtureRequest, new_topic: Any, produce: Any, workers: Any, driver: str) -> None:
     """A batch that never touches the database (its BEGIN is then sent with its commit) and one that

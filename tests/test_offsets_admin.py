@@ -223,7 +223,7 @@ def test_retention_gap_warns_and_applies_start_policy(pg_dsn: str, kafka: str, a
 def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_dsn: str, kafka: str,
                                                                            new_topic: Any) -> None:
     """A typo in --group: one line naming the groups that do have stored offsets, exit 2 (not an
-    empty table and exit 0)."""
+    empty table and exit 0), from `offsets show` and `top` alike."""
     topic = new_topic(partitions=1)
     settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
     with pytest.raises(ConfigurationError, match="no group has any yet"):
@@ -237,5 +237,8 @@ def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_ds
         assert r.stderr.strip().splitlines() == [
             f"kstore: error: group 'ordres' has no stored offsets in {Settings(dsn=pg_dsn).safe_dsn} (a worker "
             "stores a partition's offset when it first claims it); groups that have some: orders, payments"], r.stderr
+    top = kstore("top", "--once", "--group", "ordres", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
+    assert top.returncode == 2 and top.stdout == "", (top.returncode, top.stdout, top.stderr)
+    assert top.stderr.strip().splitlines() == [r.stderr.strip()], top.stderr  # the same line as offsets show
     ok = kstore("offsets", "show", "--group", "orders", "--dsn", pg_dsn, "--bootstrap-servers", kafka, "--json")
     assert ok.returncode == 0 and [row["next_offset"] for row in json.loads(ok.stdout)] == [0], ok.stderr

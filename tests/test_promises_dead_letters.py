@@ -1,6 +1,7 @@
 """`kstore dead-letters` as docs/failures.md promises it: a replay of a letter that another operator
 is replaying is refused (one line, exit 2), and its effect lands once; resolving a resolved letter
-changes nothing (exit 0); `resolve` takes all its ids or none."""
+changes nothing (exit 0); `resolve` takes all its ids or none; a group that has neither dead letters
+nor stored offsets (a typo) is one line, exit 2, for `list` and `replay`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from kstore import Settings
 from kstore.db.deadletters import build_table
+from kstore.ops.offsets import set_offsets
 
 from .harness import TESTS_DIR, wait_until
 
@@ -121,3 +124,23 @@ def test_resolve_is_all_or_nothing(pg_dsn: str) -> None:
                                "--reason", "x", "--dsn", pg_dsn)[::2], needle)
     assert statuses(pg_dsn) == {dead: "dead", dropped: "discarded", other: "dead"}
     assert history(pg_dsn) == [(dropped, "discard")]
+
+
+def test_a_typod_group_is_one_line_for_list_and_replay(pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    add_letter(pg_dsn, "a", offset=1, group="payments")
+    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "ledger", new_topic(1), to_earliest=True, execute=True,
+                reason="test")
+    for args in (("list", "--group", "paymnets"), ("list", "--group", "paymnets", "--all"),
+                 ("replay", "processors:Recorder", "--group", "paymnets")):
+        code, out, err = kstore("dead-letters", *args, "--dsn", pg_dsn)
+        one_error_line(code, err, "group 'paymnets' has no dead letters and no stored offsets in",
+                       "groups that have some: payments")
+        assert out == ""
+    # A group with stored offsets and no letter waiting: nothing to list or replay, and that is fine.
+    code, out, err = kstore("dead-letters", "list", "--group", "ledger", "--dsn", pg_dsn)
+    assert code == 0 and out.split() == ["ID", "TOPIC", "PARTITION", "OFFSET", "ATTEMPTS", "LAST_FAILURE", "STATUS",
+                                         "ERROR"], (code, out, err)
+    code, out, err = kstore("dead-letters", "replay", "processors:Recorder", "--group", "ledger", "--dsn", pg_dsn)
+    assert code == 0 and out.startswith("replayed 0,"), (code, out, err)
+    code, out, err = kstore("dead-letters", "list", "--group", "payments", "--dsn", pg_dsn)
+    assert code == 0 and len(out.strip().splitlines()) == 2, (code, out, err)

@@ -141,17 +141,23 @@ def psycopg_connection_class(timeout_s: float) -> type[Any]:
     import psycopg
 
     idle = psycopg.pq.TransactionStatus.IDLE
+    pipeline_off = psycopg.pq.PipelineStatus.OFF
 
     class Connection(RefusedInBatch, psycopg.Connection):
         def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
+            idle_before = self.pgconn.transaction_status == idle
             try:
                 with WATCHDOG.guard(self.fileno(), timeout_s) if timeout_s > 0 else nullcontext():
                     return super().wait(gen, *args, **kwargs)
             finally:
                 # psycopg begins a transaction before a batch's first statement (in the same round
                 # trip): one that leaves the server idle inside a batch ended it (COMMIT through SQL).
-                # (A broken connection tells UNKNOWN, never IDLE.)
-                if self.kstore_in_batch and self.pgconn.transaction_status == idle:
+                # (A broken connection tells UNKNOWN, never IDLE.) In pipeline mode (an executemany)
+                # the status moves only when the server's answers are read, after a sync: a step that
+                # found the server idle and left it idle read none (entering the pipeline sends nothing,
+                # and psycopg syncs right after the BEGIN it sends), so it says nothing yet.
+                if self.kstore_in_batch and self.pgconn.transaction_status == idle and not (
+                        idle_before and self.pgconn.pipeline_status != pipeline_off):
                     self.kstore_ended = True
 
     return Connection

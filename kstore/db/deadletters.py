@@ -61,7 +61,7 @@ from kstore.settings import Settings
 from . import indoubt
 from .migration import check_migrated
 from .sqlerrors import first_line, sqlstate
-from .store import make_engine
+from .store import build_tables, make_engine
 from .writes import WRITES, actor, now
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,10 @@ def _ids(ids: Sequence[int]) -> str:
     return ", ".join(str(i) for i in ids)
 
 
+#: How many groups an unknown group's error names.
+_GROUPS_LISTED = 20
+
+
 class DeadLetters:
     """Dead letters of one database."""
 
@@ -277,6 +281,27 @@ class DeadLetters:
             stmt = stmt.where(t.c.status == status)
         with self.engine.connect() as conn:
             return [_row(r) for r in conn.execute(stmt)]
+
+    def check_known(self, group: str) -> None:
+        """Raise :class:`ConfigurationError` if ``group`` has no dead letter of any status and no stored
+        offset in this database (a typo, most likely), naming the groups that have dead letters."""
+        t = self.table
+        offsets, _ = build_tables(self.settings.table_prefix, self.settings.schema)
+        with self.engine.connect() as conn:
+            if conn.execute(select(t.c.id).where(t.c.consumer_group == group).limit(1)).first() is not None:
+                return
+            if conn.execute(select(offsets.c.consumer_group).where(offsets.c.consumer_group == group)
+                            .limit(1)).first() is not None:
+                return
+            known = list(conn.execute(select(t.c.consumer_group).distinct().order_by(t.c.consumer_group)
+                                      .limit(_GROUPS_LISTED + 1)).scalars())
+        if not known:
+            others = "no group has any yet"
+        else:
+            more = " and more" if len(known) > _GROUPS_LISTED else ""
+            others = f"groups that have some: {', '.join(known[:_GROUPS_LISTED])}{more}"
+        raise ConfigurationError(f"group {group!r} has no dead letters and no stored offsets in "
+                                 f"{self.settings.safe_dsn}; {others}")
 
     def get(self, dead_letter_id: int) -> DeadLetter:
         with self.engine.connect() as conn:
@@ -507,4 +532,7 @@ def show_dead_letter(settings: Settings, dead_letter_id: int) -> tuple[DeadLette
 def list_dead_letters(settings: Settings, group: str, status: str | None = DEAD) -> list[DeadLetter]:
     """A group's dead letters with ``status`` (default: the ones waiting), or every one with None."""
     with DeadLetters(settings) as letters:
-        return letters.find(group, status=status)
+        found = letters.find(group, status=status)
+        if not found:
+            letters.check_known(group)
+        return found

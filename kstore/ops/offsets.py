@@ -114,6 +114,22 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
 _GROUPS_LISTED = 20
 
 
+def check_group_known(settings: Settings, group: str) -> None:
+    """Raise :class:`ConfigurationError` if ``group`` has no stored offset in the database (see
+    :func:`_check_known`): ``kstore top`` asks it before its first frame."""
+    engine = make_engine(settings)
+    try:
+        store = Store(engine, settings)
+        store.check_reachable()
+        check_migrated(engine, settings)
+        try:
+            _check_known(store, group)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
+    finally:
+        engine.dispose()
+
+
 def _check_known(store: Store, group: str) -> None:
     """A group with no stored offset at all is most likely a typo: say so, naming the groups that have some."""
     groups = store.groups()

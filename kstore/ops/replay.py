@@ -78,6 +78,8 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
         raise ConfigurationError(f"an edit for dead letter(s) {', '.join(map(str, stray))} needs their --id")
     with DeadLetters(settings) as letters:
         todo = [letters.get(i) for i in ids] if ids else letters.find(group)
+        if not todo:
+            letters.check_known(group)  # a typo'd group is not "replayed 0"
         closed = [d for d in todo if d.consumer_group == group and d.status not in (DEAD, REPLAYED)]
         if closed:
             with letters.engine.connect() as conn:

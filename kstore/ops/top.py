@@ -30,6 +30,7 @@ from kstore.kafka.consumer import TP
 from kstore.settings import Settings
 
 from .lag import GroupReading, LagReader
+from .offsets import check_group_known
 
 #: Throughput is the stored offsets' movement over this many seconds.
 THROUGHPUT_WINDOW_S = 60.0
@@ -69,7 +70,7 @@ class Top:
 
     def __init__(self, settings: Settings, group: str, interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.group, self.interval, self.clock = group, interval, clock
+        self.settings, self.group, self.interval, self.clock = settings, group, interval, clock
         self.reader = LagReader(settings, owners=True, outbox=True)
         self.throughput = Throughput()
         self.last: GroupReading | None = None
@@ -81,6 +82,8 @@ class Top:
         """Read the group again; a failure is kept in :attr:`problem` (the next refresh retries)."""
         try:
             reading = self.reader.read(self.group)
+            if not reading.partitions:
+                check_group_known(self.settings, self.group)
         except (DatabaseError, BrokerError) as exc:
             what = "the database" if isinstance(exc, DatabaseError) else "the Kafka brokers"
             self.problem = f"cannot read {what}: {exc}"
@@ -108,7 +111,8 @@ class Top:
         return Group(*parts)
 
     def run(self, console: Console | None = None) -> None:
-        """Refresh every ``interval`` seconds until :meth:`request_stop`; the last frame stays on screen."""
+        """Refresh every ``interval`` seconds until :meth:`request_stop`; the last frame stays on screen.
+        A group with no stored offsets (a typo, most likely) is said above an empty table, and watched for."""
         try:
             self.refresh()
             with Live(self.render(), console=console, auto_refresh=False, transient=False) as live:
@@ -123,6 +127,7 @@ class Top:
         if console is None:  # to a file or a pipe, not the 80 columns rich assumes there
             console = Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
         try:
+            check_group_known(self.settings, self.group)
             self.last = self.reader.read(self.group)
         finally:
             self.reader.close()
