@@ -63,7 +63,7 @@ def test_librdkafka_options_become_librdkafkas_text(options: dict[str, Any], exp
     ("enable.auto.offset.store", "is kstore's to set: offsets live in the database"),
     ("auto.offset.reset", "is kstore's to set: a partition with no stored offset starts at start_from"),
     ("group.id", "is kstore's to set"),
-    ("partition.assignment.strategy", "is kstore's to set: kstore's rebalance handling is built for the eager"),
+    ("partition.assignment.strategy", "is kstore's to set: use rebalance_protocol"),
     ("group.protocol", "is kstore's to set"),
     ("sasl.password", "has a kstore setting of its own: use sasl_password (KSTORE_SASL_PASSWORD)"),
     ("bootstrap.servers", "has a kstore setting of its own: use bootstrap_servers"),

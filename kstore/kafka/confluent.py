@@ -110,6 +110,8 @@ class ConfluentSource(KafkaSource):
         self._want_paused: dict[TP, bool] = {}
         #: The assignment, as the rebalance callbacks made it (under _events_lock).
         self._assigned: set[TP] = set()
+        #: cooperative or consumer: the callbacks name only the partitions added or taken away (set in _connect).
+        self._incremental = False
         self._joined = False
         #: Each owned partition's last known high watermark (see _note_highwaters).
         self._highwaters: dict[TP, int] = {}
@@ -117,6 +119,7 @@ class ConfluentSource(KafkaSource):
 
     def _connect(self) -> Consumer:
         s = self.settings
+        self._incremental = s.rebalance_protocol != "eager"
         consumer = open_rd_consumer(
             s,
             **{
@@ -131,10 +134,7 @@ class ConfluentSource(KafkaSource):
                 "auto.offset.reset": "error",
                 "allow.auto.create.topics": False,
                 "enable.partition.eof": False,
-                # Eager, and the same protocol name as kafka-python's workers: a group may mix them.
-                "partition.assignment.strategy": "range",
-                "session.timeout.ms": s.session_timeout_ms,
-                "heartbeat.interval.ms": s.heartbeat_interval_ms,
+                **group_protocol(s),
                 "max.poll.interval.ms": s.max_poll_interval_ms,
                 "error_cb": _on_error,
                 "on_commit": _mirrored,
@@ -173,29 +173,50 @@ class ConfluentSource(KafkaSource):
         # claimed it and sought to the stored offset. Then assign it at a placeholder (never
         # without an offset: librdkafka would look up Kafka's committed offset), and pause
         # again in case a partition librdkafka did not know yet could not be paused before.
+        # Incremental protocols name only the partitions added: those kept are left alone.
         placed = [TopicPartition(tp.topic, tp.partition, PLACEHOLDER_OFFSET) for tp in assigned]
         if placed:
             consumer.pause(placed)
-        consumer.assign(placed)
+        if self._incremental:
+            consumer.incremental_assign(placed)
+        else:
+            consumer.assign(placed)
         if placed:
             consumer.pause(placed)
+        added = {(tp.topic, tp.partition) for tp in assigned}
         with self._events_lock:
-            self._assigned = {(tp.topic, tp.partition) for tp in assigned}
+            first = not self._joined
+            self._assigned = self._assigned | added if self._incremental else added
             self._joined = True
-        self._push_event("assigned", assigned)
+        if added or first or not self._incremental:
+            # (An incremental rebalance that adds nothing here ends with an empty call: not news.)
+            self._push_event("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         self._lose("revoked", revoked)
-        consumer.unassign()
+        if self._incremental:
+            consumer.incremental_unassign(revoked)
+        else:
+            consumer.unassign()
 
     def _on_lost(self, consumer: Consumer, lost: list[TopicPartition]) -> None:
         self._lose("lost", lost)
-        consumer.unassign()
+        if self._incremental:
+            consumer.incremental_unassign(lost)
+        else:
+            consumer.unassign()
 
     def _lose(self, kind: EventKind, tps: list[TopicPartition]) -> None:
         with self._events_lock:
-            self._assigned.clear()  # eager: every partition goes, whichever were named
-            self._joined = False
+            if self._incremental:
+                # Only those named go; the rest stay assigned and delivered. A revoke leaves the
+                # member in the group (the rebalance goes on); a loss means it was not any more.
+                self._assigned -= {(tp.topic, tp.partition) for tp in tps}
+                if kind == "lost":
+                    self._joined = False
+            else:
+                self._assigned.clear()  # eager: every partition goes, whichever were named
+                self._joined = False
         self._push_event(kind, tps)
 
     # -- fetching ---------------------------------------------------------------------
@@ -346,7 +367,20 @@ class ConfluentSource(KafkaSource):
             if _code(exc) != KafkaError._STATE:
                 log.debug("%s[%d] is no longer assigned: not seeking it (%s)", tp[0], tp[1], describe(exc))
                 return
-            self._reassign()
+            if self._incremental:
+                self._reassign_one(tp, offset)
+            else:
+                self._reassign()
+
+    def _reassign_one(self, tp: TP, offset: int) -> None:
+        """Incremental protocols: take ``tp`` out of the assignment and put it back at ``offset``
+        (``assign()`` would replace the whole assignment, which they refuse). Fetch thread, lock held."""
+        log.info("placing %s[%d] again at %d (librdkafka stopped fetching it)", tp[0], tp[1], offset)
+        ktp = TopicPartition(tp[0], tp[1], offset)
+        self.consumer.incremental_unassign([TopicPartition(tp[0], tp[1])])
+        self.consumer.incremental_assign([ktp])
+        if tp in self._unfetchable or self._throttled:
+            self._quietly(self.consumer.pause, [ktp], "pausing")
 
     def _reassign(self) -> None:
         """Assign the whole assignment again at kstore's positions (owned: the next offset to
@@ -402,6 +436,23 @@ class ConfluentSource(KafkaSource):
             self.consumer.close()
         finally:
             self._querier.close()
+
+
+def group_protocol(settings: Any) -> dict[str, Any]:
+    """librdkafka's group settings for ``settings.rebalance_protocol``.
+
+    eager: the classic protocol, assignor ``range``, the protocol name kafka-python's workers use,
+    so a group may mix both backends. cooperative: the classic protocol, ``cooperative-sticky``
+    (a group cannot mix it with eager members: change it by restarting every worker). consumer:
+    KIP-848; the broker assigns (its ``group.remote.assignor``) and owns the session timeout and the
+    heartbeat interval (``group.consumer.session.timeout.ms``, ``group.consumer.heartbeat.interval.ms``
+    or the group's own configs): librdkafka refuses them on the client."""
+    protocol = settings.rebalance_protocol
+    if protocol == "consumer":
+        return {"group.protocol": "consumer"}
+    return {"partition.assignment.strategy": "cooperative-sticky" if protocol == "cooperative" else "range",
+            "session.timeout.ms": settings.session_timeout_ms,
+            "heartbeat.interval.ms": settings.heartbeat_interval_ms}
 
 
 def consumer_id(settings: Any, worker_id: str) -> str:
