@@ -72,12 +72,12 @@ SCENARIOS = ("rolling", "kill")
 
 
 class Sink(Processor):
-    """One row per message in the table ``KSTORE_BENCH_TABLE`` (no key: a duplicate shows)."""
+    """One row per message in the table ``REBALANCE_BENCH_TABLE`` (no key: a duplicate shows)."""
 
     group = "rebalance-bench"
 
     def setup(self) -> None:
-        table = os.environ["KSTORE_BENCH_TABLE"]
+        table = os.environ["REBALANCE_BENCH_TABLE"]
         self.insert = sa.text(f"INSERT INTO {table} (partition_id, kafka_offset) VALUES (:p, :o)")
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
@@ -182,7 +182,7 @@ class Workers:
         self.args = ["worker", "benchmarks.rebalance:Sink", "--dsn", dsn, "--bootstrap-servers", bootstrap,
                      "--topic", topic, "--group", group, "--kafka-client", config.client,
                      "--rebalance-protocol", config.protocol]
-        self.env = {**os.environ, **config.env, "KSTORE_BENCH_TABLE": table,
+        self.env = {**os.environ, **config.env, "REBALANCE_BENCH_TABLE": table,
                     "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 

@@ -28,26 +28,68 @@ Threading (librdkafka is not kafka-python):
   ``consume()`` calls, which the fetch thread makes all the time.
 - ``close()`` only once the fetch thread has stopped (the worker joins it first).
 
-Assignment: eager (range), like kafka-python's. In ``on_assign`` kstore pauses the new
-partitions, then assigns them at a placeholder offset (0) and pauses them again. It must call
-``assign()`` there (otherwise confluent-kafka assigns them itself, without offsets, and
-librdkafka would start from Kafka's committed offsets, which kstore never reads), and it cannot
-assign at the stored offsets there: those come from the claim, a database transaction on the
-main thread, which must not run inside ``consume()``. A concrete placeholder starts the
-partition's fetcher with no request to Kafka (``seek`` needs a started fetcher) and, paused, is
-never fetched from. The claim then seeks each partition to its stored offset and resumes it,
-as with kafka-python. Anything fetched for a partition before its claim is dropped all the same
-(no queue; librdkafka also discards what was fetched before a seek or a pause).
+Assignment (``rebalance_protocol``): ``eager`` (range, like kafka-python's), ``cooperative`` (the
+classic protocol with librdkafka's cooperative-sticky assignor) or ``consumer`` (Kafka's
+next-generation group protocol, KIP-848: the broker assigns). In ``on_assign`` kstore pauses the
+new partitions, then assigns them at a placeholder offset (0) and pauses them again: with eager
+``assign()`` (the callback names the whole assignment), with the incremental two
+``incremental_assign()`` (it names only the partitions added; those kept go on being fetched and
+delivered, untouched). It must assign there (otherwise confluent-kafka assigns them itself,
+without offsets, and librdkafka would start from Kafka's committed offsets, which kstore never
+reads), and it cannot assign at the stored offsets there: those come from the claim, a database
+transaction on the main thread, which must not run inside ``consume()``. A concrete placeholder
+starts the partition's fetcher with no request to Kafka (``seek`` needs a started fetcher) and,
+paused, is never fetched from. The claim then seeks each partition to its stored offset and
+resumes it, as with kafka-python. Anything fetched for a partition before its claim is dropped
+all the same (no queue; librdkafka also discards what was fetched before a seek or a pause).
 
-Cooperative-sticky assignment is not offered: a kept partition is not re-offered after a
-rebalance, so a fenced one must be re-claimed by the worker itself (the ledger does that after a
-session timeout); the eager protocol re-offers and re-claims every partition, which is what the
-kafka-python backend is built and tested for.
+How kstore's claim holds on each protocol:
+
+- **A revoke** (``on_revoke``) names, on the incremental protocols, only the partitions that
+  move: those are dropped from the ledger and their queues flushed before the callback returns
+  (``unassign``/``incremental_unassign``), the others go on. The batch in flight may hold records
+  of a revoked partition: just before its offsets are written, the batch checks that it still
+  holds every partition it would commit (:meth:`~kstore.engine.ownership.Ledger.dropped`), and
+  commits nothing (rolls back, retries the rest) if not. A revoke that lands after that check,
+  in the last round trip, is met by the epoch: the new owner's claim bumps it, so a commit that
+  comes after the claim matches nothing and rolls back, and one that comes before is simply
+  read by the claim (the row lock orders them). Eager or not, the guarantee is per partition;
+  nothing waits.
+- **New partitions** are paused and claimed before any delivery, as above, on every protocol.
+- **A loss** (``on_lost``: librdkafka learnt the member's session expired, a SIGSTOPped zombie
+  that woke) drops the named partitions the same way (every partition, in practice) and commits
+  nothing of them: the batch in flight is stopped by the same check, or by the epoch.
+- **An operator's reset** bumps the epoch and keeps the row's owner: the worker's next commit
+  (or its periodic epoch check) is fenced, it reads the row, sees itself as owner and adopts the
+  new position (flush, seek). No rebalance is involved, so all three protocols behave alike.
+- **A fence by another worker's claim** (the row names another owner) drops the partition,
+  paused, but Kafka may still assign it here: on eager a later rebalance would re-offer it, on the
+  incremental protocols nothing ever would. The ledger therefore claims it again by itself once a
+  session timeout (``session_timeout_ms``) has passed and Kafka still assigns it here
+  (``Ledger.reclaim_orphans``). That cannot steal it from a live new owner: every protocol gives a
+  partition to one live member at a time (eager and cooperative revoke before they assign
+  elsewhere; KIP-848's broker assigns a partition only once its previous owner has released it
+  or been fenced), so a worker Kafka still assigns a partition to *is* its owner, and the other
+  claimer was a zombie acting on an assignment it had lost. The wait only has to outlast the
+  zombie learning of its loss (its next heartbeat; it then drops the partition and, not assigned
+  it any more, never re-claims it): re-claiming at once could make the two take it from each other
+  in turn while the zombie has not heard yet. Exactly-once never depends on that timing (the
+  epoch and compare-and-set make every commit continue the stored offset); liveness does.
+  With ``consumer`` the session timeout and heartbeat are the broker's
+  (``group.consumer.session.timeout.ms``, 45 s, ``group.consumer.heartbeat.interval.ms``, 5 s, by
+  default) and librdkafka refuses them on the client: kstore does not send ``session_timeout_ms``
+  and ``heartbeat_interval_ms`` then, and uses ``session_timeout_ms`` only as that wait, which must
+  stay above the broker's heartbeat interval (10 s against 5 s by default).
+
+A group runs one protocol: eager and cooperative members do not mix (switch by stopping every
+worker, or by a rolling restart through a group that lists both assignors, which kstore does not
+offer), and KIP-848 members join only a group on the consumer protocol (or an empty classic one).
 
 Where librdkafka cannot fetch (``auto.offset.reset=error``: the stored position left the log),
 it stops the partition's fetcher and says so in an error message: the partition is paused and
 noted in :meth:`unfetchable`, as with kafka-python. A stopped fetcher refuses ``seek``, so
-placing it again assigns the whole assignment afresh, at kstore's positions.
+placing it again assigns the whole assignment afresh, at kstore's positions (eager), or takes
+that partition out and puts it back at kstore's position (incremental: ``assign()`` is refused).
 
 Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
 takes no assignor written in Python), so :attr:`refused` stays empty.
