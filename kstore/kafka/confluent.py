@@ -89,7 +89,8 @@ Where librdkafka cannot fetch (``auto.offset.reset=error``: the stored position 
 it stops the partition's fetcher and says so in an error message: the partition is paused and
 noted in :meth:`unfetchable`, as with kafka-python. A stopped fetcher refuses ``seek``, so
 placing it again assigns the whole assignment afresh, at kstore's positions (eager), or takes
-that partition out and puts it back at kstore's position (incremental: ``assign()`` is refused).
+that partition out and puts it back at kstore's position (incremental: ``assign()`` would replace
+the assignment the group's incremental callbacks keep).
 
 Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
 takes no assignor written in Python), so :attr:`refused` stays empty.
@@ -416,7 +417,7 @@ class ConfluentSource(KafkaSource):
 
     def _reassign_one(self, tp: TP, offset: int) -> None:
         """Incremental protocols: take ``tp`` out of the assignment and put it back at ``offset``
-        (``assign()`` would replace the whole assignment, which they refuse). Fetch thread, lock held."""
+        (``assign()`` would replace the whole assignment). Fetch thread, lock held."""
         log.info("placing %s[%d] again at %d (librdkafka stopped fetching it)", tp[0], tp[1], offset)
         ktp = TopicPartition(tp[0], tp[1], offset)
         self.consumer.incremental_unassign([TopicPartition(tp[0], tp[1])])
