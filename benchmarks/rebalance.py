@@ -48,7 +48,7 @@ from .workload import create_topic
 
 PARTITIONS = 12
 WORKERS = 3
-#: The six lines of settings docs/operations.md recommends for a shorter session.
+#: The settings docs/operations.md recommends for a shorter session.
 SHORT_SESSION = {"KSTORE_SESSION_TIMEOUT_MS": "6000", "KSTORE_HEARTBEAT_INTERVAL_MS": "2000",
                  "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "6000"}
 
@@ -66,6 +66,7 @@ CONFIGS = (
     Config("kafka-python eager, 6 s session", "kafka-python", "eager", SHORT_SESSION),
     Config("confluent eager", "confluent", "eager"),
     Config("confluent cooperative", "confluent", "cooperative"),
+    Config("confluent cooperative, 6 s session", "confluent", "cooperative", SHORT_SESSION),
     Config("confluent consumer (KIP-848)", "confluent", "consumer"),
 )
 SCENARIOS = ("rolling", "kill")
