@@ -319,13 +319,12 @@ def services(dsn: str | None, bootstrap: str | None) -> Iterator[tuple[str, str]
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| configuration | rolling restart: longest stall | of a partition that did not move "
              "| SIGKILL of 1 of 3: longest stall | of a partition that did not move |", "|---|---:|---:|---:|---:|"]
-    by = {(r["config"], r["scenario"]): r for r in results}
     for config in dict.fromkeys(r["config"] for r in results):
         cells = []
         for scenario in SCENARIOS:
-            r = by.get((config, scenario))
-            cells += ["", ""] if r is None else [f"{r['max_stall_s']:.1f} s",
-                                                  f"{r['max_stall_kept_s']:.1f} s"]
+            runs = [r for r in results if r["config"] == config and r["scenario"] == scenario]
+            cells += [" / ".join(f"{r[key]:.1f}" for r in runs) + (" s" if runs else "")
+                      for key in ("max_stall_s", "max_stall_kept_s")]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -335,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=600.0, help="messages a second (default 600)")
     parser.add_argument("--only", default=None, help="configurations whose name contains this")
     parser.add_argument("--scenario", choices=SCENARIOS, default=None, help="one scenario (default both)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each configuration and scenario")
     parser.add_argument("--dsn", default=None)
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -347,17 +347,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with services(args.dsn, args.bootstrap_servers) as (dsn, bootstrap):
             migrate(Settings(dsn=dsn))
-            for config in configs:
-                for scenario in scenarios:
-                    result = run_one(config, scenario, dsn, bootstrap, args.rate, out)
-                    print(json.dumps(result), flush=True)
-                    results.append(result)
+            for _ in range(args.repeat):
+                for config in configs:
+                    for scenario in scenarios:
+                        result = run_one(config, scenario, dsn, bootstrap, args.rate, out)
+                        print(json.dumps(result), flush=True)
+                        results.append(result)
     except BenchmarkError as exc:
         print(f"rebalance: error: {exc}", file=sys.stderr)
         return 1
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{platform.node()}, {os.cpu_count()} cores, {when}, {args.rate:g} msg/s, {PARTITIONS} partitions, "
-          f"{WORKERS} workers\n")
+          f"{WORKERS} workers; each cell: one value per run\n")
     print(table(results))
     (out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
