@@ -82,10 +82,10 @@ _KSTORE_CONTROLS = {
     "group.instance.id": "static membership lets a restarted worker take back its partitions without a "
                          "rebalance, so the group's leader never checks which database it writes to "
                          "(one pipeline, one database)",
-    "group.protocol": "kstore's rebalance handling is built for the classic, eager protocol",
-    "group.protocol.type": "kstore's rebalance handling is built for the classic, eager protocol",
-    "group.remote.assignor": "kstore's rebalance handling is built for the classic, eager protocol",
-    "partition.assignment.strategy": "kstore's rebalance handling is built for the eager protocol",
+    "group.protocol": "use rebalance_protocol (eager, cooperative or consumer)",
+    "group.protocol.type": "use rebalance_protocol (eager, cooperative or consumer)",
+    "group.remote.assignor": "with rebalance_protocol consumer the broker's group.consumer.assignors decide",
+    "partition.assignment.strategy": "use rebalance_protocol (eager, cooperative or consumer)",
     "enable.auto.commit": _NEVER_IN_KAFKA,
     "auto.commit.enable": _NEVER_IN_KAFKA,
     "auto.commit.interval.ms": _NEVER_IN_KAFKA,

@@ -75,6 +75,13 @@ class Settings:
     #: ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``). Same guarantees with
     #: either; kstore's other clients (the outbox relay, ``kstore offsets``) stay kafka-python.
     kafka_client: str = "kafka-python"
+    #: How the worker's Kafka group rebalances: ``eager`` (every rebalance revokes every partition
+    #: of every worker, which claims them again), ``cooperative`` (the classic protocol with
+    #: librdkafka's cooperative-sticky assignor: only partitions that move are revoked) or
+    #: ``consumer`` (Kafka's next-generation group protocol, KIP-848: the broker assigns,
+    #: incrementally; its session timeout is the broker's ``group.consumer.session.timeout.ms``, see
+    #: the docs). ``cooperative`` and ``consumer`` need ``kafka_client="confluent"``.
+    rebalance_protocol: str = "eager"
     #: Overrides the processor's ``group`` when set.
     group: str | None = None
     #: Overrides the processor's ``topics`` when not empty.
@@ -199,6 +206,8 @@ class Settings:
         # Checked and converted once (names normalised, text to the option's type); the clients use it as it is.
         object.__setattr__(self, "kafka_client", self.kafka_client.strip().lower())
         object.__setattr__(self, "kafka_options", check_kafka_options(self.kafka_options, self.kafka_client))
+        object.__setattr__(self, "rebalance_protocol", self.rebalance_protocol.strip().lower())
+        _check_rebalance_protocol(self.rebalance_protocol, self.kafka_client)
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
@@ -270,6 +279,18 @@ def _check_breaker(max_dead_letters: int, max_rejects: int, breaker: str) -> Non
             raise ConfigurationError(f"{name} must be 0 (never) or more, got {value}")
     if breaker not in ("stop", "pause"):
         raise ConfigurationError(f"dead_letter_breaker must be stop or pause, got {breaker!r}")
+
+
+REBALANCE_PROTOCOLS = ("eager", "cooperative", "consumer")
+
+
+def _check_rebalance_protocol(protocol: str, client: str) -> None:
+    if protocol not in REBALANCE_PROTOCOLS:
+        raise ConfigurationError(f"rebalance_protocol must be {', '.join(REBALANCE_PROTOCOLS[:-1])} or "
+                                 f"{REBALANCE_PROTOCOLS[-1]}, got {protocol!r}")
+    if protocol != "eager" and client != "confluent":
+        raise ConfigurationError(f"rebalance_protocol {protocol} needs kafka_client confluent (kstore's kafka-python "
+                                 "backend rebalances eagerly only)")
 
 
 def _check_choices(max_concurrency: int | None, ordering: str | None, relay_client: str) -> None:

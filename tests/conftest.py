@@ -76,10 +76,26 @@ def pytest_report_header() -> str:
     return ", ".join(f"{d} {version(d)}" for d in ("sqlalchemy", "psycopg2-binary", "psycopg", "kafka-python"))
 
 
-#: Broker settings for tests: topics exist only when a test creates them.
-BROKER_CONFIG = {"auto.create.topics.enable": "false"}
+#: The rebalance protocols the tests' workers can use on KAFKA_CLIENT (the ``rebalance_protocol``
+#: fixture): eager only on kafka-python; eager, cooperative (cooperative-sticky) and consumer
+#: (KIP-848) on confluent-kafka.
+REBALANCE_PROTOCOLS = ("eager",) if KAFKA_CLIENT == "kafka-python" else ("eager", "cooperative", "consumer")
+
+#: Broker settings for tests: topics exist only when a test creates them. Groups on the consumer
+#: protocol (KIP-848) take their session timeout and heartbeat from the broker: the tests' 6 s and
+#: 1 s (the broker's defaults are 45 s and 5 s, and refuse less).
+BROKER_CONFIG = {"auto.create.topics.enable": "false",
+                 "group.consumer.min.session.timeout.ms": "6000", "group.consumer.session.timeout.ms": "6000",
+                 "group.consumer.min.heartbeat.interval.ms": "1000", "group.consumer.heartbeat.interval.ms": "1000"}
 #: Worker settings for tests: short Kafka session so a killed worker's partitions move on quickly.
 TEST_SESSION_TIMEOUT_MS = 6000
+
+
+@pytest.fixture(params=REBALANCE_PROTOCOLS)
+def rebalance_protocol(request: pytest.FixtureRequest) -> str:
+    """Each rebalance protocol the tests' Kafka client offers (see REBALANCE_PROTOCOLS); give it to
+    a worker as ``env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}``."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -168,6 +168,27 @@ def assert_exactly_once(counts: Counter[tuple[str, int, int]], expected: set[tup
     assert not extra, f"{len(extra)} unexpected effects, e.g. {sorted(extra)[:5]}"
 
 
+_TP = re.compile(r"(\S+?)\[(\d+)\]")
+_CLAIMED = re.compile(r"(\S+?)\[(\d+)\]@(\w+)")
+
+
+def assert_claimed_before_committed(log: str) -> int:
+    """In one worker's DEBUG log: every partition a batch committed was claimed by that worker
+    before, and not revoked, lost or fenced since. Returns how many partition commits were checked."""
+    held: set[tuple[str, int]] = set()
+    checked = 0
+    for line in log.splitlines():
+        if ": claimed " in line:
+            held |= {(t, int(p)) for t, p, at in _CLAIMED.findall(line.split(": claimed ", 1)[1]) if at != "held"}
+        elif re.search(r"kstore\.engine\.worker: (revoked|lost|fenced) ", line):
+            held -= {(t, int(p)) for t, p in _TP.findall(line.split(": ", 1)[1])}
+        elif re.search(r": committed \d+ messages: ", line):
+            done = {(t, int(p)) for t, p in _TP.findall(line.split(" messages: ", 1)[1])}
+            assert done <= held, f"committed {sorted(done - held)} without holding their claim: {line}"
+            checked += len(done)
+    return checked
+
+
 def with_driver(dsn: str, driver: str) -> str:
     """``dsn`` on another PostgreSQL driver: ``psycopg2`` or ``psycopg`` (psycopg 3)."""
     return sa.engine.make_url(dsn).set(drivername=f"postgresql+{driver}").render_as_string(hide_password=False)

@@ -13,10 +13,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from kstore import ConfigurationError, Settings
 from kstore.kafka.backends import source_class
-from kstore.kafka.confluent import ConfluentRecord, ConfluentSource, by_partition, to_records
+from kstore.kafka.confluent import ConfluentRecord, ConfluentSource, by_partition, group_protocol, to_records
 from kstore.kafka.consumer import KafkaSource
 from kstore.kafka.rdconnect import librdkafka_config
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
+
+from .test_cli import assert_one_clear_line, kstore
 
 
 def test_every_option_name_kstore_accepts_is_known_to_the_installed_librdkafka() -> None:
@@ -63,7 +65,7 @@ def test_librdkafka_options_become_librdkafkas_text(options: dict[str, Any], exp
     ("enable.auto.offset.store", "is kstore's to set: offsets live in the database"),
     ("auto.offset.reset", "is kstore's to set: a partition with no stored offset starts at start_from"),
     ("group.id", "is kstore's to set"),
-    ("partition.assignment.strategy", "is kstore's to set: kstore's rebalance handling is built for the eager"),
+    ("partition.assignment.strategy", "is kstore's to set: use rebalance_protocol"),
     ("group.protocol", "is kstore's to set"),
     ("sasl.password", "has a kstore setting of its own: use sasl_password (KSTORE_SASL_PASSWORD)"),
     ("bootstrap.servers", "has a kstore setting of its own: use bootstrap_servers"),
@@ -105,6 +107,33 @@ def test_the_cli_takes_the_client() -> None:
 
     result = CliRunner().invoke(cli, ["worker", "--help"])
     assert "--kafka-client [kafka-python|confluent]" in result.output
+
+
+def test_the_rebalance_protocol_is_a_setting_and_picks_librdkafkas_group_settings() -> None:
+    assert Settings().rebalance_protocol == "eager"
+    assert Settings.from_env({"KSTORE_KAFKA_CLIENT": "confluent", "KSTORE_REBALANCE_PROTOCOL": " Cooperative "}
+                             ).rebalance_protocol == "cooperative"
+    with pytest.raises(ConfigurationError, match="rebalance_protocol must be eager, cooperative or consumer, "
+                                                 "got 'sticky'"):
+        Settings(kafka_client="confluent", rebalance_protocol="sticky")
+    eager = group_protocol(Settings(kafka_client="confluent", session_timeout_ms=7000, heartbeat_interval_ms=2000))
+    assert eager == {"partition.assignment.strategy": "range", "session.timeout.ms": 7000,
+                     "heartbeat.interval.ms": 2000}
+    cooperative = group_protocol(Settings(kafka_client="confluent", rebalance_protocol="cooperative"))
+    assert cooperative["partition.assignment.strategy"] == "cooperative-sticky"
+    # KIP-848: librdkafka refuses the classic protocol's session, heartbeat and assignor settings.
+    assert group_protocol(Settings(kafka_client="confluent", rebalance_protocol="consumer")) == {
+        "group.protocol": "consumer"}
+
+
+@pytest.mark.parametrize("protocol", ["cooperative", "consumer"])
+def test_kafka_python_refuses_an_incremental_protocol_with_one_line(sqlite_dsn: str, protocol: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"rebalance_protocol {protocol} needs kafka_client confluent"):
+        Settings(rebalance_protocol=protocol)
+    r = kstore("worker", "processors:Recorder", "--dsn", sqlite_dsn, "--bootstrap-servers", "127.0.0.1:1",
+               "--topic", "t", "--kafka-client", "kafka-python", "--rebalance-protocol", protocol)
+    assert_one_clear_line(r, f"rebalance_protocol {protocol} needs kafka_client confluent",
+                          "kafka-python backend rebalances eagerly only")
 
 
 def test_the_worker_builds_the_source_of_its_client() -> None:

@@ -14,7 +14,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
+from kstore import Settings
+from kstore.db.store import Store, make_engine
+
+from .conftest import REBALANCE_PROTOCOLS
+from .harness import (
+    assert_claimed_before_committed,
+    assert_exactly_once,
+    effects,
+    read_in_flight,
+    stored_offsets,
+    wait_until,
+)
 
 #: A worker's log line for each batch it committed.
 COMMITTED = r"committed \d+ messages"
@@ -42,25 +53,29 @@ class BackgroundProducer:
         return self.sent
 
 
-def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """6 partitions, messages produced throughout, 1 -> 2 -> 3 -> 1 workers: every effect exactly once."""
+def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
+                                                 rebalance_protocol: str) -> None:
+    """6 partitions, messages produced throughout, 1 -> 2 -> 3 -> 1 workers, on each rebalance
+    protocol: every effect exactly once, and no worker commits a partition before its claim. With
+    the incremental ones (cooperative, consumer) a worker gives up only the partitions that move."""
     topic = new_topic(partitions=6)
     producer = BackgroundProducer(produce, topic)
-    slow = {"KSTORE_TEST_BATCH_SLEEP": "0.02"}
-    w1 = workers(pg_dsn, topic, "reb", env=slow)
+    env = {"KSTORE_TEST_BATCH_SLEEP": "0.02", "KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
+    w1 = workers(pg_dsn, topic, "reb", env=env)
     w1.wait_for_log(r"claimed")
-    w2 = workers(pg_dsn, topic, "reb", env=slow)
+    w2 = workers(pg_dsn, topic, "reb", env=env)
     w2.wait_for_log(r"claimed")
     w2.wait_for_log(COMMITTED)
     time.sleep(2)
-    w3 = workers(pg_dsn, topic, "reb", env=slow)
+    w3 = workers(pg_dsn, topic, "reb", env=env)
     w3.wait_for_log(r"claimed")
     w3.wait_for_log(COMMITTED)
     time.sleep(2)
     assert w3.terminate() == 0
     time.sleep(2)
     assert w2.terminate() == 0
-    w1.wait_for_log(r"claimed", count=4)  # 1 -> 2 -> 3 -> 2 -> 1: w1 claimed at each step
+    # 1 -> 2 -> 3 -> 2 -> 1: eager, w1 claims at each step; incremental, at least when it takes w2's.
+    w1.wait_for_log(r"claimed", count=4 if rebalance_protocol == "eager" else 2)
     time.sleep(1)
     sent = producer.stop()
     wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what=f"{len(sent)} effects")
@@ -72,6 +87,15 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     by_worker = rows_by_worker(pg_dsn)
     assert set(by_worker) == {"w1", "w2", "w3"} and min(by_worker.values()) > 0, by_worker
     assert len(sent) > 500
+    for w in (w1, w2, w3):
+        assert assert_claimed_before_committed(w.log) > 0
+    revokes = [line for line in w1.log.splitlines() if "kstore.engine.worker: revoked " in line]
+    assert revokes, w1.log[-3000:]
+    if rebalance_protocol == "eager":
+        assert revokes[0].count(f"{topic}[") == 6, revokes[0]  # everything, at w2's join
+    else:
+        # At w2's join w1 gave up some of its partitions and kept delivering the others.
+        assert 0 < revokes[0].count(f"{topic}[") < 6, revokes[0]
 
 
 def rows_by_worker(dsn: str) -> dict[str, int]:
@@ -106,16 +130,21 @@ def test_rebalance_while_the_fetch_queue_is_full(pg_dsn: str, new_topic: Any, pr
     assert joined < 60, f"the second worker waited {joined:.1f} s for partitions"
 
 
-@pytest.mark.parametrize("per_message", [False, True], ids=["executemany", "deferred-per-message"])
+@pytest.mark.parametrize(("per_message", "protocol"), [
+    pytest.param(False, "eager", id="executemany"), pytest.param(True, "eager", id="deferred-per-message"),
+    *(pytest.param(False, p, id=f"executemany-{p}") for p in REBALANCE_PROTOCOLS if p != "eager")])
 def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
-                                                   tmp_path: Path, per_message: bool) -> None:
+                                                   tmp_path: Path, per_message: bool, protocol: str) -> None:
     """Killed after the batch's effects reached the database, before COMMIT; also with one
-    deferred INSERT per message, sent by the processor's flush just before the kill."""
+    deferred INSERT per message, sent by the processor's flush just before the kill; and on each
+    incremental rebalance protocol, where the next worker gets the dead one's partitions only once
+    its session has timed out."""
     topic = new_topic(partitions=2)
     sent = set(produce(topic, (f"v{i}" for i in range(400))))
     hang = tmp_path / "hang"
     w1 = workers(pg_dsn, topic, "crash", env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang),
-                                             "KSTORE_TEST_PER_MESSAGE": "1" if per_message else "0"},
+                                             "KSTORE_TEST_PER_MESSAGE": "1" if per_message else "0",
+                                             "KSTORE_REBALANCE_PROTOCOL": protocol},
                  args=["--max-batch-size", "25"])
     wait_until(hang.exists, 60, what="the processor to write its batch and hang")
     in_flight = read_in_flight(hang)
@@ -132,10 +161,11 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
     for t, p, o in in_flight:
         assert stored[(t, p)] <= o, "offsets moved past a batch that never committed"
 
-    w2 = workers(pg_dsn, topic, "crash")
+    w2 = workers(pg_dsn, topic, "crash", env={"KSTORE_REBALANCE_PROTOCOL": protocol})
     wait_until(lambda: len(effects(pg_dsn)) >= 400, 60, what="all 400 effects after restart")
     assert w2.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
+    assert assert_claimed_before_committed(w2.log) > 0
 
 
 def uncommitted_effects(dsn: str) -> tuple[int, set[tuple[int, int]]]:
@@ -172,22 +202,24 @@ def transaction_status(dsn: str, xid: int) -> str:
 
 
 def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
-                                     tmp_path: Path) -> None:
-    """A worker paused mid-batch loses its partitions; when it wakes, its commit is fenced."""
+                                     tmp_path: Path, rebalance_protocol: str) -> None:
+    """A worker paused mid-batch loses its partitions; when it wakes, its commit is fenced (on each
+    rebalance protocol)."""
     topic = new_topic(partitions=2)
     sent = set(produce(topic, (f"v{i}" for i in range(300))))
     hang = tmp_path / "hang"
+    protocol = {"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
     zombie = workers(pg_dsn, topic, "zombie", args=["--max-batch-size", "20"], env={
         "KSTORE_TEST_HANG_AT": "60", "KSTORE_TEST_HANG_FILE": str(hang), "KSTORE_TEST_HANG_SECONDS": "2",
         # Let the zombie's transaction survive the pause, so it is the epoch that stops it.
-        "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "600000",
+        "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "600000", **protocol,
     })
     wait_until(hang.exists, 60, interval=0.01, what="the zombie to be mid-batch")
     zombie.pause()
     in_flight = read_in_flight(hang)
     assert in_flight, "the zombie's batch"
 
-    healthy = workers(pg_dsn, topic, "zombie")
+    healthy = workers(pg_dsn, topic, "zombie", env=protocol)
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
     zombie.resume()
     # The zombie wakes inside its batch and tries to commit; give it time to do so.
@@ -205,6 +237,40 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     engine.dispose()
     by = {(r[0], r[1], r[2]): r[3] for r in rows}
     assert all(by[m] == "w2" for m in in_flight), "the zombie's in-flight batch must not have landed"
+    assert assert_claimed_before_committed(healthy.log) > 0
+    assert_claimed_before_committed(zombie.log)
+
+
+def test_a_partition_fenced_by_a_zombies_late_claim_is_claimed_again_a_session_timeout_later(
+        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, rebalance_protocol: str) -> None:
+    """A zombie that wakes and claims a partition Kafka has given to a live worker fences that
+    worker, which drops it. No rebalance follows (the zombie is no member any more; with the
+    incremental protocols nothing would re-offer a kept partition anyway): the live worker, still
+    assigned it, claims it again once a session timeout has passed, and carries on exactly once.
+    The zombie's claim is made here by the test, as the zombie's claim transaction makes it."""
+    topic = new_topic(partitions=2)
+    producer = BackgroundProducer(produce, topic, batch=5, interval=0.1)
+    w = workers(pg_dsn, topic, "orphan", env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol})
+    w.wait_for_log(rf"claimed {topic}\[0\]@\d+, {topic}\[1\]@")
+    w.wait_for_log(COMMITTED)
+    settings = Settings(dsn=pg_dsn)
+    store = Store(make_engine(settings), settings)
+    try:
+        with store.claiming("orphan", [(topic, 0)], "a-zombie") as (_conn, claims):
+            assert claims[(topic, 0)].epoch >= 2
+    finally:
+        store.engine.dispose()
+    w.wait_for_log(rf"fenced on {topic}\[0\]: another worker claimed them", timeout=60)
+    w.wait_for_log(rf"{topic}\[0\] still assigned here a session timeout after being fenced: claiming again",
+                   timeout=60)
+    w.wait_for_log(rf"claimed {topic}\[0\]@", count=2, timeout=60)
+    time.sleep(1)
+    sent = producer.stop()
+    wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what=f"{len(sent)} effects")
+    assert w.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), sent)
+    assert assert_claimed_before_committed(w.log) > 0
+    assert stored_offsets(pg_dsn, "orphan")[(topic, 0)] == 1 + max(o for _, p, o in sent if p == 0)
 
 
 def test_processor_exception_rolls_back_the_batch_then_stops_before_the_bad_message(

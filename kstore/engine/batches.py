@@ -535,14 +535,9 @@ class Batches:
         try:
             trans = conn.begin()
             self._write(conn, trans, write, one_trip)
-            self._commit_started = time.monotonic()
-            if not one_trip:
-                self.store.check_own_transaction(conn)
-                # Last statement before COMMIT: the row locks are held as briefly as possible.
-                fenced = self.store.commit_offsets(conn, self.group, positions)
-                if fenced:
-                    trans.rollback()
-                    return fenced
+            fenced = self._before_commit(conn, trans, positions, one_trip)
+            if fenced:
+                return fenced
         except TransactionEnded as exc:
             self._drop_batch_connection()
             raise _ended(exc) from exc
@@ -573,6 +568,26 @@ class Batches:
             self._drop_batch_connection()
             raise
         return set()
+
+    def _before_commit(self, conn: Connection, trans: Any, positions: Mapping[TP, Position], one_trip: bool) -> set[TP]:
+        """After the batch's writes: the partitions it must not commit (the transaction is rolled
+        back), or none. Without the one-trip commit, the offsets' compare-and-set goes here."""
+        gone = self.ledger.dropped(positions)
+        if gone:
+            # Revoked or lost while the batch ran (an incremental rebalance takes some partitions and
+            # leaves the rest): nothing of the batch commits; the rest of it is retried. A revoke
+            # after this check is met by the epoch (the new owner's claim fences the commit).
+            self._drop_batch_connection()
+            return gone
+        self._commit_started = time.monotonic()
+        if one_trip:
+            return set()
+        self.store.check_own_transaction(conn)
+        # Last statement before COMMIT: the row locks are held as briefly as possible.
+        fenced = self.store.commit_offsets(conn, self.group, positions)
+        if fenced:
+            trans.rollback()
+        return fenced
 
     @staticmethod
     def _write(conn: Connection, trans: Any, write: Callable[[Connection], None], one_trip: bool) -> None:

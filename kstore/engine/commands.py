@@ -41,6 +41,10 @@ from .worker import Worker
 @kafka_connection_options
 @click.option("--group", default=None, help="Pipeline name (Kafka group id); overrides the processor's.")
 @click.option("--topic", "topics", multiple=True, help="Topic to consume (repeatable); overrides the processor's.")
+@click.option("--rebalance-protocol", type=click.Choice(["eager", "cooperative", "consumer"], case_sensitive=False),
+              default=None, help="How the group rebalances: eager, cooperative (cooperative-sticky) or consumer "
+                                 "(KIP-848); the last two with --kafka-client confluent "
+                                 "[env KSTORE_REBALANCE_PROTOCOL; default eager]")
 @click.option("--start-from", default=None, help="earliest, latest or ISO 8601 time, if no stored offset.")
 @click.option("--max-batch-size", type=int, default=None, help="Most messages per transaction.")
 @click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,

@@ -329,6 +329,14 @@ class Ledger:
             return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp][2]
                     and owned[tp].committed == positions[tp][0]]
 
+    def dropped(self, positions: Mapping[TP, Position]) -> set[TP]:
+        """Of a batch's partitions, those this worker stopped delivering since it was taken
+        (revoked, lost or fenced): the batch must not commit them, whether or not another worker
+        has claimed them yet. Checked just before the batch's offsets are written."""
+        with self.source.lock:
+            owned = self.owned
+            return {tp for tp in positions if tp not in owned}
+
     def offsets(self) -> dict[TP, int]:
         with self.source.lock:
             return {tp: o.committed for tp, o in self.owned.items()}

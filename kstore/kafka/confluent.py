@@ -28,26 +28,69 @@ Threading (librdkafka is not kafka-python):
   ``consume()`` calls, which the fetch thread makes all the time.
 - ``close()`` only once the fetch thread has stopped (the worker joins it first).
 
-Assignment: eager (range), like kafka-python's. In ``on_assign`` kstore pauses the new
-partitions, then assigns them at a placeholder offset (0) and pauses them again. It must call
-``assign()`` there (otherwise confluent-kafka assigns them itself, without offsets, and
-librdkafka would start from Kafka's committed offsets, which kstore never reads), and it cannot
-assign at the stored offsets there: those come from the claim, a database transaction on the
-main thread, which must not run inside ``consume()``. A concrete placeholder starts the
-partition's fetcher with no request to Kafka (``seek`` needs a started fetcher) and, paused, is
-never fetched from. The claim then seeks each partition to its stored offset and resumes it,
-as with kafka-python. Anything fetched for a partition before its claim is dropped all the same
-(no queue; librdkafka also discards what was fetched before a seek or a pause).
+Assignment (``rebalance_protocol``): ``eager`` (range, like kafka-python's), ``cooperative`` (the
+classic protocol with librdkafka's cooperative-sticky assignor) or ``consumer`` (Kafka's
+next-generation group protocol, KIP-848: the broker assigns). In ``on_assign`` kstore pauses the
+new partitions, then assigns them at a placeholder offset (0) and pauses them again: with eager
+``assign()`` (the callback names the whole assignment), with the incremental two
+``incremental_assign()`` (it names only the partitions added; those kept go on being fetched and
+delivered, untouched). It must assign there (otherwise confluent-kafka assigns them itself,
+without offsets, and librdkafka would start from Kafka's committed offsets, which kstore never
+reads), and it cannot assign at the stored offsets there: those come from the claim, a database
+transaction on the main thread, which must not run inside ``consume()``. A concrete placeholder
+starts the partition's fetcher with no request to Kafka (``seek`` needs a started fetcher) and,
+paused, is never fetched from. The claim then seeks each partition to its stored offset and
+resumes it, as with kafka-python. Anything fetched for a partition before its claim is dropped
+all the same (no queue; librdkafka also discards what was fetched before a seek or a pause).
 
-Cooperative-sticky assignment is not offered: a kept partition is not re-offered after a
-rebalance, so a fenced one must be re-claimed by the worker itself (the ledger does that after a
-session timeout); the eager protocol re-offers and re-claims every partition, which is what the
-kafka-python backend is built and tested for.
+How kstore's claim holds on each protocol:
+
+- **A revoke** (``on_revoke``) names, on the incremental protocols, only the partitions that
+  move: those are dropped from the ledger and their queues flushed before the callback returns
+  (``unassign``/``incremental_unassign``), the others go on. The batch in flight may hold records
+  of a revoked partition: just before its offsets are written, the batch checks that it still
+  holds every partition it would commit (:meth:`~kstore.engine.ownership.Ledger.dropped`), and
+  commits nothing (rolls back, retries the rest) if not. A revoke that lands after that check,
+  in the last round trip, is met by the epoch: the new owner's claim bumps it, so a commit that
+  comes after the claim matches nothing and rolls back, and one that comes before is simply
+  read by the claim (the row lock orders them). Eager or not, the guarantee is per partition;
+  nothing waits.
+- **New partitions** are paused and claimed before any delivery, as above, on every protocol.
+- **A loss** (``on_lost``: librdkafka learnt the member's session expired, a SIGSTOPped zombie
+  that woke) drops the named partitions the same way (every partition, in practice) and commits
+  nothing of them: the batch in flight is stopped by the same check, or by the epoch.
+- **An operator's reset** bumps the epoch and keeps the row's owner: the worker's next commit
+  (or its periodic epoch check) is fenced, it reads the row, sees itself as owner and adopts the
+  new position (flush, seek). No rebalance is involved, so all three protocols behave alike.
+- **A fence by another worker's claim** (the row names another owner) drops the partition,
+  paused, but Kafka may still assign it here: on eager a later rebalance would re-offer it, on the
+  incremental protocols nothing ever would. The ledger therefore claims it again by itself once a
+  session timeout (``session_timeout_ms``) has passed and Kafka still assigns it here
+  (``Ledger.reclaim_orphans``). That cannot steal it from a live new owner: every protocol gives a
+  partition to one live member at a time (eager and cooperative revoke before they assign
+  elsewhere; KIP-848's broker assigns a partition only once its previous owner has released it
+  or been fenced), so a worker Kafka still assigns a partition to *is* its owner, and the other
+  claimer was a zombie acting on an assignment it had lost. The wait only has to outlast the
+  zombie learning of its loss (its next heartbeat; it then drops the partition and, not assigned
+  it any more, never re-claims it): re-claiming at once could make the two take it from each other
+  in turn while the zombie has not heard yet. Exactly-once never depends on that timing (the
+  epoch and compare-and-set make every commit continue the stored offset); liveness does.
+  With ``consumer`` the session timeout and heartbeat are the broker's
+  (``group.consumer.session.timeout.ms``, 45 s, ``group.consumer.heartbeat.interval.ms``, 5 s, by
+  default) and librdkafka refuses them on the client: kstore does not send ``session_timeout_ms``
+  and ``heartbeat_interval_ms`` then, and uses ``session_timeout_ms`` only as that wait, which must
+  stay above the broker's heartbeat interval (10 s against 5 s by default).
+
+A group runs one protocol: eager and cooperative members do not mix (switch by stopping every
+worker, or by a rolling restart through a group that lists both assignors, which kstore does not
+offer), and KIP-848 members join only a group on the consumer protocol (or an empty classic one).
 
 Where librdkafka cannot fetch (``auto.offset.reset=error``: the stored position left the log),
 it stops the partition's fetcher and says so in an error message: the partition is paused and
 noted in :meth:`unfetchable`, as with kafka-python. A stopped fetcher refuses ``seek``, so
-placing it again assigns the whole assignment afresh, at kstore's positions.
+placing it again assigns the whole assignment afresh, at kstore's positions (eager), or takes
+that partition out and puts it back at kstore's position (incremental: ``assign()`` would replace
+the assignment the group's incremental callbacks keep).
 
 Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
 takes no assignor written in Python), so :attr:`refused` stays empty.
@@ -141,6 +184,8 @@ class ConfluentSource(KafkaSource):
         self._want_paused: dict[TP, bool] = {}
         #: The assignment, as the rebalance callbacks made it (under _events_lock).
         self._assigned: set[TP] = set()
+        #: cooperative or consumer: the callbacks name only the partitions added or taken away (set in _connect).
+        self._incremental = False
         self._joined = False
         #: Each owned partition's last known high watermark (see _note_highwaters).
         self._highwaters: dict[TP, int] = {}
@@ -148,6 +193,7 @@ class ConfluentSource(KafkaSource):
 
     def _connect(self) -> Consumer:
         s = self.settings
+        self._incremental = s.rebalance_protocol != "eager"
         consumer = open_rd_consumer(
             s,
             **{
@@ -162,10 +208,7 @@ class ConfluentSource(KafkaSource):
                 "auto.offset.reset": "error",
                 "allow.auto.create.topics": False,
                 "enable.partition.eof": False,
-                # Eager, and the same protocol name as kafka-python's workers: a group may mix them.
-                "partition.assignment.strategy": "range",
-                "session.timeout.ms": s.session_timeout_ms,
-                "heartbeat.interval.ms": s.heartbeat_interval_ms,
+                **group_protocol(s),
                 "max.poll.interval.ms": s.max_poll_interval_ms,
                 "error_cb": _on_error,
                 "on_commit": _mirrored,
@@ -204,29 +247,50 @@ class ConfluentSource(KafkaSource):
         # claimed it and sought to the stored offset. Then assign it at a placeholder (never
         # without an offset: librdkafka would look up Kafka's committed offset), and pause
         # again in case a partition librdkafka did not know yet could not be paused before.
+        # Incremental protocols name only the partitions added: those kept are left alone.
         placed = [TopicPartition(tp.topic, tp.partition, PLACEHOLDER_OFFSET) for tp in assigned]
         if placed:
             consumer.pause(placed)
-        consumer.assign(placed)
+        if self._incremental:
+            consumer.incremental_assign(placed)
+        else:
+            consumer.assign(placed)
         if placed:
             consumer.pause(placed)
+        added = {(tp.topic, tp.partition) for tp in assigned}
         with self._events_lock:
-            self._assigned = {(tp.topic, tp.partition) for tp in assigned}
+            first = not self._joined
+            self._assigned = self._assigned | added if self._incremental else added
             self._joined = True
-        self._push_event("assigned", assigned)
+        if added or first or not self._incremental:
+            # (An incremental rebalance that adds nothing here ends with an empty call: not news.)
+            self._push_event("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         self._lose("revoked", revoked)
-        consumer.unassign()
+        if self._incremental:
+            consumer.incremental_unassign(revoked)
+        else:
+            consumer.unassign()
 
     def _on_lost(self, consumer: Consumer, lost: list[TopicPartition]) -> None:
         self._lose("lost", lost)
-        consumer.unassign()
+        if self._incremental:
+            consumer.incremental_unassign(lost)
+        else:
+            consumer.unassign()
 
     def _lose(self, kind: EventKind, tps: list[TopicPartition]) -> None:
         with self._events_lock:
-            self._assigned.clear()  # eager: every partition goes, whichever were named
-            self._joined = False
+            if self._incremental:
+                # Only those named go; the rest stay assigned and delivered. A revoke leaves the
+                # member in the group (the rebalance goes on); a loss means it was not any more.
+                self._assigned -= {(tp.topic, tp.partition) for tp in tps}
+                if kind == "lost":
+                    self._joined = False
+            else:
+                self._assigned.clear()  # eager: every partition goes, whichever were named
+                self._joined = False
         self._push_event(kind, tps)
 
     # -- fetching ---------------------------------------------------------------------
@@ -375,7 +439,20 @@ class ConfluentSource(KafkaSource):
             if _code(exc) != KafkaError._STATE:
                 log.debug("%s[%d] is no longer assigned: not seeking it (%s)", tp[0], tp[1], describe(exc))
                 return
-            self._reassign()
+            if self._incremental:
+                self._reassign_one(tp, offset)
+            else:
+                self._reassign()
+
+    def _reassign_one(self, tp: TP, offset: int) -> None:
+        """Incremental protocols: take ``tp`` out of the assignment and put it back at ``offset``
+        (``assign()`` would replace the whole assignment). Fetch thread, lock held."""
+        log.info("placing %s[%d] again at %d (librdkafka stopped fetching it)", tp[0], tp[1], offset)
+        ktp = TopicPartition(tp[0], tp[1], offset)
+        self.consumer.incremental_unassign([TopicPartition(tp[0], tp[1])])
+        self.consumer.incremental_assign([ktp])
+        if tp in self._unfetchable or self._throttled:
+            self._quietly(self.consumer.pause, [ktp], "pausing")
 
     def _reassign(self) -> None:
         """Assign the whole assignment again at kstore's positions (owned: the next offset to
@@ -431,6 +508,23 @@ class ConfluentSource(KafkaSource):
             self.consumer.close()
         finally:
             self._querier.close()
+
+
+def group_protocol(settings: Any) -> dict[str, Any]:
+    """librdkafka's group settings for ``settings.rebalance_protocol``.
+
+    eager: the classic protocol, assignor ``range``, the protocol name kafka-python's workers use,
+    so a group may mix both backends. cooperative: the classic protocol, ``cooperative-sticky``
+    (a group cannot mix it with eager members: change it by restarting every worker). consumer:
+    KIP-848; the broker assigns (its ``group.remote.assignor``) and owns the session timeout and the
+    heartbeat interval (``group.consumer.session.timeout.ms``, ``group.consumer.heartbeat.interval.ms``
+    or the group's own configs): librdkafka refuses them on the client."""
+    protocol = settings.rebalance_protocol
+    if protocol == "consumer":
+        return {"group.protocol": "consumer"}
+    return {"partition.assignment.strategy": "cooperative-sticky" if protocol == "cooperative" else "range",
+            "session.timeout.ms": settings.session_timeout_ms,
+            "heartbeat.interval.ms": settings.heartbeat_interval_ms}
 
 
 def consumer_id(settings: Any, worker_id: str) -> str:
