@@ -189,6 +189,9 @@ class ConfluentSource(KafkaSource):
         self._joined = False
         #: Each owned partition's last known high watermark (see _note_highwaters).
         self._highwaters: dict[TP, int] = {}
+        #: librdkafka's own lines and client-wide errors, quiet (DEBUG) until the broker probe
+        #: has answered: an unreachable broker is then one clear line, not librdkafka's retries.
+        self._client_log = _ProbeQuietLog()
         super().__init__(*args, **kwargs)
 
     def _connect(self) -> Consumer:
@@ -210,16 +213,16 @@ class ConfluentSource(KafkaSource):
                 "enable.partition.eof": False,
                 **group_protocol(s),
                 "max.poll.interval.ms": s.max_poll_interval_ms,
-                "error_cb": _on_error,
+                "error_cb": self._client_log.client_error,
                 "on_commit": _mirrored,
-                "logger": logging.getLogger("kstore.kafka.librdkafka"),
+                "logger": self._client_log,
             },
         )
         try:
             #: Asks the brokers for the main thread (see the module's docstring): never subscribes.
             self._querier = Consumer({**librdkafka_config(s), "group.id": f"{self.group}.kstore-queries",
                                       "enable.auto.commit": False, "client.id": f"{consumer_id(s, self.worker_id)}-q",
-                                      "logger": logging.getLogger("kstore.kafka.librdkafka")})
+                                      "logger": self._client_log})
         except BaseException:
             consumer.close()
             raise
@@ -230,6 +233,7 @@ class ConfluentSource(KafkaSource):
             known = self.consumer.list_topics(timeout=self.settings.connect_timeout_s).topics
         except KafkaException as exc:
             raise broker_error(self.settings, "list topics", exc) from None
+        self._client_log.probed = True
         missing = [t for t in self.topics if t not in known]
         if missing:
             raise ConfigurationError(
@@ -531,7 +535,9 @@ def group_protocol(settings: Any) -> dict[str, Any]:
 
 
 def consumer_id(settings: Any, worker_id: str) -> str:
-    return str(settings.client_id or f"kstore-{worker_id.replace(':', '-')}")
+    """The consumer's client id: the worker's own name (kstore.engine.relay.member_name), as on
+    kafka-python, so ``offsets show`` and ``top`` spell a live owner as the worker's log does."""
+    return str(settings.client_id or worker_id)
 
 
 def _code(exc: KafkaException) -> Any:
@@ -539,9 +545,20 @@ def _code(exc: KafkaException) -> Any:
     return error.code() if isinstance(error, KafkaError) else None
 
 
-def _on_error(error: KafkaError) -> None:
-    """librdkafka's client-wide errors (a broker down, all brokers down): it retries by itself."""
-    log.warning("Kafka client: %s", error.str())
+class _ProbeQuietLog:
+    """The ``logger`` and ``error_cb`` a ConfluentSource gives librdkafka: its lines go to
+    ``kstore.kafka.librdkafka`` and its client-wide errors (a broker down, all brokers down: it
+    retries by itself) to ``kstore.kafka.consumer`` as WARNINGs, both at DEBUG until ``probed``."""
+
+    def __init__(self) -> None:
+        self.probed = False
+        self._lines = logging.getLogger("kstore.kafka.librdkafka")
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        self._lines.log(level if self.probed else logging.DEBUG, msg, *args)
+
+    def client_error(self, error: KafkaError) -> None:
+        log.log(logging.WARNING if self.probed else logging.DEBUG, "Kafka client: %s", error.str())
 
 
 def _mirrored(error: KafkaError | None, _partitions: list[TopicPartition]) -> None:

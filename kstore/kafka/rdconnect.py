@@ -111,7 +111,8 @@ def broker_error(settings: Any, what: str, exc: BaseException) -> BrokerError:
                            f"{describe(exc)}")
     if isinstance(error, KafkaError) and error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
                                                           KafkaError._ALL_BROKERS_DOWN):
-        return BrokerError(f"cannot {what} at {where} within {settings.connect_timeout_s:g}s "
+        # Worded as kafka-python's probe words it (kstore.kafka.connect): one message per failure, whichever client.
+        return BrokerError(f"cannot reach Kafka at {where} within {settings.connect_timeout_s:g}s to {what} "
                            f"({describe(exc)}): check --bootstrap-servers and security_protocol "
                            f"({settings.security_protocol})")
     return BrokerError(f"cannot {what} at {where}: {describe(exc)}")
