@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, cast
 
 from sqlalchemy import Connection
@@ -36,37 +36,13 @@ from kstore.concurrency import (
 )
 from kstore.db.session import BatchSession, batch_session
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
+from kstore.records import Message as Message  # re-exported: users import it from here
 from kstore.records import Produced
 from kstore.retry import Reject, Retry, RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
 TopicPartition = tuple[str, int]
-
-
-class Message(NamedTuple):
-    """One Kafka record, as the processor sees it (key and value deserialized). Immutable.
-
-    A named tuple rather than a dataclass: one is built per message, and a tuple is
-    the cheapest immutable object Python makes. The time is kept in milliseconds
-    and turned into a datetime only when asked for.
-    """
-
-    topic: str
-    partition: int
-    offset: int
-    key: Any
-    value: Any
-    #: ``(name, value)`` pairs, as Kafka delivered them (empty when there are none).
-    headers: Sequence[tuple[str, bytes | None]] = ()
-    #: Kafka's timestamp in milliseconds since the epoch (None when the record has none).
-    timestamp_ms: int | None = None
-
-    @property
-    def timestamp(self) -> datetime | None:
-        """The record's timestamp as an aware UTC datetime (None when it has none)."""
-        ms = self.timestamp_ms
-        return None if ms is None or ms < 0 else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
 
 
 def to_ms(when: datetime | None) -> int | None:

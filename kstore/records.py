@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 #: A partition by plain values, ``(topic, partition_id)``: what users pass and the tables key on.
 TopicPartition = tuple[str, int]
 
 
 class Record(Protocol):
-    """A record as fetched (kafka-python's ConsumerRecord), before the processor deserializes it.
+    """A record as fetched and queued, before the processor deserializes it: what kstore reads of one.
 
-    kstore queues kafka-python's own record objects rather than copying each one:
-    per-record work in the fetcher is what bounds throughput.
+    On kafka-python kstore queues the client's own record objects (ConsumerRecord) rather than
+    copying each one: per-record work in the fetcher is what bounds throughput. On confluent-kafka
+    it queues :class:`Message` tuples, built once by the fetch thread and handed to a processor that
+    deserializes nothing as they are. The timestamp is named differently by the two (read it with
+    :func:`timestamp_ms`).
     """
 
     @property
@@ -29,17 +32,46 @@ class Record(Protocol):
     @property
     def offset(self) -> int: ...
     @property
-    def timestamp(self) -> int: ...
+    def key(self) -> Any: ...
     @property
-    def key(self) -> bytes | None: ...
-    @property
-    def value(self) -> bytes | None: ...
+    def value(self) -> Any: ...
     @property
     def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
+
+
+class Message(NamedTuple):
+    """One Kafka record, as the processor sees it (key and value deserialized). Immutable.
+
+    A named tuple rather than a dataclass: one is built per message, and a tuple is
+    the cheapest immutable object Python makes. The time is kept in milliseconds
+    and turned into a datetime only when asked for.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: Any
+    value: Any
+    #: ``(name, value)`` pairs, as Kafka delivered them (empty when there are none).
+    headers: Sequence[tuple[str, bytes | None]] = ()
+    #: Kafka's timestamp in milliseconds since the epoch (None when the record has none).
+    timestamp_ms: int | None = None
+
     @property
-    def serialized_key_size(self) -> int: ...
-    @property
-    def serialized_value_size(self) -> int: ...
+    def timestamp(self) -> datetime | None:
+        """The record's timestamp as an aware UTC datetime (None when it has none)."""
+        return ms_to_datetime(self.timestamp_ms)
+
+
+def timestamp_ms(record: Record) -> int | None:
+    """A queued record's Kafka timestamp in milliseconds (negative or None when it has none).
+
+    kafka-python's records call it ``timestamp``; a :class:`Message` calls it ``timestamp_ms``
+    (its ``timestamp`` is a datetime)."""
+    if isinstance(record, Message):
+        return record.timestamp_ms
+    ms: int | None = cast(Any, record).timestamp
+    return ms
 
 
 def ms_to_datetime(ms: int | None) -> datetime | None:

@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from kstore import ConfigurationError, Settings
+from kstore import Message as KstoreMessage
 from kstore.kafka.backends import source_class
-from kstore.kafka.confluent import ConfluentRecord, ConfluentSource, by_partition, group_protocol, to_records
-from kstore.kafka.consumer import KafkaSource
+from kstore.kafka.confluent import ConfluentSource, by_partition, group_protocol, messages_size, to_messages
+from kstore.kafka.consumer import RECORD_OVERHEAD, KafkaSource
 from kstore.kafka.rdconnect import librdkafka_config
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
 
@@ -182,29 +183,62 @@ def test_an_oauth_token_provider_becomes_librdkafkas_callback() -> None:
     assert token == "a.b.c" and expires > 0
 
 
+_HEADERS = [("h", b"v")]
+
+
 def _message(key: bytes | None, value: bytes | None, partition: int = 3, offset: int = 41,
-             error: KafkaError | None = None) -> Message:
+             error: KafkaError | None = None, headers: list[tuple[str, bytes]] | None = _HEADERS) -> Message:
     """A message as confluent-kafka's consume() hands it over (its own class, built for tests)."""
-    return Message(topic="t", partition=partition, offset=offset, key=key, value=value, headers=[("h", b"v")],
+    return Message(topic="t", partition=partition, offset=offset, key=key, value=value, headers=headers,
                    timestamp=(1, 1700000000000), error=error)
 
 
-def test_a_fetched_message_becomes_the_record_kstore_queues() -> None:
-    (record, empty) = to_records([_message(b"k", b"value"), _message(None, None)])
-    assert record == ("t", 3, 41, 1700000000000, b"k", b"value", [("h", b"v")], 1, 5)
-    assert type(record) is ConfluentRecord and (record.topic, record.partition, record.offset) == ("t", 3, 41)
-    assert (empty.serialized_key_size, empty.serialized_value_size) == (-1, -1)  # as kafka-python counts null
-    assert to_records([_message(b"", b"")])[0][-2:] == (0, 0)
+def test_a_fetched_message_becomes_the_kstore_message_a_raw_processor_is_handed() -> None:
+    """What the fetch thread queues is the :class:`kstore.Message` itself: every field as fetched,
+    the timestamp in milliseconds, the headers as pairs."""
+    (record, empty) = to_messages([_message(b"k", b"value"), _message(None, None)])
+    assert type(record) is KstoreMessage
+    assert record == KstoreMessage("t", 3, 41, b"k", b"value", _HEADERS, 1700000000000)
+    assert record.timestamp is not None and record.timestamp.year == 2023
+    assert (empty.key, empty.value) == (None, None)
 
 
-def test_fetched_records_are_grouped_by_partition_in_their_order() -> None:
+def test_a_record_without_headers_has_empty_headers_as_a_message_promises() -> None:
+    """librdkafka says None for a record without headers; a Message's headers are empty then,
+    whether none, some or all of a fetch's records have headers."""
+    bare, with_headers = _message(None, b"v", headers=None), _message(None, b"w")
+    assert bare.headers() is None
+    for fetched in ([bare, bare], [bare, with_headers], [with_headers, bare]):
+        got = to_messages(fetched)
+        assert [m.headers for m in got] == [() if m is bare else _HEADERS for m in fetched]
+
+
+@pytest.mark.parametrize("one_topic", [True, False])
+def test_fetched_records_are_grouped_by_partition_in_their_order(one_topic: bool) -> None:
     """librdkafka hands over runs of one partition's records, a partition's runs possibly apart:
-    each partition's records stay in the order given, none lost or doubled."""
+    each partition's records stay in the order given, none lost or doubled (grouped by partition
+    number alone when one topic is subscribed)."""
     order = [(0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (2, 1), (1, 1), (0, 3)]
-    grouped = by_partition(to_records([_message(None, b"v", p, o) for p, o in order]))
+    grouped = by_partition(to_messages([_message(None, b"v", p, o) for p, o in order]), "t" if one_topic else None)
     assert {tp: [r.offset for r in records] for tp, records in grouped.items()} == {
         ("t", 0): [0, 1, 2, 3], ("t", 1): [0, 1], ("t", 2): [0, 1]}
-    assert by_partition([]) == {}
+    assert by_partition([]) == by_partition([], "t") == {}
+
+
+def test_records_of_two_topics_with_the_same_partition_numbers_are_kept_apart() -> None:
+    order = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    fetched = [KstoreMessage(topic, 0, offset, None, b"v") for topic, offset in order]
+    grouped = by_partition(fetched)
+    assert {tp: [r.offset for r in records] for tp, records in grouped.items()} == {("a", 0): [0, 1], ("b", 0): [0, 1]}
+
+
+def test_the_size_of_queued_messages_counts_keys_and_values_and_adds_up() -> None:
+    """What the buffered-bytes bound adds for a fetch is what it takes away for the same records
+    in any split: the running total returns to zero."""
+    fetched = to_messages([_message(None, b"v" * 100), _message(b"key", b""), _message(b"k", None)])
+    assert messages_size(fetched) == 3 * RECORD_OVERHEAD + 100 + 3 + 1
+    assert sum(messages_size(fetched[i:i + 1]) for i in range(3)) == messages_size(fetched)
+    assert messages_size([]) == 0
 
 
 def test_a_fetch_sets_error_messages_apart_and_queues_the_rest() -> None:
@@ -249,7 +283,7 @@ def _source(consumer: _ScriptedConsumer) -> ConfluentSource:
     source = ConfluentSource.__new__(ConfluentSource)
     source.settings = Settings(max_poll_records=1000)
     source.lock = threading.RLock()
-    source._want_seek, source._want_paused = {}, {}
+    source._want_seek, source._want_paused, source._topic = {}, {}, None
     source.consumer = consumer  # type: ignore[assignment]
     return source
 
@@ -264,3 +298,13 @@ def test_a_fetch_hands_over_what_librdkafka_holds_without_waiting_for_a_full_pol
     fetched = [r for _, records in source._fetch(200, None) for r in records]
     assert len(fetched) == min(waiting, 1000)
     assert consumer.waited_s == (0.2 if waiting == 0 else 0.0)
+
+
+@pytest.mark.parametrize("room", [None, 1, 999, 1000, 5000])
+def test_a_fetch_never_takes_more_than_max_poll_records_whatever_room_the_queues_have(room: int | None) -> None:
+    """librdkafka may hold far more prefetched than one poll (64 MB by default): a fetch asked for
+    more room than max_poll_records still takes at most max_poll_records, the most the queues may
+    exceed max_buffered_bytes by."""
+    source = _source(_ScriptedConsumer(5000))
+    fetched = [r for _, records in source._fetch(200, room) for r in records]
+    assert len(fetched) == min(room or 1000, 1000)

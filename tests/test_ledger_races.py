@@ -107,7 +107,7 @@ def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_rec
     store, source, ledger = parts
     with source.lock:
         source._enqueue(source._queues[TP], [Rec(TOPIC, 0, o) for o in range(10)])
-        records, _ends = source.take_batch(5)
+        records, _ends, _counts = source.take_batch(5)
         generations = {TP: source.generation(TP) or 0}
     store.reset("g", TP, 100, expected_epoch=None, reason="operator")
 
@@ -126,7 +126,7 @@ def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_rec
     source.requeue(records, generations)
 
     with source.lock:
-        queued, _ = source.take_batch(100)
+        queued, _, _ = source.take_batch(100)
     stale = [r.offset for r in queued if r.offset < 100]
     assert not stale, f"records from before the reset would be delivered after it: {stale}"
     assert TP in ledger.pending, "the partition must be claimed again, not placed by the recheck"

@@ -54,7 +54,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
-from kstore.records import Record, ms_to_datetime
+from kstore.records import Record, ms_to_datetime, timestamp_ms
 from kstore.retry import Failure
 from kstore.settings import Settings
 
@@ -238,7 +238,7 @@ def write(conn: Connection, table: Table, group: str, record: Record, failure: F
     conn.execute(table.insert().values(
         consumer_group=group, topic=record.topic, partition_id=record.partition, offset=record.offset,
         key=record.key, value=record.value, headers=_encode_headers(record.headers or ()),
-        timestamp=ms_to_datetime(record.timestamp), error=failure.error, traceback=failure.traceback,
+        timestamp=ms_to_datetime(timestamp_ms(record)), error=failure.error, traceback=failure.traceback,
         attempts=failure.attempts, first_failure_at=failure.first_at, last_failure_at=failure.last_at,
         status=DEAD,
     ))

@@ -16,7 +16,7 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -44,7 +44,7 @@ from kstore.processor import (
     is_async_processor,
     run_handler,
 )
-from kstore.records import Produced, Record
+from kstore.records import Produced, Record, timestamp_ms
 from kstore.retry import Failure, Retry
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
@@ -64,6 +64,12 @@ class _Batch:
     #: Per partition: (stored offset, offset after the batch, epoch) when taken. The commit
     #: matches the first and the last (compare-and-set), so it is fenced if either moved.
     positions: dict[TP, Position]
+    #: Records per partition, when known as taken (else counted from ``records``).
+    taken_counts: dict[TP, int] | None = None
+
+    def counts(self) -> Mapping[TP, int]:
+        """Records per partition (for the metrics)."""
+        return _counts(self.records) if self.taken_counts is None else self.taken_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,7 @@ class _CommitInDoubt(Exception):
     letters: Sequence[tuple[Record, Failure]] = ()
 
 
-#: A record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
+#: A kafka-python record's fields in :class:`Message` order, and a Message made from them (a tuple subclass).
 _message_fields = operator.attrgetter("topic", "partition", "offset", "key", "value", "headers", "timestamp")
 _new_message = functools.partial(tuple.__new__, Message)
 _tp_of = operator.attrgetter("topic", "partition")
@@ -227,7 +233,7 @@ class Batches:
             self._requeue(taken)
             return False
         self._committed(taken)
-        self.metrics.committed(_counts(taken.records), started, self._commit_started)
+        self.metrics.committed(taken.counts(), started, self._commit_started)
         self._notify_committed(msgs)
         self._count_letters(taken.records, letters)
         return True
@@ -237,14 +243,14 @@ class Batches:
         source, ledger = self.source, self.ledger
         with source.lock:
             self.failures.retain(ledger.owned)
-            records, ends = source.take_batch(size, self.failures.focus(source.has_records))
+            records, ends, counts = source.take_batch(size, self.failures.focus(source.has_records))
             if not records:
                 return None
             # Under the lock that took them from the queues: a scrape sees them in one place or the other.
             self.in_flight = records
             generations = {tp: source.generation(tp) or 0 for tp in ends}
             positions = ledger.positions(ends)
-        return _Batch(records, generations, positions)
+        return _Batch(records, generations, positions, counts)
 
     def _requeue(self, taken: _Batch) -> None:
         """Messages of a batch that did not commit go back in front of their queues."""
@@ -315,7 +321,7 @@ class Batches:
             self._committed(doubt.taken)
             self.produced(0)  # it may have produced records: a wake-up that finds none costs one query
             if doubt.msgs:
-                self.metrics.committed(_counts(doubt.taken.records))
+                self.metrics.committed(doubt.taken.counts())
             else:
                 self.metrics.dead_lettered()
             self._notify_committed(doubt.msgs)
@@ -666,6 +672,8 @@ class Batches:
         down). A :class:`Retry` raised by a custom ``deserialize`` fails the batch, retried as usual.
         """
         if self._raw:
+            if self.source.queues_messages:  # built by the fetch thread already
+                return _Decoded(cast(list[Message], list(batch)), batch, [])
             # tuple.__new__ mapped straight, not through a partial: a sixth less per message.
             return _Decoded(list(map(tuple.__new__, itertools.repeat(Message), map(_message_fields, batch))), batch, [])
         deserialize = self.processor.deserialize
@@ -679,7 +687,7 @@ class Batches:
             except Exception as exc:
                 undecodable.append((r, DeserializationError.of(exc)))
                 continue
-            messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, r.timestamp)))
+            messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, timestamp_ms(r))))
         if not undecodable:
             return _Decoded(messages, batch, [])
         bad = {id(r) for r, _ in undecodable}

@@ -47,6 +47,7 @@ from kstore.kafka.backends import source_class
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Processor, call_hook, check_processor, produce_check
+from kstore.records import timestamp_ms
 from kstore.settings import Settings
 from kstore.targets import Target
 from kstore.telemetry.health import HealthServer, app
@@ -410,11 +411,11 @@ class Worker:
         offsets = ledger.offsets()
         with source.lock:  # the queues' heads and the batch taken from them, at one moment
             heads, taken = source.heads(), batches.in_flight
-        in_flight: dict[TP, int] = {}
+        in_flight: dict[TP, int | None] = {}
         for record in taken:
             tp = (record.topic, record.partition)
             if record.offset >= offsets.get(tp, record.offset + 1):  # not committed yet
-                in_flight.setdefault(tp, record.timestamp)
+                in_flight.setdefault(tp, timestamp_ms(record))
         now_ms = time.time() * 1000
         lags = []
         for tp, committed in sorted(offsets.items()):

@@ -104,13 +104,14 @@ import logging
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
 
-from .consumer import MIRROR_METADATA, TP, EventKind, KafkaSource
+from .consumer import MIRROR_METADATA, RECORD_OVERHEAD, TP, EventKind, KafkaSource
 from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
 
 log = logging.getLogger("kstore.kafka.consumer")
@@ -123,47 +124,45 @@ _INVALID = -1001
 REQUEST_TIMEOUT_S = 10.0
 
 
-class ConfluentRecord(NamedTuple):
-    """A fetched record as kstore queues it (the fields of kafka-python's ConsumerRecord it reads)."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes | None]] | None
-    serialized_key_size: int
-    serialized_value_size: int
-
-
-_get = (Message.topic, Message.partition, Message.offset, Message.key, Message.value, Message.headers)
+_get = (Message.topic, Message.partition, Message.offset, Message.key, Message.value)
 _timestamp_ms = operator.itemgetter(1)
 _is_error = functools.partial(operator.is_not, None)
-_new_record = functools.partial(tuple.__new__, ConfluentRecord)
-_partition_of = operator.attrgetter("topic", "partition")
+_tuple_new = tuple.__new__
+_messages = itertools.repeat(records.Message)
+_topic_partition_of = operator.itemgetter(0, 1)
+_partition_of = operator.itemgetter(1)
+_key_of = operator.itemgetter(3)
+_value_of = operator.itemgetter(4)
 
 
-def to_records(messages: Sequence[Message]) -> list[ConfluentRecord]:
-    """The records kstore queues for librdkafka's messages (none of them an error), in their order.
+def to_messages(messages: Sequence[Message]) -> list[records.Message]:
+    """What kstore queues for librdkafka's messages (none of them an error), in their order: the
+    :class:`kstore.Message` a processor that deserializes nothing is handed as it is.
 
-    Built by C loops: ``map`` over confluent-kafka's own accessors, ``zip`` and ``tuple.__new__``,
-    with no Python call per message (a Python loop here was about a quarter of a no-op worker's
-    CPU). A null key or value has size -1, as kafka-python counts it.
+    Built by C loops: ``map`` over confluent-kafka's own accessors, ``zip`` and ``tuple.__new__``
+    (mapped straight, not through a partial), with no Python call per message (a Python loop here
+    was about a quarter of a no-op worker's CPU). A record without headers has ``()``, as a
+    Message promises (librdkafka says None).
     """
-    topics, partitions, offsets, keys, values, headers = (list(map(get, messages)) for get in _get)
+    headers: list[Any] = list(map(Message.headers, messages))
+    bare = headers.count(None)
+    if bare == len(headers):
+        headers = [()] * bare
+    elif bare:
+        headers = [() if h is None else h for h in headers]
     stamps = map(_timestamp_ms, map(Message.timestamp, messages))
-    key_sizes = map(operator.length_hint, keys, itertools.repeat(-1))
-    value_sizes = map(operator.length_hint, values, itertools.repeat(-1))
-    return list(map(_new_record, zip(topics, partitions, offsets, stamps, keys, values, headers, key_sizes,
-                                     value_sizes, strict=True)))
+    fields = zip(*(map(get, messages) for get in _get), headers, stamps, strict=True)
+    return list(map(_tuple_new, _messages, fields))
 
 
-def by_partition(records: Sequence[ConfluentRecord]) -> dict[TP, list[ConfluentRecord]]:
-    """``records`` by partition, each partition's in the order given (librdkafka hands over runs of
-    one partition's records: one Python step per run, not per record)."""
-    fetched: dict[TP, list[ConfluentRecord]] = {}
-    for tp, run in itertools.groupby(records, _partition_of):
+def by_partition(queued: Sequence[records.Message], topic: str | None = None) -> dict[TP, list[records.Message]]:
+    """``queued`` by partition, each partition's in the order given (librdkafka hands over runs of
+    one partition's records: one Python step per run, not per record). ``topic``: every record's
+    topic, when only one is subscribed (then only the partition numbers are compared)."""
+    fetched: dict[TP, list[records.Message]] = {}
+    runs = (itertools.groupby(queued, _topic_partition_of) if topic is None
+            else (((topic, p), run) for p, run in itertools.groupby(queued, _partition_of)))
+    for tp, run in runs:
         got = fetched.get(tp)
         if got is None:
             fetched[tp] = list(run)
@@ -172,10 +171,24 @@ def by_partition(records: Sequence[ConfluentRecord]) -> dict[TP, list[ConfluentR
     return fetched
 
 
+def messages_size(queued: Sequence[records.Message]) -> int:
+    """Approximate memory held for queued :class:`kstore.Message` tuples, for ``max_buffered_bytes``:
+    :data:`RECORD_OVERHEAD` each and the bytes of its key and value (a null one counts 0). Summed by
+    C loops; it runs for every record fetched and delivered."""
+    payload: int = (sum(map(len, filter(None, map(_key_of, queued))))
+                    + sum(map(len, filter(None, map(_value_of, queued)))))
+    return RECORD_OVERHEAD * len(queued) + payload
+
+
 class ConfluentSource(KafkaSource):
     """:class:`KafkaSource` on confluent-kafka (librdkafka); see the module's docstring."""
 
     consumer: Consumer
+    queues_messages = True
+
+    @staticmethod
+    def size_of(records: Sequence[Any]) -> int:
+        return messages_size(records)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: What the fetch thread is to do to the consumer before its next consume() (lock held):
@@ -193,6 +206,8 @@ class ConfluentSource(KafkaSource):
         #: has answered: an unreachable broker is then one clear line, not librdkafka's retries.
         self._client_log = _ProbeQuietLog()
         super().__init__(*args, **kwargs)
+        #: Every record's topic when only one is subscribed (records are then grouped by partition number).
+        self._topic = self.topics[0] if len(self.topics) == 1 else None
 
     def _connect(self) -> Consumer:
         s = self.settings
@@ -302,7 +317,10 @@ class ConfluentSource(KafkaSource):
     def _fetch(self, timeout_ms: int, max_records: int | None) -> Iterable[tuple[TP, Sequence[Any]]]:
         with self.lock:
             self._carry_out()
-        most = max(1, max_records or self.settings.max_poll_records)
+        # Never more than max_poll_records: kafka-python's polls are bounded by its fetch sizes too,
+        # but consume() hands over whatever librdkafka has prefetched (up to 64 MB by default), and
+        # one poll's records are what the queues may exceed max_buffered_bytes by.
+        most = max(1, min(max_records or self.settings.max_poll_records, self.settings.max_poll_records))
         try:
             # consume(n, timeout) returns only once it has n records or the timeout passed: at a
             # steady rate below n per timeout every record would wait up to the whole timeout. So
@@ -324,7 +342,7 @@ class ConfluentSource(KafkaSource):
                 else:
                     self._fetch_error(msg, error)
             messages = good
-        return by_partition(to_records(messages)).items()
+        return by_partition(to_messages(messages), self._topic).items()
 
     def _fetch_error(self, msg: Message, error: KafkaError) -> None:
         """An error librdkafka handed over with the records: a partition it cannot fetch, or news."""

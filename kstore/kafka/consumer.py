@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
@@ -58,7 +58,7 @@ from kafka.errors import (
 from kafka.structs import MemberState
 
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.records import Record
+from kstore.records import Record, timestamp_ms
 from kstore.settings import Settings
 
 from .connect import open_consumer
@@ -77,7 +77,7 @@ _value_sizes = operator.attrgetter("serialized_value_size")
 
 
 def records_size(records: Sequence[Record]) -> int:
-    """Approximate memory held for queued records, for the ``max_buffered_bytes`` bound.
+    """Approximate memory held for queued kafka-python records, for the ``max_buffered_bytes`` bound.
 
     Summed by C loops (``map`` over attribute getters): this runs for every record
     fetched and delivered. A null key or value counts as -1 byte instead of 0.
@@ -182,6 +182,15 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 class KafkaSource:
     """The narrow seam between the worker and Kafka."""
+
+    #: Whether the queued records are :class:`~kstore.records.Message` tuples already (raw bytes),
+    #: which a processor that deserializes nothing is handed as they are. kafka-python's are its own.
+    queues_messages: ClassVar[bool] = False
+
+    @staticmethod
+    def size_of(records: Sequence[Any]) -> int:
+        """Approximate memory of queued records (the one function for what is queued and taken)."""
+        return records_size(records)
 
     def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str,
                  database_id: str | None = None) -> None:
@@ -327,7 +336,7 @@ class KafkaSource:
                 return 0
         q.records.extend(krecords)
         q.next_fetch = krecords[-1].offset + 1
-        self._queued_bytes += records_size(krecords)
+        self._queued_bytes += self.size_of(krecords)
         self._queued_records += len(krecords)
         return len(krecords)
 
@@ -466,11 +475,14 @@ class KafkaSource:
                     return
                 self.changed.wait(remaining)
 
-    def take_batch(self, max_records: int, only: TP | None = None) -> tuple[list[Record], dict[TP, int]]:
+    def take_batch(self, max_records: int, only: TP | None = None
+                   ) -> tuple[list[Record], dict[TP, int], dict[TP, int]]:
         """Up to ``max_records`` queued records, taken round-robin across partitions (or of
-        partition ``only``), and the offset after the last record taken of each partition."""
+        partition ``only``); the offset after the last record taken of each partition; and how
+        many were taken of each."""
         batch: list[Record] = []
         ends: dict[TP, int] = {}
+        counts: dict[TP, int] = {}
         with self.lock:
             queues = [(tp, q) for tp, q in self._queues.items() if q.records and only in (None, tp)]
             if len(queues) > 1:
@@ -486,23 +498,24 @@ class KafkaSource:
                     if n:
                         take = records.popleft
                         batch.extend([take() for _ in range(n)])
+                        counts[tp] = counts.get(tp, 0) + n
                         # Emptied: up to where the consumer is (past any transaction marker).
                         ends[tp] = batch[-1].offset + 1 if records else max(batch[-1].offset + 1, q.next_fetch)
                 queues = [(tp, q) for tp, q in queues if q.records]
             if batch:
                 self._queued_records -= len(batch)
-                self._queued_bytes -= records_size(batch)
+                self._queued_bytes -= self.size_of(batch)
                 if self._throttled:
                     self._throttle()
                 self.changed.notify_all()  # room for the fetcher
-        return batch, ends
+        return batch, ends, counts
 
     def heads(self) -> dict[TP, tuple[int | None, int | None]]:
         """For each owned partition: the last high watermark a fetch reported (None before
         the first) and the timestamp (ms) of the first queued record (None if none is queued).
         Local state only: no broker call."""
         with self.lock:
-            return {tp: (self._highwater(tp), q.records[0].timestamp if q.records else None)
+            return {tp: (self._highwater(tp), timestamp_ms(q.records[0]) if q.records else None)
                     for tp, q in self._queues.items()}
 
     def _highwater(self, tp: TP) -> int | None:
@@ -559,7 +572,7 @@ class KafkaSource:
                 if q is not None and q.generation == generations.get(tp):
                     q.records.appendleft(record)
                     self._queued_records += 1
-                    self._queued_bytes += records_size([record])
+                    self._queued_bytes += self.size_of([record])
 
     # -- ownership and position ------------------------------------------
 
@@ -577,7 +590,7 @@ class KafkaSource:
 
     def _flush(self, q: _Queue) -> None:
         self._queued_records -= len(q.records)
-        self._queued_bytes -= records_size(q.records)
+        self._queued_bytes -= self.size_of(q.records)
         q.records.clear()
         q.generation = next(self._generations)
 

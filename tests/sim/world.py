@@ -477,9 +477,9 @@ def _source_class(world: World) -> type[KafkaSource]:
             return queued
 
         def take_batch(self, *args: Any, **kwargs: Any) -> Any:
-            records, ends = super().take_batch(*args, **kwargs)
+            records, ends, counts = super().take_batch(*args, **kwargs)
             world.note_take(self.settings.client_id or "?", sorted(ends))
-            return records, ends
+            return records, ends, counts
 
     return SimSource
 
