@@ -43,12 +43,16 @@ def consume_batch(config: dict[str, Any]) -> int:
 def consumer_for(config: dict[str, Any], on_assign: Callable[[Any, list[TopicPartition]], None]) -> Consumer:
     """A confluent-kafka consumer as a hand-written loop makes it: a fresh group from the start
     of the topic, no auto-commit (each loop decides what to commit), subscribed."""
+    tuning = config.get("tuning", {})
     consumer = Consumer({
         "bootstrap.servers": config["bootstrap"],
         "group.id": config["group"],
         "client.id": f"bench-{config['contender']}",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
+        # librdkafka stops fetching a partition this long once its queue is full (1000 ms unless
+        # tuned: a drained backlog then comes in bursts; see docs/benchmarks.md).
+        **({"fetch.queue.backoff.ms": tuning["fetch_queue_backoff_ms"]} if "fetch_queue_backoff_ms" in tuning else {}),
     })
     consumer.subscribe([config["topic"]], on_assign=on_assign)
     return consumer

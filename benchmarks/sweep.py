@@ -44,6 +44,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
              "1, 2, 11, 12, 19, 20 take it)")
     add("--batches", default="500,1000,2000,5000", help="records per poll / consume() to try")
     add("--pages", default="100,1000,0", help="execute_values page sizes to try (0: the whole batch)")
+    add("--backoffs", default="1000,100",
+        help="confluent-kafka's loops: librdkafka fetch.queue.backoff.ms values to try (its default is 1000)")
     add("--repeat", type=int, default=1, help="drains per combination, interleaved; the median is compared")
     add("--messages", type=int, default=100_000, help="backlog each drain takes (default 100,000)")
     add("--partitions", type=int, default=12)
@@ -59,19 +61,28 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tiny:
         args.messages, args.partitions, args.batches, args.pages, args.broker_warmup = 2000, 2, "1000", "100,0", 0
+        args.backoffs = "100"
     return args
 
 
-def variants(loops: list[Contender], batches: list[int], pages: list[int]) -> list[Contender]:
-    """Each loop with each batch size (and each page size, if it writes), named by them."""
+def variants(loops: list[Contender], batches: list[int], pages: list[int],
+             backoffs: Sequence[int] = ()) -> list[Contender]:
+    """Each loop with each batch size (each page size, if it writes; each fetch backoff, if on
+    confluent-kafka; none given: librdkafka's default), named by them."""
     out = []
     for c in loops:
-        key = "consume_batch" if c.client == "confluent" else "max_poll_records"
+        confluent = c.client == "confluent"
+        key = "consume_batch" if confluent else "max_poll_records"
         for batch in batches:
             for page in pages if c.writes_rows else [None]:
-                tuning = {key: batch} if page is None else {key: batch, "page_size": page}
-                suffix = f"b{batch}" + ("" if page is None else f"-p{page}")
-                out.append(dataclasses.replace(c, name=f"{c.name}-{suffix}", tuning=tuning))
+                for backoff in (backoffs or [None]) if confluent else [None]:
+                    tuning: dict[str, Any] = {key: batch}
+                    suffix = f"b{batch}"
+                    if page is not None:
+                        tuning["page_size"], suffix = page, f"{suffix}-p{page}"
+                    if backoff is not None:
+                        tuning["fetch_queue_backoff_ms"], suffix = backoff, f"{suffix}-q{backoff}"
+                    out.append(dataclasses.replace(c, name=f"{c.name}-{suffix}", tuning=tuning))
     return out
 
 
@@ -89,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m benchmarks.sweep: only the raw and hand-written loops (1, 2, 11, 12, 19, 20) take a "
               "tuning", file=sys.stderr)
         return 2
-    runs = variants(loops, _ints(args.batches), _ints(args.pages))
+    runs = variants(loops, _ints(args.batches), _ints(args.pages), _ints(args.backoffs))
     signal.signal(signal.SIGTERM, _interrupt)  # as the main run: the child, the broker and PostgreSQL stop
     opts = Options(messages=args.messages, partitions=args.partitions, size=args.size, out=args.out,
                    broker_warmup=args.broker_warmup, quiet_wait=args.quiet_wait)
@@ -97,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "parameters": {"messages": args.messages, "partitions": args.partitions, "size": args.size,
                        "repeat": args.repeat, "loops": args.loops, "batches": args.batches, "pages": args.pages,
+                       "backoffs": args.backoffs,
                        "quiet_wait_s": args.quiet_wait},
         "machine": machine(), "drains": [],
     }

@@ -80,6 +80,15 @@ def test_the_sweep_tries_every_combination_once() -> None:
     assert runs[-1].tuning == {"consume_batch": 2000, "page_size": 0}
 
 
+def test_the_sweep_tries_librdkafkas_fetch_backoff_on_confluent_loops_only() -> None:
+    runs = variants(select("2,1"), [1000], [100], [1000, 100])
+    assert [(c.name, c.tuning) for c in runs] == [
+        ("kafka-python-b1000", {"max_poll_records": 1000}),
+        ("confluent-kafka-b1000-q1000", {"consume_batch": 1000, "fetch_queue_backoff_ms": 1000}),
+        ("confluent-kafka-b1000-q100", {"consume_batch": 1000, "fetch_queue_backoff_ms": 100}),
+    ]
+
+
 def test_the_table_names_both_ceilings_and_groups_the_ratios_by_client() -> None:
     def ran(number: int, throughput: float) -> dict[str, object]:
         c = BY_NUMBER[number]

@@ -308,3 +308,25 @@ def test_a_fetch_never_takes_more_than_max_poll_records_whatever_room_the_queues
     source = _source(_ScriptedConsumer(5000))
     fetched = [r for _, records in source._fetch(200, room) for r in records]
     assert len(fetched) == min(room or 1000, 1000)
+
+
+class _Opened(Exception):
+    """Raised by the stand-in for open_rd_consumer once it has seen the consumer's properties."""
+
+
+@pytest.mark.parametrize("options, expected", [({}, 100), ({"fetch.queue.backoff.ms": "1000"}, "1000")])
+def test_librdkafka_refetches_a_partition_soon_after_its_queue_was_full_unless_the_user_says(
+        monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], expected: Any) -> None:
+    """At librdkafka's default (1000 ms) a drained backlog came in bursts with most of a second
+    between them; kstore's consumer asks for 100 ms, and the user's own value wins."""
+    seen: dict[str, Any] = {}
+
+    def opened(_settings: Settings, **properties: Any) -> Consumer:
+        seen.update(properties)
+        raise _Opened
+
+    monkeypatch.setattr("kstore.kafka.confluent.open_rd_consumer", opened)
+    settings = Settings(kafka_client="confluent", kafka_options=options)
+    with pytest.raises(_Opened):
+        ConfluentSource(settings, "g", ["t"], "worker-1")
+    assert seen["fetch.queue.backoff.ms"] == expected

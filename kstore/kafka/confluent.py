@@ -122,6 +122,13 @@ PLACEHOLDER_OFFSET = 0
 _INVALID = -1001
 #: How long a question to the brokers (log bounds, offsets by time) may take.
 REQUEST_TIMEOUT_S = 10.0
+#: librdkafka's ``fetch.queue.backoff.ms`` unless the user sets it: how long it stops fetching a
+#: partition once its local queue holds ``queued.min.messages`` (100,000 records). At its default,
+#: 1000 ms, a backlog came in bursts: a worker drained the queue in a quarter of a second, then
+#: waited most of a second for the next fetch (a no-op worker drained 1,000,000 records at about
+#: 170,000/s; at 100 ms, at 440,000 to 570,000/s). Lower values cost the broker thread a check per
+#: backoff, nothing more: the queue's bounds stay librdkafka's.
+FETCH_QUEUE_BACKOFF_MS = 100
 
 
 _get = (Message.topic, Message.partition, Message.offset, Message.key, Message.value)
@@ -226,6 +233,7 @@ class ConfluentSource(KafkaSource):
                 "auto.offset.reset": "error",
                 "allow.auto.create.topics": False,
                 "enable.partition.eof": False,
+                "fetch.queue.backoff.ms": s.kafka_options.get("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS),
                 **group_protocol(s),
                 "max.poll.interval.ms": s.max_poll_interval_ms,
                 "error_cb": self._client_log.client_error,
