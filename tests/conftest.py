@@ -62,6 +62,13 @@ if KAFKA_CLIENT != "kafka-python":
     os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests (and those starting a cluster of their own) first, otherwise in their order:
+    under pytest-xdist the last test to start bounds the run, and a long one started last keeps
+    one worker busy after the other has finished."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("long") or item.get_closest_marker("cluster") else 1)
+
+
 def pytest_report_header() -> str:
     """The versions the run is against, at the top of its output: SQLAlchemy's private names
     (tests/test_sqlalchemy_names.py) and the drivers are checked on these."""

@@ -42,6 +42,7 @@ def run_benchmark(kafka: str, dsn: str, out: Path) -> subprocess.CompletedProces
     return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=540, check=False)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any, tmp_path: Path) -> None:
     info = postgresql.info

@@ -15,7 +15,7 @@ Environment (all optional; any but ``KSTORE_SIM_JOBS`` and ``KSTORE_SIM_SHRINK``
 which schedules run or what they check, so the full test refuses to run with one
 unless ``KSTORE_SIM_BY_HAND=1`` says it is a run by hand: CI cannot inherit one):
 
-- ``KSTORE_SIM_SCHEDULES`` (default 2000): half from the fixed block, half fresh.
+- ``KSTORE_SIM_SCHEDULES`` (default 1000): half from the fixed block, half fresh.
 - ``KSTORE_SIM_FIRST`` (default 0): the fixed block's first seed.
 - ``KSTORE_SIM_FRESH``: the fresh block's first seed (default: drawn at random), to run
   a printed fresh block again.
@@ -73,13 +73,14 @@ BY_HAND = ("KSTORE_SIM_SCHEDULES", "KSTORE_SIM_FIRST", "KSTORE_SIM_FRESH", "KSTO
 #: (about 1 in 3 do today), and each outcome of a lost answer once per ``4 *`` as many.
 FIRES_EVERY = 20
 
-SCHEDULES = int(os.environ.get("KSTORE_SIM_SCHEDULES", "2000"))
+SCHEDULES = int(os.environ.get("KSTORE_SIM_SCHEDULES", "1000"))
 
 
 def _skip() -> frozenset[str]:
     return parse_skip(os.environ.get("KSTORE_SIM_SKIP"), KNOWN_BUGS)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(max(600, SCHEDULES // 5))
 def test_simulated_schedules_keep_every_invariant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _refuse_a_reduced_run()
