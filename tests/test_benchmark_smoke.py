@@ -75,7 +75,8 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
 @pytest.mark.timeout(300)
 def test_baseline_sweep_runs(kafka: str, postgresql: Any, tmp_path: Path) -> None:
     """``python -m benchmarks.sweep --tiny``: each hand-written exactly-once loop drains once per
-    combination, checked exactly once, and one combination per loop is named the fastest."""
+    combination (on confluent-kafka, with librdkafka's fetch backoff too), checked exactly once,
+    and one combination per loop is named the fastest."""
     info = postgresql.info
     dsn = f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
     done = subprocess.run(
@@ -87,7 +88,7 @@ def test_baseline_sweep_runs(kafka: str, postgresql: Any, tmp_path: Path) -> Non
     summary = json.loads((tmp_path / "sweep.json").read_text())["summary"]
     assert [r["name"] for r in summary] == [
         "exactly-once-by-hand-b1000-p100", "exactly-once-by-hand-b1000-p0",
-        "exactly-once-by-hand-confluent-b1000-p100", "exactly-once-by-hand-confluent-b1000-p0"]
+        "exactly-once-by-hand-confluent-b1000-p100-q100", "exactly-once-by-hand-confluent-b1000-p0-q100"]
     assert sorted(r["number"] for r in summary if r.get("best")) == [12, 19]
     assert done.stdout.count("<- fastest") == 2
 
