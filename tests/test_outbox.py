@@ -170,6 +170,7 @@ def pg_proxy(pg_dsn: str) -> Iterator[FaultProxy]:
         yield proxy
 
 
+@pytest.mark.long
 def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_broker_restart(
         outbox_cluster: Cluster, pg_dsn: str, pg_proxy: FaultProxy, tmp_path: Path) -> None:
     """20,000 input messages on 6 partitions, each producing one or two keyed records (50 keys,

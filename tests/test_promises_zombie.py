@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from .harness import assert_exactly_once, effects, wait_until
@@ -29,6 +30,7 @@ def writers(dsn: str) -> dict[tuple[str, int, int], str]:
     return {(r[0], r[1], r[2]): r[3] for r in rows}
 
 
+@pytest.mark.long
 def test_the_idle_in_transaction_timeout_ends_a_sigstopped_zombies_transaction(
     pg_dsn: str, new_topic: Callable[..., str], produce: Callable[..., Any], workers: Callable[..., Any],
     tmp_path: Path,

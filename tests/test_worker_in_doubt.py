@@ -230,6 +230,7 @@ def expected_counts(sent: set[tuple[str, int, int]],
     return counts
 
 
+@pytest.mark.long
 def test_exactly_once_through_cut_commits_blackholes_poison_and_online_resets(
         kafka: str, pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any, produce: Any, workers: Any) -> None:
     """Everything at once, against the real broker and PostgreSQL behind the proxy: 6 COMMITs
