@@ -71,14 +71,19 @@ def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultPr
     text() INSERTs deferred by the session (kstore's multi-row statements, kstore/db/manyrows.py)."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))
+    # No relay: its lease rounds commit too, and the COMMIT cut must be a batch's.
     w = workers(with_driver(pg_proxy.dsn_through(pg_dsn), driver), topic, "indoubt",
-                env={"KSTORE_MAX_BATCH_SIZE": "100", "KSTORE_TEST_BATCH_SLEEP": "0.01", "KSTORE_TEST_WRITE": write})
+                env={"KSTORE_MAX_BATCH_SIZE": "100", "KSTORE_TEST_BATCH_SLEEP": "0.01", "KSTORE_TEST_WRITE": write,
+                     "KSTORE_RELAY": "false"})
     w.wait_for_log(r"claimed ")
     for n in range(1, 7):
         pg_proxy.cut_after_commit()
         # Produced after arming, so a COMMIT is still to come however fast the backlog went.
         expected |= set(produce(topic, [f"m{n}-{i}" for i in range(250)]))
         wait_until(lambda n=n: pg_proxy.commits_cut >= n, 60, what=f"commit cut {n}")
+        # Armed again only once the worker has settled this one: the read-back that settles it
+        # commits too, and a cut of that COMMIT would be a cut of no batch's.
+        wait_until(lambda n=n: w.log.count("lost its answer") >= n, 60, what=f"commit {n} settled")
     stopped_with_every_effect_once(w, pg_dsn, expected)
     assert w.log.count("lost its answer") >= 6, w.log[-3000:]
     assert "but landed: not processing it again" in w.log
