@@ -59,15 +59,17 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     protocol: every effect exactly once, and no worker commits a partition before its claim. With
     the incremental ones (cooperative, consumer) a worker gives up only the partitions that move."""
     topic = new_topic(partitions=6)
+    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
+    group = f"reb-{rebalance_protocol}"
     producer = BackgroundProducer(produce, topic)
     env = {"KSTORE_TEST_BATCH_SLEEP": "0.02", "KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
-    w1 = workers(pg_dsn, topic, "reb", env=env)
+    w1 = workers(pg_dsn, topic, group, env=env)
     w1.wait_for_log(r"claimed")
-    w2 = workers(pg_dsn, topic, "reb", env=env)
+    w2 = workers(pg_dsn, topic, group, env=env)
     w2.wait_for_log(r"claimed")
     w2.wait_for_log(COMMITTED)
     time.sleep(2)
-    w3 = workers(pg_dsn, topic, "reb", env=env)
+    w3 = workers(pg_dsn, topic, group, env=env)
     w3.wait_for_log(r"claimed")
     w3.wait_for_log(COMMITTED)
     time.sleep(2)
@@ -140,9 +142,11 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
     incremental rebalance protocol, where the next worker gets the dead one's partitions only once
     its session has timed out."""
     topic = new_topic(partitions=2)
+    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
+    group = f"crash-{protocol}-{int(per_message)}"
     sent = set(produce(topic, (f"v{i}" for i in range(400))))
     hang = tmp_path / "hang"
-    w1 = workers(pg_dsn, topic, "crash", env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang),
+    w1 = workers(pg_dsn, topic, group, env={"KSTORE_TEST_HANG_AT": "100", "KSTORE_TEST_HANG_FILE": str(hang),
                                              "KSTORE_TEST_PER_MESSAGE": "1" if per_message else "0",
                                              "KSTORE_REBALANCE_PROTOCOL": protocol},
                  args=["--max-batch-size", "25"])
@@ -157,11 +161,11 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
 
     before = effects(pg_dsn)
     assert not in_flight & set(before), "effects of the uncommitted batch survived kill -9"
-    stored = stored_offsets(pg_dsn, "crash")
+    stored = stored_offsets(pg_dsn, group)
     for t, p, o in in_flight:
         assert stored[(t, p)] <= o, "offsets moved past a batch that never committed"
 
-    w2 = workers(pg_dsn, topic, "crash", env={"KSTORE_REBALANCE_PROTOCOL": protocol})
+    w2 = workers(pg_dsn, topic, group, env={"KSTORE_REBALANCE_PROTOCOL": protocol})
     wait_until(lambda: len(effects(pg_dsn)) >= 400, 60, what="all 400 effects after restart")
     assert w2.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
@@ -206,10 +210,12 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     """A worker paused mid-batch loses its partitions; when it wakes, its commit is fenced (on each
     rebalance protocol)."""
     topic = new_topic(partitions=2)
+    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
+    group = f"zombie-{rebalance_protocol}"
     sent = set(produce(topic, (f"v{i}" for i in range(300))))
     hang = tmp_path / "hang"
     protocol = {"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
-    zombie = workers(pg_dsn, topic, "zombie", args=["--max-batch-size", "20"], env={
+    zombie = workers(pg_dsn, topic, group, args=["--max-batch-size", "20"], env={
         "KSTORE_TEST_HANG_AT": "60", "KSTORE_TEST_HANG_FILE": str(hang), "KSTORE_TEST_HANG_SECONDS": "2",
         # Let the zombie's transaction survive the pause, so it is the epoch that stops it.
         "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "600000", **protocol,
@@ -219,7 +225,7 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     in_flight = read_in_flight(hang)
     assert in_flight, "the zombie's batch"
 
-    healthy = workers(pg_dsn, topic, "zombie", env=protocol)
+    healthy = workers(pg_dsn, topic, group, env=protocol)
     wait_until(lambda: len(effects(pg_dsn)) >= 300, 90, what="the healthy worker to process everything")
     zombie.resume()
     # The zombie wakes inside its batch and tries to commit; give it time to do so.
@@ -249,14 +255,16 @@ def test_a_partition_fenced_by_a_zombies_late_claim_is_claimed_again_a_session_t
     assigned it, claims it again once a session timeout has passed, and carries on exactly once.
     The zombie's claim is made here by the test, as the zombie's claim transaction makes it."""
     topic = new_topic(partitions=2)
+    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
+    group = f"orphan-{rebalance_protocol}"
     producer = BackgroundProducer(produce, topic, batch=5, interval=0.1)
-    w = workers(pg_dsn, topic, "orphan", env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol})
+    w = workers(pg_dsn, topic, group, env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol})
     w.wait_for_log(rf"claimed {topic}\[0\]@\d+, {topic}\[1\]@")
     w.wait_for_log(COMMITTED)
     settings = Settings(dsn=pg_dsn)
     store = Store(make_engine(settings), settings)
     try:
-        with store.claiming("orphan", [(topic, 0)], "a-zombie") as (_conn, claims):
+        with store.claiming(group, [(topic, 0)], "a-zombie") as (_conn, claims):
             assert claims[(topic, 0)].epoch >= 2
     finally:
         store.engine.dispose()
@@ -270,7 +278,7 @@ def test_a_partition_fenced_by_a_zombies_late_claim_is_claimed_again_a_session_t
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
     assert assert_claimed_before_committed(w.log) > 0
-    assert stored_offsets(pg_dsn, "orphan")[(topic, 0)] == 1 + max(o for _, p, o in sent if p == 0)
+    assert stored_offsets(pg_dsn, group)[(topic, 0)] == 1 + max(o for _, p, o in sent if p == 0)
 
 
 def test_processor_exception_rolls_back_the_batch_then_stops_before_the_bad_message(
