@@ -44,7 +44,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
              "1, 2, 11, 12, 19, 20 take it)")
     add("--batches", default="500,1000,2000,5000", help="records per poll / consume() to try")
     add("--pages", default="100,1000,0", help="execute_values page sizes to try (0: the whole batch)")
-    add("--backoffs", default="1000,100",
+    add("--backoffs", default="1000,100,10",
         help="confluent-kafka's loops: librdkafka fetch.queue.backoff.ms values to try (its default is 1000)")
     add("--repeat", type=int, default=1, help="drains per combination, interleaved; the median is compared")
     add("--messages", type=int, default=100_000, help="backlog each drain takes (default 100,000)")

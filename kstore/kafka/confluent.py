@@ -126,7 +126,7 @@ REQUEST_TIMEOUT_S = 10.0
 #: partition once its local queue holds ``queued.min.messages`` (100,000 records). At its default,
 #: 1000 ms, a backlog came in bursts: a worker drained the queue in a quarter of a second, then
 #: waited most of a second for the next fetch (a no-op worker drained 1,000,000 records at about
-#: 170,000/s; at 100 ms, at 440,000 to 570,000/s). Lower values cost the broker thread a check per
+#: 170,000/s; at 100 ms, at 450,000 to 750,000/s). Lower values cost the broker thread a check per
 #: backoff, nothing more: the queue's bounds stay librdkafka's.
 FETCH_QUEUE_BACKOFF_MS = 100
 
