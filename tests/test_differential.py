@@ -322,7 +322,18 @@ def check(engines: Engines, ops: list[Op], kstore_begin: bool) -> None:
         # before a duplicate key in an earlier one. Both fail the batch, and kstore's retry one
         # message per transaction then gives each message its own error.
         fast, plain = fast[:1] + fast[2:], plain[:1] + plain[2:]
+    # The same inside a savepoint: its failure is a read, and the error is the later row's.
+    reads = [_same_failure(f, p) for f, p in zip(fast[-1], plain[-1], strict=False)] + fast[-1][len(plain[-1]):]
+    fast = (*fast[:-1], reads)
     assert fast == plain
+
+
+def _same_failure(fast: Any, plain: Any) -> Any:
+    """A savepoint's failure read on the fast path as the plain path's, if it is about a value (see check)."""
+    if (isinstance(fast, tuple) and isinstance(plain, tuple) and fast[:1] == plain[:1] == ("savepoint failed",)
+            and bad_value(fast[1])):
+        return plain
+    return fast
 
 
 DIFF_SETTINGS = settings(
@@ -346,5 +357,11 @@ DIFF_SETTINGS = settings(
 # catches) where an INSERT is refused by the driver before it is sent.
 @example(ops=[Op("core", params={"k": 0}),
               Op("savepoint", inner=[Op("copy", params=[{"k": 0, "s": "a\x00b"}])])], kstore_begin=False)
+# Found by a run of 1,500 examples: inside a savepoint, a duplicate key in one row and a value out of
+# range in the next fail the multi-row INSERT on the value, one by one on the key (both fail it).
+@example(ops=[Op("text", "INSERT INTO diff_t (k) VALUES(:k)", {"k": 1}),
+              Op("savepoint", inner=[Op("text", "INSERT INTO diff_t (k) VALUES(:k)", {"k": 0}),
+                                     Op("core_many", params=[{"k": 0, "n": None}, {"k": 0, "n": 2**63}])])],
+         kstore_begin=False)
 def test_the_fast_paths_write_and_fail_as_the_plain_path(engines: Engines, ops: list[Op], kstore_begin: bool) -> None:
     check(engines, ops, kstore_begin)

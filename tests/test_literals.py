@@ -1,0 +1,191 @@
+"""kstore's own SQL literals (kstore/db/literals.py) against psycopg2's, on a real PostgreSQL.
+
+psycopg2's ``mogrify`` is the oracle: for every value kstore writes itself, its literal must be
+psycopg2's byte for byte; any other value must be left to psycopg2. Then what the connection can
+change: ``standard_conforming_strings`` turned off by a ``SET`` and an adapter registered by the
+user each put the rows back on psycopg2's quoting, and the rows still read back as written.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kstore.db import literals, manyrows
+from kstore.db.session import batch_session
+
+from .harness import with_driver
+
+
+class Level(enum.IntEnum):
+    low = 1
+
+
+@pytest.fixture
+def raw(pg_dsn: str) -> Iterator[Any]:
+    """A psycopg2 connection to the test database."""
+    url = sa.engine.make_url(with_driver(pg_dsn, "psycopg2"))
+    conn = psycopg2.connect(host=url.host, port=url.port, user=url.username, dbname=url.database)
+    yield conn
+    conn.close()
+
+
+ours = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(-(2**63) - 2, 2**63 + 2),
+    st.floats(), st.sampled_from([0.0, -0.0, 1e300, -1e-300, 5e-324]),
+    st.text(alphabet=st.characters(max_codepoint=127)), st.text(), st.binary(),
+    st.sampled_from(["it's", "''", "\\", "\\'", "a\x00b", "ünï", "%s", "%(x)s", "{}", "{0}", "--", "/*"]),
+)
+theirs = st.one_of(
+    st.decimals(allow_nan=False), st.sampled_from([Level.low, bytearray(b"ab"), memoryview(b"ab")]),
+    st.lists(st.integers(), max_size=3), st.dates(),
+)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.one_of(ours, theirs))
+@example(value=-(2**63))
+@example(value="a'b''c")
+@example(value=b"\x00'\\\xff")
+def test_a_literal_is_psycopg2s_own_or_left_to_it(raw: Any, value: Any) -> None:
+    """kstore writes psycopg2's literal, byte for byte, or nothing (None: psycopg2 quotes it)."""
+    assert literals.stock_quoting(raw)
+    written = literals.literal(value)
+    if type(value) in (bool, int, float, bytes, type(None)):
+        assert written is not None, f"{value!r} should be kstore's to write"
+    if written is None:
+        assert not (type(value) is str and value.isascii() and "\x00" not in value)
+        return
+    assert written.encode() == raw.cursor().mogrify("%s", (value,))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.fixed_dictionaries({"a": st.one_of(ours, theirs), "b": ours}), min_size=1, max_size=5),
+       template=st.sampled_from(["(%(a)s, %(b)s)", "(%(b)s::text, '100%%', %(a)s)", "({%(a)s}, %(b)s, %(a)s)"]))
+def test_rows_are_quoted_as_mogrify_quotes_them(raw: Any, rows: list[dict[str, Any]], template: str) -> None:
+    """A whole template, placeholders repeated, with literal percent signs and braces: each row as mogrify writes it."""
+    form = literals.RowFormat.of(template)
+    assert form is not None
+    for row in rows:
+        mine = form.row(row)
+        try:
+            with raw.cursor() as cur:
+                theirs = cur.mogrify(template, row).decode()
+        except ValueError:  # a NUL in a string: psycopg2 refuses it, so kstore must not write it
+            assert mine is None
+            continue
+        assert mine is None or mine == theirs
+
+
+def test_a_template_with_a_lone_percent_sign_is_left_to_psycopg2() -> None:
+    assert literals.RowFormat.of("(%(a)s, 5 % 2)") is None
+    assert literals.RowFormat.of("(%(a)s, %s)") is None
+    assert literals.RowFormat.of("(%(a)s, '5%%')") is not None
+
+
+table = sa.Table("literal_t", sa.MetaData(), sa.Column("n", sa.BigInteger), sa.Column("s", sa.Text),
+                 sa.Column("b", sa.LargeBinary))
+ROWS = [{"n": -5, "s": "back\\slash 'quoted'", "b": b"\\x00'"}, {"n": 7, "s": "ünï", "b": b""},
+        {"n": None, "s": "\\'; --", "b": None}]
+
+
+def _write_and_read(engine: sa.Engine, before: str | None = None) -> list[tuple[Any, ...]]:
+    with engine.begin() as conn:
+        table.drop(conn, checkfirst=True)
+        table.create(conn)
+    with engine.connect() as conn, conn.begin():
+        if before:
+            conn.exec_driver_sql(before)
+        with batch_session(conn) as session:
+            for row in ROWS:
+                session.execute(table.insert(), row)
+        return [tuple(r) for r in conn.execute(sa.select(table.c.n, table.c.s, table.c.b))]
+
+
+def _expected() -> list[tuple[Any, ...]]:
+    return [(r["n"], r["s"], r["b"]) for r in ROWS]
+
+
+def test_strings_read_as_written_when_the_session_turns_standard_conforming_strings_off(pg_dsn: str,
+                                                                                         raw: Any) -> None:
+    """With ``standard_conforming_strings`` off a backslash escapes: kstore's literals would be read
+    otherwise, so the rows go through psycopg2's quoting (``E'...'``), and read back as written."""
+    with raw.cursor() as cur:
+        cur.execute("SET standard_conforming_strings = off")
+    assert not literals.stock_quoting(raw)
+    engine = sa.create_engine(with_driver(pg_dsn, "psycopg2"))
+    try:
+        rows = _write_and_read(engine, before="SET LOCAL standard_conforming_strings = off")
+    finally:
+        engine.dispose()
+    assert [(n, s, bytes(b) if b is not None else None) for n, s, b in rows] == _expected()
+
+
+class _Tagged:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def getquoted(self) -> bytes:
+        return str(self.value * 10).encode()
+
+
+def test_an_adapter_the_user_registered_is_used_as_psycopg2_would(pg_dsn: str, raw: Any) -> None:
+    """``register_adapter(int, ...)`` changes what psycopg2 writes for every int: kstore then quotes
+    nothing itself, and the rows carry the user's adapter, as on the plain path."""
+    assert literals.stock_quoting(raw)
+    psycopg2.extensions.register_adapter(int, _Tagged)
+    try:
+        assert not literals.stock_quoting(raw)
+        engine = sa.create_engine(with_driver(pg_dsn, "psycopg2"))
+        try:
+            rows = _write_and_read(engine)
+        finally:
+            engine.dispose()
+    finally:
+        psycopg2.extensions.register_adapter(int, psycopg2.extensions.Int)
+    assert literals.stock_quoting(raw)
+    assert [n for n, _, _ in rows] == [-50, 70, None]
+
+
+def test_a_literal_that_differed_from_psycopg2s_would_never_be_sent(pg_dsn: str, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The last guard: each batch's first row is also quoted by psycopg2 and compared. A wrong literal
+    (here made on purpose) puts the whole batch on psycopg2's quoting, with a warning."""
+    monkeypatch.setitem(literals._LITERALS, int, lambda value: str(value + 1))
+    monkeypatch.setattr(manyrows, "_FORMATS", {})
+    engine = sa.create_engine(with_driver(pg_dsn, "psycopg2"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kstore.db.manyrows"):
+            rows = _write_and_read(engine)
+    finally:
+        engine.dispose()
+    assert [(n, s, bytes(b) if b is not None else None) for n, s, b in rows] == _expected()
+    assert "differs from psycopg2's" in caplog.text
+
+
+def test_values_kstore_does_not_write_go_through_psycopg2_in_the_same_statement(pg_dsn: str) -> None:
+    """A batch mixing kstore's values and others (Decimal, IntEnum): each row quoted by either, all written."""
+    mixed = sa.Table("literal_mixed", sa.MetaData(), sa.Column("n", sa.Numeric), sa.Column("s", sa.Text))
+    engine = sa.create_engine(with_driver(pg_dsn, "psycopg2"))
+    try:
+        with engine.begin() as conn:
+            mixed.create(conn)
+        values = [Decimal("1.5"), 2, Level.low, None, 3.25]
+        with engine.connect() as conn, conn.begin():
+            with batch_session(conn) as session:
+                for i, n in enumerate(values):
+                    session.execute(mixed.insert(), {"n": n, "s": f"r{i}"})
+            got = {s: n for s, n in conn.execute(sa.select(mixed.c.s, mixed.c.n))}
+    finally:
+        engine.dispose()
+    assert got == {"r0": Decimal("1.5"), "r1": 2, "r2": 1, "r3": None, "r4": Decimal("3.25")}
