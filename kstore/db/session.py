@@ -97,45 +97,39 @@ class BatchRollbackError(Exception):
     or stops the worker as any failure. Undo part of a batch with a savepoint instead."""
 
 
-class _Deferred:
-    """One deferred INSERT: its statement, its parameters and, once run alone, its result
-    (or its error)."""
-
-    __slots__ = ("params", "result", "sent", "statement")
-
-    def __init__(self, statement: Insert | TextClause, params: dict[str, Any]) -> None:
-        self.statement = statement
-        self.params = params
-        self.result: CursorResult[Any] | BaseException | None = None
-        self.sent = False
-
-
 class DeferredResult:
-    """What ``session.execute`` returns for a deferred INSERT.
+    """What ``session.execute`` returns for a deferred INSERT, and the session's record of it: its
+    statement, its parameters and, once run alone, its result (or its error).
 
     Reading any attribute runs the INSERT now, alone (after those deferred
     before it), and answers from its real ``CursorResult``.
     """
 
-    __slots__ = ("_entry", "_session")
+    __slots__ = ("_params", "_result", "_sent", "_session", "_statement")
 
-    def __init__(self, session: BatchSession, entry: _Deferred) -> None:
+    def __init__(self, session: BatchSession, statement: Insert | TextClause, params: dict[str, Any]) -> None:
         self._session = session
-        self._entry = entry
+        self._statement = statement
+        self._params = params
+        self._result: CursorResult[Any] | BaseException | None = None
+        self._sent = False
 
-    def _result(self) -> CursorResult[Any]:
-        return self._session._run_alone(self._entry)
+    def _real(self) -> CursorResult[Any]:
+        return self._session._run_alone(self)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._result(), name)
+        return getattr(self._real(), name)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._result())
+        return iter(self._real())
 
 
 def _deferrable(statement: Executable, params: Any) -> bool:
-    if type(params) is not dict or not params:
-        return False
+    return type(params) is dict and bool(params) and _deferrable_statement(statement)
+
+
+def _deferrable_statement(statement: Executable) -> bool:
+    """An INSERT that returns nothing and writes one row per set of parameters (judged per statement object)."""
     if isinstance(statement, Insert):
         return (not statement._returning and not statement._return_defaults
                 and not statement._multi_values and statement.select is None)  # not from_select()
@@ -197,7 +191,9 @@ class BatchSession(Session):
         super().__init__(bind=bind, **kwargs)
         self._connection = bind
         self._defer_inserts = defer_inserts
-        self._deferred: list[_Deferred] = []
+        self._deferred: list[DeferredResult] = []
+        #: The last statement object taken for a deferrable INSERT (see execute()).
+        self._last_insert: Executable | None = None
         #: True inside flush(): a deferred INSERT then does not flush (as SQLAlchemy's autoflush).
         self._in_flush = False
         #: The error of a deferred INSERT that failed when sent: the session is failed for good.
@@ -225,15 +221,26 @@ class BatchSession(Session):
 
     def execute(self, statement: Any, params: Any = None, *args: Any, **kwargs: Any) -> Any:
         self.touches += 1
-        core = (not args and not kwargs and isinstance(statement, Executable)
-                and not statement._propagate_attrs and not self.dispatch.do_orm_execute)
-        if core and self._defer_inserts and _deferrable(statement, params) and not self.in_nested_transaction():
+        if args or kwargs:
+            core = insert = False
+        elif statement is self._last_insert:
+            core = insert = True  # the statement object judged below for an earlier message
+        else:
+            # A statement's judgement is its own: SQLAlchemy statements are immutable (``.values()``,
+            # ``.returning()``... make new ones), so it is made once per statement object.
+            core = isinstance(statement, Executable) and not statement._propagate_attrs
+            insert = core and _deferrable_statement(statement)
+            if insert:
+                self._last_insert = statement
+        core = core and not self.dispatch.do_orm_execute
+        if (core and insert and type(params) is dict and params and self._defer_inserts
+                and not self.in_nested_transaction()):
             if not self._orm_clean():
                 self._flush_first()  # ORM changes made before this INSERT go first (unless no_autoflush)
             # A copy: code that reuses one dict for every row must not change rows already deferred.
-            entry = _Deferred(statement, dict(params))
+            entry = DeferredResult(self, statement, dict(params))
             self._deferred.append(entry)
-            return DeferredResult(self, entry)
+            return entry
         if core:
             # Through the session's transaction: that sends the deferred INSERTs (see
             # connection()) and emits a pending SAVEPOINT (begin_nested() begins it lazily).
@@ -266,20 +273,24 @@ class BatchSession(Session):
         i, n = 0, len(pending)
         while i < n:
             first = pending[i]
-            statement, keys = first.statement, first.params.keys()
+            statement, keys = first._statement, first._params.keys()
             j = i + 1
-            while j < n and pending[j].params.keys() == keys and _same_statement(pending[j].statement, statement):
+            while j < n:
+                entry = pending[j]
+                if entry._params.keys() != keys or not (entry._statement is statement
+                                                         or _same_statement(entry._statement, statement)):
+                    break
                 j += 1
             try:
                 if j - i == 1:
-                    first.result = execute(statement, first.params)
+                    first._result = execute(statement, first._params)
                 else:
-                    _execute_rows(self._connection, statement, [e.params for e in pending[i:j]])
+                    _execute_rows(self._connection, statement, [e._params for e in pending[i:j]])
             except BaseException as exc:
                 self._deferred = pending[i:]  # kept, never sent: the session is failed
                 self._fail(exc, statement, j - i)
             for entry in pending[i:j]:
-                entry.sent = True
+                entry._sent = True
             i = j
 
     def _fail(self, exc: BaseException, statement: Insert | TextClause, rows: int) -> NoReturn:
@@ -305,8 +316,8 @@ class BatchSession(Session):
     def _raise_failure(self) -> NoReturn:
         raise DeferredInsertError(self._failure_message) from self._failure
 
-    def _run_alone(self, entry: _Deferred) -> CursorResult[Any]:
-        if not entry.sent:
+    def _run_alone(self, entry: DeferredResult) -> CursorResult[Any]:
+        if not entry._sent:
             if self._failure is not None:
                 self._raise_failure()
             deferred = self._deferred
@@ -322,14 +333,14 @@ class BatchSession(Session):
                 self._deferred += deferred[index:]  # kept, never sent: the session is failed
                 raise
             # Now alone, as if it had not been deferred: its own error raises here, as it is.
-            entry.sent = True
+            entry._sent = True
             self._deferred = deferred[index + 1:]
             try:
-                entry.result = self._connection.execute(entry.statement, entry.params)
+                entry._result = self._connection.execute(entry._statement, entry._params)
             except BaseException as exc:
-                entry.result = exc
+                entry._result = exc
                 raise
-        result = entry.result
+        result = entry._result
         if isinstance(result, BaseException):
             raise InvalidRequestError("this INSERT failed when its result was first read") from result
         if result is None:
