@@ -39,9 +39,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     add("--latency-seconds", type=float, default=20.0, help="length of the latency phase (default 20)")
     add("--latency-warmup", type=float, default=None,
         help="leading seconds of the latency phase left out of the percentiles (default: 20%% of it, at most 2)")
-    add("--broker-warmup", type=float, default=5.0,
-        help="seconds of an unreported latency phase first, so contender 1 does not meet a cold broker "
-             "(default 5; 0 skips it)")
+    add("--broker-warmup", type=float, default=60.0,
+        help="seconds of an unreported latency phase first, so the first contender does not meet a cold "
+             "broker (default 60; 0 skips it)")
     add("--per-message-txn-messages", dest="txn_messages", type=int, default=20_000,
         help="backlog of contender 7, one transaction per message (default 20,000)")
     add("--db-latency-ms", type=float, default=0.0,

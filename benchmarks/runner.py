@@ -51,7 +51,7 @@ class Options:
     timeout: float = 3600.0
     #: None, "threads" (every thread, idle excluded) or "gil" (only the GIL's holder).
     profile: str | None = None
-    broker_warmup: float = 5.0
+    broker_warmup: float = 60.0
     quiet_wait: float = 0.0
     retries: int = 0
 
