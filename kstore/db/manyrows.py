@@ -21,7 +21,9 @@ latter, from SQLAlchemy's own compilation of the statement:
   TypeDecorator...), except ``LargeBinary``'s, which only wraps bytes in
   ``psycopg2.Binary``: psycopg2 quotes bytes the same way unwrapped;
 - the statement goes through ``Connection.exec_driver_sql``, so it is in the
-  connection's transaction, events see it, and errors are SQLAlchemy's.
+  connection's transaction, events see it, and errors are SQLAlchemy's;
+- on psycopg2 the rows of the commonest values are quoted by :mod:`kstore.db.literals`,
+  psycopg2's own literals written without its adapter objects (see :func:`_quoted`).
 
 A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
 its one ``VALUES (...)`` row of parameters, constants and casts, found by the text's tokens
