@@ -6,16 +6,15 @@ that builds an adapter object and calls its ``getquoted()``: about 1.5 µs per v
 a deferred INSERT's CPU. For the values almost every row is made of, psycopg2's literal is a
 plain function of the value, and this module writes exactly it:
 
-======================  ====================================  =============================
-value (exact type)      literal                               psycopg2's adapter
-======================  ====================================  =============================
-``None``                ``NULL``                              ``NoneAdapter``
-``bool``                ``true`` / ``false``                  ``Boolean``
-``int``                 ``str(v)``; `` -5`` for negatives      ``Int``
-``float``               ``repr(v)`` (`` -`` as int), ``'NaN'::float``, ``'Infinity'::float``    ``Float``
-``str`` (ASCII, no NUL)  ``'...'``, quotes doubled              ``QuotedString``
-``bytes``               ``'\\x<hex>'::bytea``                  ``Binary``
-======================  ====================================  =============================
+- ``None``: ``NULL`` (psycopg2's ``NoneAdapter``);
+- ``bool``: ``true`` or ``false`` (``Boolean``);
+- ``int``: ``str(v)``, `` -5`` for a negative one (``Int``);
+- ``float``: ``repr(v)``, with the same space before a minus; ``'NaN'::float``,
+  ``'Infinity'::float``, ``'-Infinity'::float`` (``Float``);
+- ``str`` of ASCII characters without NUL: ``'...'`` with its quotes doubled (``QuotedString``);
+- ``bytes``: ``'\\x<hex>'::bytea`` (``Binary``).
+
+Each by the value's exact type: a subclass (an ``IntEnum``, a ``str`` subclass) is not this module's.
 
 (The leading space of a negative number is psycopg2's: ``-%s`` must not become ``--5``, a comment.)
 
@@ -24,7 +23,7 @@ the connection's ``standard_conforming_strings`` is ``on`` (so a backslash is it
 ``'\\x...'`` is read as psycopg2 means it) and the adapters of these types are psycopg2's own
 (``register_adapter`` can replace them). Any other value (a subclass such as an ``IntEnum``, a
 ``Decimal``, a date, a non-ASCII string, a string with NUL, which psycopg2 refuses) makes its
-row go through ``mogrify`` as before. tests/test_literals.py holds every literal here to
+row go through ``mogrify``. tests/test_literals.py holds every literal here to
 psycopg2's own, byte for byte, on generated values, and the differential tests
 (tests/test_differential.py) the rows written to the plain path's.
 """
@@ -52,7 +51,7 @@ def _int(value: int) -> str:
     return str(value) if value >= 0 else " " + str(value)
 
 
-def _float(value: float) -> str | None:
+def _float(value: float) -> str:
     if math.isfinite(value):
         text = repr(value)
         return " " + text if text[0] == "-" else text
