@@ -5,6 +5,7 @@ Every test runs real ``kstore worker`` processes against real Kafka and PostgreS
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -64,7 +65,10 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     producer = BackgroundProducer(produce, topic)
     env = {"KSTORE_TEST_BATCH_SLEEP": "0.02", "KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
     w1 = workers(pg_dsn, topic, group, env=env)
-    w1.wait_for_log(r"claimed")
+    # All six held before w2 joins: a consumer that first saw part of a new topic's metadata
+    # claims part of it, then the rest in a rebalance of its own (a revoke before w2's join).
+    wait_until(lambda: len(_claimed(w1.log, topic)) == 6, 60, what="w1 holding all 6 partitions")
+    revoked_alone = len(_revokes(w1.log))
     w2 = workers(pg_dsn, topic, group, env=env)
     w2.wait_for_log(r"claimed")
     w2.wait_for_log(COMMITTED)
@@ -91,13 +95,28 @@ def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, pr
     assert len(sent) > 500
     for w in (w1, w2, w3):
         assert assert_claimed_before_committed(w.log) > 0
-    revokes = [line for line in w1.log.splitlines() if "kstore.engine.worker: revoked " in line]
+    revokes = _revokes(w1.log)[revoked_alone:]  # from w2's join on
     assert revokes, w1.log[-3000:]
     if rebalance_protocol == "eager":
         assert revokes[0].count(f"{topic}[") == 6, revokes[0]  # everything, at w2's join
     else:
         # At w2's join w1 gave up some of its partitions and kept delivering the others.
         assert 0 < revokes[0].count(f"{topic}[") < 6, revokes[0]
+
+
+def _revokes(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "kstore.engine.worker: revoked " in line]
+
+
+def _claimed(log: str, topic: str) -> set[str]:
+    """The partitions of ``topic`` a worker's log says it claimed (and has not since revoked)."""
+    held: set[str] = set()
+    for line in log.splitlines():
+        if "kstore.engine.worker: claimed " in line:
+            held |= set(re.findall(rf"{re.escape(topic)}\[(\d+)\]@", line))
+        elif "kstore.engine.worker: revoked " in line:
+            held -= set(re.findall(rf"{re.escape(topic)}\[(\d+)\]", line))
+    return held
 
 
 def rows_by_worker(dsn: str) -> dict[str, int]:
