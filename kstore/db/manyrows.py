@@ -55,7 +55,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import repeat
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, CursorResult, Insert, LargeBinary, TextClause
 from sqlalchemy.exc import DBAPIError
@@ -101,7 +101,7 @@ def execute_many(conn: Connection, statement: Insert, rows: Sequence[dict[str, A
         return None
     # The key alone, as SQLAlchemy's own compiled cache does: statements that differ only by
     # embedded values share it, and never qualify (their values are parameters not in ``keys``).
-    plan = _cached((dialect.driver, cache_key.key, keys), lambda: _plan(statement, keys, conn))
+    plan = _cached(_PLANS, (dialect.driver, cache_key.key, keys), lambda: _plan(statement, keys, conn))
     if plan is None:
         return None
     return _run(conn, plan, rows) if plan[1] else _run_pages(conn, plan, rows)
@@ -125,14 +125,18 @@ def _same_keys(rows: Sequence[dict[str, Any]]) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def _cached(key: Any, make: Callable[[], _Plan | None]) -> _Plan | None:
+_T = TypeVar("_T")
+
+
+def _cached(cache: dict[Any, _T], key: Any, make: Callable[[], _T]) -> _T:
+    """``cache[key]``, made by ``make()`` the first time (at most 256 kept: then it starts afresh)."""
     try:
-        return _PLANS[key]
+        return cache[key]
     except KeyError:
-        if len(_PLANS) >= 256:
-            _PLANS.clear()
-        plan = _PLANS[key] = make()
-        return plan
+        if len(cache) >= 256:
+            cache.clear()
+        made = cache[key] = make()
+        return made
 
 
 def execute_many_text(conn: Connection, statement: TextClause,
@@ -148,7 +152,8 @@ def execute_many_text(conn: Connection, statement: TextClause,
     if keys is None:
         return None
     types = tuple((k, type(b.type)) for k, b in statement._bindparams.items())
-    plan = _cached((conn.dialect.driver, statement.text, keys, types), lambda: _text_plan(statement, keys, conn))
+    plan = _cached(_PLANS, (conn.dialect.driver, statement.text, keys, types),
+                   lambda: _text_plan(statement, keys, conn))
     if plan is None:
         return None
     return _run(conn, plan, rows) if plan[1] else _run_pages(conn, plan, rows)
@@ -291,25 +296,23 @@ def _quoted(conn: Connection, cur: Any, template: str, rows: Sequence[dict[str, 
     goes through mogrify. The first row is also quoted by mogrify and compared: were they ever to
     differ, the whole batch goes through mogrify (and a warning says so), never a different text."""
     encoding = connection_encoding(conn)
-    try:
-        form = _FORMATS[template]
-    except KeyError:
-        if len(_FORMATS) >= 256:
-            _FORMATS.clear()
-        form = _FORMATS[template] = literals.RowFormat.of(template)
+
+    def mogrified(row: dict[str, Any]) -> str:
+        return str(cur.mogrify(template, row).decode(encoding))
+
+    form = _cached(_FORMATS, template, lambda: literals.RowFormat.of(template))
     if form is None or not literals.stock_quoting(conn.connection.dbapi_connection):
-        return [cur.mogrify(template, row).decode(encoding) for row in rows]
+        return list(map(mogrified, rows))
     texts = list(map(form.row, rows))
-    first = cur.mogrify(template, rows[0]).decode(encoding)
+    first = mogrified(rows[0])
     if texts[0] is not None and texts[0] != first:
         _log.warning("kstore's literal of a row differs from psycopg2's (%s): the batch's rows are quoted "
                      "by psycopg2 instead; please report it", _start(template))
         _FORMATS[template] = None
-        return [cur.mogrify(template, row).decode(encoding) for row in rows]
+        return list(map(mogrified, rows))
     texts[0] = first
     if None in texts:
-        texts = [cur.mogrify(template, row).decode(encoding) if text is None else text
-                 for text, row in zip(texts, rows, strict=True)]
+        texts = [mogrified(row) if text is None else text for text, row in zip(texts, rows, strict=True)]
     return texts  # type: ignore[return-value]  # no None left
 
 
