@@ -22,8 +22,8 @@ latter, from SQLAlchemy's own compilation of the statement:
   ``psycopg2.Binary``: psycopg2 quotes bytes the same way unwrapped;
 - the statement goes through ``Connection.exec_driver_sql``, so it is in the
   connection's transaction, events see it, and errors are SQLAlchemy's;
-- on psycopg2 the rows of the commonest values are quoted by :mod:`kstore.db.literals`,
-  psycopg2's own literals written without its adapter objects (see :func:`_quoted`).
+- the rows of the commonest values are quoted by :mod:`kstore.db.literals`, the driver's
+  own literals written without its adapters (see :func:`_quoted`).
 
 A ``text()`` INSERT deferred by the batch session qualifies the same way when it ends with
 its one ``VALUES (...)`` row of parameters, constants and casts, found by the text's tokens
@@ -33,8 +33,8 @@ it. Any other one-INSERT text (``ON CONFLICT``, ``INSERT ... SELECT``) goes on p
 kstore's pages. (psycopg2's own ``execute_batch`` is never used: it joins statements with
 ``;`` on one line, where a ``-- note`` silently swallows the rest of its page.)
 
-On psycopg 3, which binds parameters on the server, the rows are quoted by its
-``ClientCursor`` (psycopg's own client-side binding) the same way: SQLAlchemy leaves an
+On psycopg 3, which binds parameters on the server, the rows are quoted on the client the same
+way, as its ``ClientCursor`` (psycopg's own client-side binding) quotes them: SQLAlchemy leaves an
 INSERT without RETURNING to psycopg 3's ``executemany``, one pipelined INSERT per row,
 about twice the CPU.
 
@@ -54,7 +54,6 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import repeat
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, CursorResult, Insert, LargeBinary, TextClause
@@ -223,13 +222,12 @@ def _run(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) -> Curso
         import psycopg
 
         with psycopg.ClientCursor(dbapi) as cur, _as_sqlalchemy_errors(conn, template):
-            sql = head + ",".join(map(cur.mogrify, repeat(template), rows)) + tail
+            sql = head + ",".join(_quoted(conn, cur, template, rows)) + tail
         with _never_prepared(dbapi):
             result = conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
     else:
         with dbapi.cursor() as cur, _as_sqlalchemy_errors(conn, template):
-            values = _quoted(conn, cur, template, rows)
-        sql = head + ",".join(values) + tail
+            sql = head + ",".join(_quoted(conn, cur, template, rows)) + tail
         result = conn.exec_driver_sql(sql, execution_options=_NO_PARAMETERS)
     if result.rowcount != len(rows):
         raise WriteCountError(
@@ -284,31 +282,39 @@ def _run_pages(conn: Connection, plan: _Plan, rows: Sequence[dict[str, Any]]) ->
     return result
 
 
-#: psycopg2 templates -> their RowFormat (None: a percent sign only psycopg2 reads).
-_FORMATS: dict[str, literals.RowFormat | None] = {}
+#: (driver, template) -> its RowFormat (None: a percent sign only the driver reads).
+_FORMATS: dict[tuple[str, str], literals.RowFormat | None] = {}
 
 
 def _quoted(conn: Connection, cur: Any, template: str, rows: Sequence[dict[str, Any]]) -> list[str]:
-    """psycopg2: each row's ``template`` with its values quoted, as ``cur.mogrify`` quotes them.
+    """Each row's ``template`` with its values quoted, as the driver's ``mogrify`` quotes them
+    (``cur``: psycopg2's cursor, psycopg 3's ``ClientCursor``).
 
-    The common values' literals are written by :mod:`kstore.db.literals` (a third of mogrify's
-    CPU), on a connection that quotes as psycopg2's stock adapters do; a row with any other value
-    goes through mogrify. The first row is also quoted by mogrify and compared: were they ever to
-    differ, the whole batch goes through mogrify (and a warning says so), never a different text."""
-    encoding = connection_encoding(conn)
+    The common values' literals are written by :mod:`kstore.db.literals` (a third to a quarter of
+    mogrify's CPU), on a connection that quotes as the driver's stock adapters do; a row with any
+    other value goes through mogrify. The first row is also quoted by mogrify and compared: were
+    they ever to differ, the whole batch goes through mogrify (and a warning says so), never a
+    different text."""
+    driver = conn.dialect.driver
+    if driver == "psycopg":
+        def mogrified(row: dict[str, Any]) -> str:
+            return str(cur.mogrify(template, row))
+    else:
+        encoding = connection_encoding(conn)
 
-    def mogrified(row: dict[str, Any]) -> str:
-        return str(cur.mogrify(template, row).decode(encoding))
+        def mogrified(row: dict[str, Any]) -> str:
+            return str(cur.mogrify(template, row).decode(encoding))
 
-    form = _cached(_FORMATS, template, lambda: literals.RowFormat.of(template))
-    if form is None or not literals.stock_quoting(conn.connection.dbapi_connection):
+    key = (driver, template)
+    form = _cached(_FORMATS, key, lambda: literals.RowFormat.of(template, driver))
+    if form is None or not literals.stock_quoting(conn.connection.dbapi_connection, driver):
         return list(map(mogrified, rows))
     texts = list(map(form.row, rows))
     first = mogrified(rows[0])
     if texts[0] is not None and texts[0] != first:
-        _log.warning("kstore's literal of a row differs from psycopg2's (%s): the batch's rows are quoted "
-                     "by psycopg2 instead; please report it", _start(template))
-        _FORMATS[template] = None
+        _log.warning("kstore's literal of a row differs from %s's (%s): the batch's rows are quoted "
+                     "by %s instead; please report it", driver, _start(template), driver)
+        _FORMATS[key] = None
         return list(map(mogrified, rows))
     texts[0] = first
     if None in texts:
