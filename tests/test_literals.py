@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -239,3 +242,30 @@ def test_values_kstore_does_not_write_go_through_the_driver_in_the_same_statemen
     finally:
         engine.dispose()
     assert got == {"r0": Decimal("1.5"), "r1": 2, "r2": 1, "r3": None, "r4": Decimal("3.25")}
+
+
+PURE_PYTHON_CHECK = """
+import sys, psycopg
+from kstore.db import literals
+assert psycopg.pq.__impl__ == "python", psycopg.pq.__impl__
+values = [None, True, False, 0, 7, -7, 2**70, -(2**63), 1.5, -1.5, 0.0, -0.0, 5e-324, 1e300,
+          float("nan"), float("inf"), -float("inf"), "", "it's", "a\\\\b'c", "\\\\x41", "%s", b"", b"\\x00'\\\\\\xff"]
+with psycopg.connect(sys.argv[1]) as conn, psycopg.ClientCursor(conn) as cur:
+    assert literals.stock_quoting(conn, "psycopg")
+    for value in values:
+        mine, theirs = literals.literal(value, "psycopg"), cur.mogrify("%s", (value,))
+        assert mine == theirs, (value, mine, theirs)
+print(len(values))
+"""
+
+
+def test_psycopg_3s_pure_python_dumpers_write_the_same(pg_dsn: str) -> None:
+    """``kstore[psycopg]`` installs psycopg 3 without its C speed-ups: its Python dumpers are psycopg's
+    own too, and kstore's literals are theirs byte for byte (run in a process of their own:
+    ``PSYCOPG_IMPL`` is read once, at psycopg's import)."""
+    url = sa.engine.make_url(with_driver(pg_dsn, "psycopg"))
+    conninfo = f"host={url.host} port={url.port} user={url.username} dbname={url.database}"
+    done = subprocess.run([sys.executable, "-c", PURE_PYTHON_CHECK, conninfo], capture_output=True, text=True,
+                          env={**os.environ, "PSYCOPG_IMPL": "python"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "24"

@@ -3,7 +3,7 @@
 The multi-row INSERTs of :mod:`kstore.db.manyrows` quote every row on the client, as
 ``psycopg2.extras.execute_values`` does: psycopg2's ``cursor.mogrify(template, row)``, psycopg 3's
 ``ClientCursor.mogrify``. For each value that builds or looks up an adapter and calls it: about
-1.5 µs per value on psycopg2, about 2 µs on psycopg 3, most of a deferred INSERT's CPU. For the
+1.5 µs per value on psycopg2, about 3 µs on psycopg 3, most of a deferred INSERT's CPU. For the
 values almost every row is made of, the driver's literal is a plain function of the value, and
 this module writes exactly it:
 
@@ -23,8 +23,8 @@ Each by the value's exact type: a subclass (an ``IntEnum``, a ``str`` subclass) 
 Only where the driver would write the same, which :func:`stock_quoting` checks for each batch:
 the connection's ``standard_conforming_strings`` is ``on`` (so a backslash is itself, and
 ``'\\x...'`` is read as the driver means it) and the adapters of these types are the driver's own
-(psycopg2's ``register_adapter`` and psycopg 3's ``adapters.register_dumper`` can replace them; on
-psycopg 3, only its C implementation's, whose text is the one held to here). Any other value (a
+(psycopg2's ``register_adapter`` and psycopg 3's ``adapters.register_dumper`` can replace them;
+psycopg 3's C and pure-Python dumpers write the same). Any other value (a
 subclass such as an ``IntEnum``, a ``Decimal``, a date, a non-ASCII string, a string with NUL,
 which both drivers refuse) makes its row go through ``mogrify``. tests/test_literals.py holds
 every literal here to the driver's own, byte for byte, on generated values, and the differential
@@ -119,11 +119,12 @@ def _psycopg2_stock(dbapi_connection: Any) -> bool:
     return all(adapters.get((kind, ext.ISQLQuote)) is adapter for kind, adapter in stock.items())
 
 
-#: psycopg 3's text dumpers of these types in its C implementation (``ClientCursor`` writes ``NULL``
-#: for None without one), which a user's ``register_dumper`` replaces; its pure-Python ones write
-#: some values otherwise (``-0.0`` without the space), so they are left to themselves.
-_PSYCOPG_DUMPERS = {bool: "BoolDumper", int: "IntDumper", float: "FloatDumper", str: "StrDumperUnknown",
-                    bytes: "BytesDumper"}
+#: psycopg 3's text dumpers of these types (``ClientCursor`` writes ``NULL`` for None without one):
+#: their pure-Python module and name; its C implementation's have the same name in its own module.
+#: A user's ``register_dumper`` replaces them.
+_PSYCOPG_DUMPERS = {bool: ("psycopg.types.bool", "BoolDumper"), int: ("psycopg.types.numeric", "IntDumper"),
+                    float: ("psycopg.types.numeric", "FloatDumper"),
+                    str: ("psycopg.types.string", "StrDumperUnknown"), bytes: ("psycopg.types.string", "BytesDumper")}
 _PSYCOPG_C_MODULES = frozenset({"psycopg_binary._psycopg", "psycopg_c._psycopg"})
 
 
@@ -134,12 +135,12 @@ def _psycopg_stock(dbapi_connection: Any) -> bool:
     if dbapi_connection.info.parameter_status("standard_conforming_strings") != "on":
         return False
     adapters = dbapi_connection.adapters
-    for kind, name in _PSYCOPG_DUMPERS.items():
+    for kind, (module, name) in _PSYCOPG_DUMPERS.items():
         try:
             dumper = adapters.get_dumper(kind, PyFormat.TEXT)
         except ProgrammingError:
             return False
-        if dumper.__name__ != name or dumper.__module__ not in _PSYCOPG_C_MODULES:
+        if dumper.__name__ != name or (dumper.__module__ != module and dumper.__module__ not in _PSYCOPG_C_MODULES):
             return False
     return True
 
