@@ -37,6 +37,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     add("--size", type=int, default=100, help="bytes per message value (default 100)")
     add("--rate", type=float, default=5000.0, help="messages/s in the latency phase (default 5000)")
     add("--latency-seconds", type=float, default=20.0, help="length of the latency phase (default 20)")
+    add("--latency-repeats", type=int, default=1,
+        help="latency phases per contender; the one with the median p99 is reported, every phase's p99 "
+             "beside it (default 1; a p99 target wants 3 or more)")
     add("--latency-warmup", type=float, default=None,
         help="leading seconds of the latency phase left out of the percentiles (default: 20%% of it, at most 2)")
     add("--broker-warmup", type=float, default=60.0,
@@ -72,13 +75,15 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
         parser.error("--size must be at least 20 bytes (the value carries its produce time)")
     if args.db_latency_ms < 0:
         parser.error("--db-latency-ms cannot be negative")
+    if args.latency_repeats < 1:
+        parser.error("--latency-repeats must be at least 1")
     if args.latency_warmup is not None and args.latency_warmup >= args.latency_seconds:
         parser.error("--latency-warmup must be shorter than --latency-seconds")
     opts = Options(
         messages=args.messages, partitions=args.partitions, size=args.size, rate=args.rate,
         latency_seconds=args.latency_seconds, latency_warmup=args.latency_warmup, txn_messages=args.txn_messages,
         out=args.out, only=args.only, timeout=args.timeout, profile=args.profile, broker_warmup=args.broker_warmup,
-        quiet_wait=args.quiet_wait, retries=args.retries,
+        quiet_wait=args.quiet_wait, retries=args.retries, latency_repeats=args.latency_repeats,
     )
     return opts, args
 
@@ -124,7 +129,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def _parameters(opts: Options, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "messages": opts.messages, "partitions": opts.partitions, "size": opts.size, "rate": opts.rate,
-        "latency_seconds": opts.latency_seconds, "latency_warmup_s": opts.warmup_s,
+        "latency_seconds": opts.latency_seconds, "latency_repeats": opts.latency_repeats,
+        "latency_warmup_s": opts.warmup_s,
         "per_message_txn_messages": opts.txn_messages, "broker_warmup_s": opts.broker_warmup, "only": opts.only,
         "quiet_wait_s": opts.quiet_wait, "retries": opts.retries, "tiny": args.tiny,
         "kafka": "external (--bootstrap-servers)" if args.bootstrap_servers else

@@ -54,6 +54,8 @@ class Options:
     broker_warmup: float = 60.0
     quiet_wait: float = 0.0
     retries: int = 0
+    #: Latency phases per contender; the one with the median p99 is reported (see median_phase).
+    latency_repeats: int = 1
 
     @property
     def warmup_s(self) -> float:
@@ -85,6 +87,20 @@ def kept_up(messages: int, rate: float, span_s: float) -> bool:
     and the table says so instead of printing them as latency.
     """
     return messages / max(span_s, 1e-9) >= KEPT_UP_SHARE * rate
+
+
+def median_phase(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a contender's latency phases, the one with the median p99 (the lower of the two middle
+    ones for an even count), with every phase's p50 and p99 beside it in run order. One 10- or
+    20-second phase on a shared machine has moved a p99 by 2 to 5 times from run to run: the
+    median of several is what a p99 target is judged on. Kept up only if every phase kept up."""
+    if len(phases) == 1:
+        return phases[0]
+    chosen = dict(sorted(phases, key=lambda p: p["p99_ms"])[(len(phases) - 1) // 2])
+    chosen["p50_ms_each"] = [p["p50_ms"] for p in phases]
+    chosen["p99_ms_each"] = [p["p99_ms"] for p in phases]
+    chosen["kept_up"] = all(p.get("kept_up", True) for p in phases)
+    return chosen
 
 
 def libpq_params(dsn: str) -> dict[str, Any]:
@@ -148,7 +164,11 @@ class Runner:
         """Both phases of one contender; raises :class:`BenchmarkError` if either fails."""
         drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
         rate = latency_rate(self.opts.rate, drained["throughput_msgs_per_s"])
-        latency = self._least_disturbed(lambda suffix: self._latency(c, rate, suffix=suffix))
+
+        def phase(rep: str) -> dict[str, Any]:
+            return self._least_disturbed(lambda suffix: self._latency(c, rate, suffix=f"{rep}{suffix}"))
+
+        latency = median_phase([phase(f"-rep{i}" if i else "") for i in range(self.opts.latency_repeats)])
         return {"number": c.number, "name": c.name, "label": c.label, "client": c.client,
                 **({"tuning": c.tuning} if c.tuning else {}), **drained, "latency": latency}
 
