@@ -201,6 +201,9 @@ def test_a_fetched_message_becomes_the_kstore_message_a_raw_processor_is_handed(
     assert record == KstoreMessage("t", 3, 41, b"k", b"value", _HEADERS, 1700000000000)
     assert record.timestamp is not None and record.timestamp.year == 2023
     assert (empty.key, empty.value) == (None, None)
+    # With one topic subscribed, its name is not asked of each message: the same Messages.
+    fetched = [_message(b"k", b"value"), _message(None, None, headers=None)]
+    assert to_messages(fetched, "t") == to_messages(fetched)
 
 
 def test_a_record_without_headers_has_empty_headers_as_a_message_promises() -> None:

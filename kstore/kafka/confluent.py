@@ -132,6 +132,7 @@ FETCH_QUEUE_BACKOFF_MS = 100
 
 
 _get = (Message.topic, Message.partition, Message.offset, Message.key, Message.value)
+_get_but_topic = _get[1:]
 _timestamp_ms = operator.itemgetter(1)
 _is_error = functools.partial(operator.is_not, None)
 _tuple_new = tuple.__new__
@@ -142,9 +143,10 @@ _key_of = operator.itemgetter(3)
 _value_of = operator.itemgetter(4)
 
 
-def to_messages(messages: Sequence[Message]) -> list[records.Message]:
+def to_messages(messages: Sequence[Message], topic: str | None = None) -> list[records.Message]:
     """What kstore queues for librdkafka's messages (none of them an error), in their order: the
-    :class:`kstore.Message` a processor that deserializes nothing is handed as it is.
+    :class:`kstore.Message` a processor that deserializes nothing is handed as it is. ``topic``:
+    every message's topic, when only one is subscribed (not asked of each message then).
 
     Built by C loops: ``map`` over confluent-kafka's own accessors, ``zip`` and ``tuple.__new__``
     (mapped straight, not through a partial), with no Python call per message (a Python loop here
@@ -158,7 +160,11 @@ def to_messages(messages: Sequence[Message]) -> list[records.Message]:
     elif bare:
         headers = [() if h is None else h for h in headers]
     stamps = map(_timestamp_ms, map(Message.timestamp, messages))
-    fields = zip(*(map(get, messages) for get in _get), headers, stamps, strict=True)
+    if topic is None:
+        fields = zip(*(map(get, messages) for get in _get), headers, stamps, strict=True)
+    else:
+        fields = zip(itertools.repeat(topic, len(headers)), *(map(get, messages) for get in _get_but_topic),
+                     headers, stamps, strict=True)
     return list(map(_tuple_new, _messages, fields))
 
 
@@ -350,7 +356,7 @@ class ConfluentSource(KafkaSource):
                 else:
                     self._fetch_error(msg, error)
             messages = good
-        return by_partition(to_messages(messages), self._topic).items()
+        return by_partition(to_messages(messages, self._topic), self._topic).items()
 
     def _fetch_error(self, msg: Message, error: KafkaError) -> None:
         """An error librdkafka handed over with the records: a partition it cannot fetch, or news."""

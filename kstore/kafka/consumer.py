@@ -99,6 +99,9 @@ class _Queue:
     #: A new value from the source's counter on every flush (never reused, even by a
     #: new queue of the same partition): a batch taken under another generation is stale.
     generation: int = 0
+    #: What ``size_of`` said of the queued records, less what was taken: their share of the
+    #: source's queued bytes (a batch taking part of the queue takes its share by count).
+    bytes: int = 0
 
 
 #: How long kafka-python may sit mid-rebalance with nothing left in flight before kstore asks it to
@@ -336,7 +339,9 @@ class KafkaSource:
                 return 0
         q.records.extend(krecords)
         q.next_fetch = krecords[-1].offset + 1
-        self._queued_bytes += self.size_of(krecords)
+        size = self.size_of(krecords)
+        q.bytes += size
+        self._queued_bytes += size
         self._queued_records += len(krecords)
         return len(krecords)
 
@@ -490,21 +495,31 @@ class KafkaSource:
                 # partitions queued, the last ones would otherwise never be served.
                 self._next_first = start = (self._next_first + 1) % len(queues)
                 queues = queues[start:] + queues[:start]
+            taken_bytes = 0
             while queues and len(batch) < max_records:
                 share = max(1, (max_records - len(batch)) // len(queues))
                 for tp, q in queues:
                     records = q.records
                     n = min(share, len(records), max_records - len(batch))
                     if n:
-                        take = records.popleft
-                        batch.extend([take() for _ in range(n)])
+                        # The queue's bytes were summed once, when it was filled: a part taken
+                        # takes its share by count (the whole, when it empties the queue).
+                        part = q.bytes if n == len(records) else q.bytes * n // len(records)
+                        q.bytes -= part
+                        taken_bytes += part
+                        if n == len(records):
+                            batch.extend(records)
+                            records.clear()
+                        else:
+                            take = records.popleft
+                            batch.extend([take() for _ in range(n)])
                         counts[tp] = counts.get(tp, 0) + n
                         # Emptied: up to where the consumer is (past any transaction marker).
                         ends[tp] = batch[-1].offset + 1 if records else max(batch[-1].offset + 1, q.next_fetch)
                 queues = [(tp, q) for tp, q in queues if q.records]
             if batch:
                 self._queued_records -= len(batch)
-                self._queued_bytes -= self.size_of(batch)
+                self._queued_bytes -= taken_bytes
                 if self._throttled:
                     self._throttle()
                 self.changed.notify_all()  # room for the fetcher
@@ -572,7 +587,9 @@ class KafkaSource:
                 if q is not None and q.generation == generations.get(tp):
                     q.records.appendleft(record)
                     self._queued_records += 1
-                    self._queued_bytes += self.size_of([record])
+                    size = self.size_of([record])
+                    q.bytes += size
+                    self._queued_bytes += size
 
     # -- ownership and position ------------------------------------------
 
@@ -590,7 +607,8 @@ class KafkaSource:
 
     def _flush(self, q: _Queue) -> None:
         self._queued_records -= len(q.records)
-        self._queued_bytes -= self.size_of(q.records)
+        self._queued_bytes -= q.bytes
+        q.bytes = 0
         q.records.clear()
         q.generation = next(self._generations)
 
