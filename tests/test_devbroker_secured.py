@@ -202,9 +202,11 @@ REFUSALS = ["wrong_scram_password", "wrong_plain_password", "no_client_certifica
 
 
 #: Causes any attempt may log besides the case's own: the last connect or request cut by what is
-#: left of the bootstrap deadline (on a loaded machine the TLS handshake itself can outlast it), or
-#: the broker's close seen before its answer.
+#: left of the bootstrap deadline (on a loaded machine the TLS handshake itself can outlast it, and
+#: so can the ApiVersions request after a handshake whose refusal the broker sends late), or the
+#: broker's close seen before its answer.
 _TRANSIENT = (r"RequestTimedOutError: Request timed out after \d+ ms|KafkaConnectionError: Connection timed out"
+              r"|KafkaTimeoutError: Timeout during ApiVersions check"
               r"|socket disconnected|Connection reset by peer|SASL Authentication timed out")
 
 
