@@ -76,22 +76,23 @@ def _str(value: str) -> str | None:
 
 def _str_escaped(value: str) -> str | None:
     """libpq's ``PQescapeLiteral``, as psycopg 3 quotes text: an escape string where a backslash is."""
-    if "\\" not in value:
-        return _str(value)
-    if not value.isascii() or "\x00" in value:
-        return None
-    return " E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+    text = _str(value)
+    if text is None or "\\" not in value:
+        return text
+    return " E" + text.replace("\\", "\\\\")
 
 
 def _bytes(value: bytes) -> str:
     return "'\\x" + value.hex() + "'::bytea"
 
 
-#: Each driver's literals, by SQLAlchemy's name of the driver.
+_PSYCOPG2: dict[type, Literal] = {
+    type(None): _none, bool: _bool, int: _int, float: _float_as("float"), str: _str, bytes: _bytes,
+}
+#: Each driver's literals, by SQLAlchemy's name of the driver: psycopg 3's differ in two.
 LITERALS: dict[str, dict[type, Literal]] = {
-    "psycopg2": {type(None): _none, bool: _bool, int: _int, float: _float_as("float"), str: _str, bytes: _bytes},
-    "psycopg": {type(None): _none, bool: _bool, int: _int, float: _float_as("float8"), str: _str_escaped,
-                bytes: _bytes},
+    "psycopg2": _PSYCOPG2,
+    "psycopg": {**_PSYCOPG2, float: _float_as("float8"), str: _str_escaped},
 }
 
 

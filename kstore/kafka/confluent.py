@@ -160,11 +160,10 @@ def to_messages(messages: Sequence[Message], topic: str | None = None) -> list[r
     elif bare:
         headers = [() if h is None else h for h in headers]
     stamps = map(_timestamp_ms, map(Message.timestamp, messages))
-    if topic is None:
-        fields = zip(*(map(get, messages) for get in _get), headers, stamps, strict=True)
-    else:
-        fields = zip(itertools.repeat(topic, len(headers)), *(map(get, messages) for get in _get_but_topic),
-                     headers, stamps, strict=True)
+    columns: list[Iterable[Any]] = [map(get, messages) for get in (_get if topic is None else _get_but_topic)]
+    if topic is not None:
+        columns.insert(0, itertools.repeat(topic, len(headers)))
+    fields = zip(*columns, headers, stamps, strict=True)
     return list(map(_tuple_new, _messages, fields))
 
 

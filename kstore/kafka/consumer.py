@@ -504,10 +504,11 @@ class KafkaSource:
                     if n:
                         # The queue's bytes were summed once, when it was filled: a part taken
                         # takes its share by count (the whole, when it empties the queue).
-                        part = q.bytes if n == len(records) else q.bytes * n // len(records)
+                        whole = n == len(records)
+                        part = q.bytes if whole else q.bytes * n // len(records)
                         q.bytes -= part
                         taken_bytes += part
-                        if n == len(records):
+                        if whole:
                             batch.extend(records)
                             records.clear()
                         else:
