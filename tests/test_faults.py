@@ -116,13 +116,18 @@ def _first_revoke(log: str, topic: str, from_line: int) -> tuple[set[str], set[s
     return set(), set()
 
 
+#: A worker's log line that drops partitions: revoked, lost, or fenced by a newer claim (which,
+#: when the new owner claims before this worker's revoke is applied, comes first).
+_DROPPED = re.compile(r"kstore\.engine\.worker: (?:revoked|lost|fenced) (?!on )")
+
+
 def _claimed(log: str, topic: str) -> set[str]:
-    """The partitions of ``topic`` a worker's log says it claimed (and has not since revoked)."""
+    """The partitions of ``topic`` a worker's log says it claimed (and has not since dropped)."""
     held: set[str] = set()
     for line in log.splitlines():
         if "kstore.engine.worker: claimed " in line:
             held |= set(re.findall(rf"{re.escape(topic)}\[(\d+)\]@", line))
-        elif "kstore.engine.worker: revoked " in line:
+        elif _DROPPED.search(line):
             held -= set(re.findall(rf"{re.escape(topic)}\[(\d+)\]", line))
     return held
 
