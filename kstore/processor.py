@@ -285,7 +285,9 @@ class Processor:
         The record is written to kstore's outbox in the batch's own transaction; a relay (in
         the worker, or ``kstore relay``) publishes it once that transaction committed, with a
         transactional producer, so a reader with ``isolation_level=read_committed`` sees it
-        once, and one key's records in the order their batches committed.
+        once, and one key's records in the order their batches committed. Within a batch, records
+        keep the order produced; with ``async def handle``, the order of the database statements
+        they follow (each right after its handler's last statement; docs/concurrency.md).
 
         ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
         None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a

@@ -4,6 +4,7 @@ messages and an online reset; what they produce is published in the order of the
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import signal
@@ -189,7 +190,7 @@ def test_records_of_concurrent_handlers_are_published_in_the_order_of_their_data
         published[value["product"]].append(value["stock_left"])
     assert sum(STOCK - left for left in stock.values()) == ORDERS - len(bad)
     for product, seq in sorted(published.items()):
-        swapped = sum(a <= b for a, b in zip(seq, seq[1:]))
+        swapped = sum(a <= b for a, b in itertools.pairwise(seq))
         assert seq == list(range(STOCK - 1, stock[product] - 1, -1)), \
             f"{product}: published {len(seq)} records, {swapped} pair(s) out of the writes' order, the last " \
             f"{seq[-1]} where the database has {stock[product]}"
