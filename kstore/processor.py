@@ -501,7 +501,7 @@ async def _handle_concurrently(processor: Processor, face: AsyncSession, msgs: S
 
     async def one(index: int) -> None:
         set_slot(index)  # this task's own context: the session and produce() know the message
-        face.started(index)
+        face.started(index)  # records it produces before any statement still follow its lane's earlier ones
         msg = msgs[index]
         try:
             if span is None:
