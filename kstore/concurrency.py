@@ -237,11 +237,31 @@ class AsyncSession:
         self._pending: list[_Statement] = []
         #: The message slots that used the session (a rejected message must have touched nothing).
         self.touched: set[int | None] = set()
+        #: How many calls ran on the session (the batch's statements, in the database's order), and
+        #: per message slot, that count when its last call ran (or when it started): see :meth:`position`.
+        self._calls = 0
+        self._last: dict[int, int] = {}
 
     async def _run(self, what: str, call: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         async with self._lock:
-            self.touched.add(_slot.get())
+            self._ran(_slot.get())
             return call(*args)
+
+    def _ran(self, slot: int | None) -> None:
+        self.touched.add(slot)
+        self._calls += 1
+        if slot is not None:
+            self._last[slot] = self._calls
+
+    def started(self, slot: int) -> None:
+        """The message in ``slot`` starts now: what it produces before its first call follows every call so far."""
+        self._last[slot] = self._calls
+
+    def position(self, slot: int | None) -> int:
+        """Where, among the batch's calls on the session, a record produced now by the message in ``slot``
+        belongs: right after that message's last call (it carries what the database told the message,
+        whatever the other messages did since). Outside a message (a custom ``handle_batch``): now."""
+        return self._calls if slot is None else self._last.get(slot, 0)
 
     def _statement(self, what: str, call: Callable[..., Any], *args: Any) -> _Statement:
         return _Statement(self, what, call, args)
@@ -276,7 +296,7 @@ class AsyncSession:
         """``async with session.begin_nested():`` a savepoint, rolled back if the block raises.
         Other handlers' statements wait until the block ends."""
         async with self._lock:
-            self.touched.add(_slot.get())
+            self._ran(_slot.get())
             with self.sync_session.begin_nested():
                 yield
 

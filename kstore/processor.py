@@ -173,30 +173,36 @@ class Outgoing:
         return record
 
 
-class _PerMessage:
-    """What :meth:`Processor.produce` adds to in a batch of concurrent handlers: each message's
-    records apart, joined in the messages' order when the batch ends, so the outbox holds what
-    running them one by one would have written (one key's records in that key's order), and a
-    rejected message's records are simply left out."""
+class _InWriteOrder:
+    """What :meth:`Processor.produce` adds to in a batch of concurrent handlers.
 
-    def __init__(self, outgoing: Outgoing) -> None:
+    Each record is placed right after the last statement its message ran on the batch's session
+    (:meth:`AsyncSession.position`), records of one place in the order produced: the order of the
+    database's statements, the one a record carrying what a statement returned (the stock left
+    after an ``UPDATE ... RETURNING``) must be read in, even if its handler awaited something else
+    before producing it. Input offset order would not be: concurrent handlers' statements
+    interleave. A rejected message's records are left out.
+    """
+
+    def __init__(self, outgoing: Outgoing, session: AsyncSession) -> None:
         self.outgoing = outgoing
-        self.by_message: dict[int, list[Produced]] = {}
+        self.session = session
+        #: (position, produced-so-far, slot, record): sorted by the first two when the batch ends.
+        self.made: list[tuple[int, int, int | None, Produced]] = []
+        self.dropped: set[int] = set()
 
     def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
         record = self.outgoing.make(topic, value, key, headers, partition)
         slot = current_slot()
-        if slot is None:  # a custom async handle_batch: in the order it produced them
-            self.outgoing.records.append(record)
-        else:
-            self.by_message.setdefault(slot, []).append(record)
+        self.made.append((self.session.position(slot), len(self.made), slot, record))
 
     def drop(self, slot: int) -> None:
-        self.by_message.pop(slot, None)
+        self.dropped.add(slot)
 
     def join(self) -> None:
-        for slot in sorted(self.by_message):
-            self.outgoing.records.extend(self.by_message[slot])
+        self.made.sort(key=operator.itemgetter(0, 1))
+        dropped = self.dropped
+        self.outgoing.records.extend(record for _, _, slot, record in self.made if slot not in dropped)
 
 
 class _OutsideBatch:
@@ -279,7 +285,9 @@ class Processor:
         The record is written to kstore's outbox in the batch's own transaction; a relay (in
         the worker, or ``kstore relay``) publishes it once that transaction committed, with a
         transactional producer, so a reader with ``isolation_level=read_committed`` sees it
-        once, and one key's records in the order their batches committed.
+        once, and one key's records in the order their batches committed. Within a batch, records
+        keep the order produced; with ``async def handle``, the order of the database statements
+        they follow (each right after its handler's last statement; docs/concurrency.md).
 
         ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
         None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a
@@ -463,10 +471,10 @@ def _run_async(processor: Processor, session: BatchSession, msgs: Sequence[Messa
                rejects: list[tuple[int, Exception]] | None, outgoing: Outgoing | None,
                concurrency: Concurrency) -> None:
     """An async processor's batch, on its event loop: ``self.session`` is the batch's session behind
-    an :class:`AsyncSession`, and what it produces is kept per message (see :class:`_PerMessage`)."""
+    an :class:`AsyncSession`, and what it produces is kept in the database's order (see :class:`_InWriteOrder`)."""
     face = AsyncSession(session)
     processor.session = cast(BatchSession, face)
-    produced = _PerMessage(outgoing) if outgoing is not None else None
+    produced = _InWriteOrder(outgoing, face) if outgoing is not None else None
     if produced is not None:
         vars(processor)["_outgoing"] = produced
     owner = type(processor).__name__
@@ -485,7 +493,7 @@ async def _bounded(coro: Any, timeout: float | None) -> None:
 
 async def _handle_concurrently(processor: Processor, face: AsyncSession, msgs: Sequence[Message],
                                span: Spans | None, rejects: list[tuple[int, Exception]] | None,
-                               produced: _PerMessage | None, concurrency: Concurrency) -> None:
+                               produced: _InWriteOrder | None, concurrency: Concurrency) -> None:
     """``await handle(msg)`` for every message, concurrently (:func:`run_lanes`). A final error raised
     before the message used the session is set aside in ``rejects`` (as :func:`_handle_each` does)."""
     handle = processor.handle
@@ -493,6 +501,7 @@ async def _handle_concurrently(processor: Processor, face: AsyncSession, msgs: S
 
     async def one(index: int) -> None:
         set_slot(index)  # this task's own context: the session and produce() know the message
+        face.started(index)  # records it produces before any statement still follow its lane's earlier ones
         msg = msgs[index]
         try:
             if span is None:

@@ -5,15 +5,17 @@ The output topic comes from ``KSTORE_TEST_OUT_TOPIC``. Each input value is ``<ke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from kstore import Message, Processor
+from kstore import Message, Processor, Reject
 
 metadata = sa.MetaData()
 #: Per key, how many of its messages committed: the order their batches committed in.
@@ -113,3 +115,49 @@ class Picky(Processor):
             self.produce(self.out, {1, 2})
         else:
             self.produce(self.out, msg.value, key=msg.value)
+
+
+stock_metadata = sa.MetaData()
+#: The shared state that concurrent handlers read and change: each order takes one from its product.
+products = sa.Table(
+    "products", stock_metadata,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("stock", sa.BigInteger, nullable=False),
+)
+
+TAKE_ONE = sa.text("UPDATE products SET stock = stock - 1 WHERE id = :product RETURNING stock")
+
+
+class StockKeeper(Processor):
+    """``async def handle``, read-modify-write on shared rows: each order (value ``<product>``, its
+    own key) takes one from its product's stock and produces the stock left, keyed by product.
+
+    It awaits a random 0-``KSTORE_TEST_MAX_SLEEP_MS`` ms before the UPDATE and again between the
+    UPDATE and ``produce()`` (a slow call each), so concurrent orders of one product interleave:
+    per product, what a ``read_committed`` reader sees must be the stock going down one by one, as
+    the database took it. ``"reject"`` in a value produces, then raises :class:`Reject` before the
+    UPDATE (its record must be left out); ``"poison"`` raises after its UPDATE (the batch fails, is
+    narrowed down, and the re-run, without it, is what is published)."""
+
+    group = "stock-keeper"
+    value_format = "str"
+    key_format = "str"
+    on_error = "dead_letter"
+    max_concurrency = 16
+
+    def setup(self) -> None:
+        self.out = os.environ["KSTORE_TEST_OUT_TOPIC"]
+        self.max_sleep = float(os.environ.get("KSTORE_TEST_MAX_SLEEP_MS", "2")) / 1000
+        self.rng = random.Random()
+
+    async def handle(self, msg: Message) -> None:
+        product = msg.value.split(":", 1)[0]
+        if "reject" in msg.value:
+            self.produce(self.out, {"product": product, "stock_left": -1}, key=product)
+            raise Reject(f"order {msg.key} rejected")
+        await asyncio.sleep(self.rng.random() * self.max_sleep)
+        left = await self.session.scalar(TAKE_ONE, {"product": product})
+        await asyncio.sleep(self.rng.random() * self.max_sleep)
+        if "poison" in msg.value:
+            raise ValueError(f"order {msg.key} is poison")
+        self.produce(self.out, {"product": product, "stock_left": left}, key=product)

@@ -1,9 +1,11 @@
 """Async handlers against real Kafka and PostgreSQL: a batch's messages run concurrently, and
 the pipeline stays exactly once, and in key order, across a SIGKILL, a rebalance, poison
-messages and an online reset."""
+messages and an online reset; what they produce is published in the order of their writes."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import random
 import signal
 import subprocess
@@ -16,7 +18,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import REPO_DIR, stored_offsets, wait_until
+from .harness import REPO_DIR, read_committed, stored_offsets, wait_until
+from .outbox_processors import products, stock_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -144,3 +147,51 @@ def test_a_stop_signal_cancels_an_async_batch_that_outlives_the_shutdown_timeout
     assert "handler of offset 0 cancelled" in w.log
     assert rows(pg_dsn, "SELECT count(*) FROM effects")[0][0] == 0
     assert stored_offsets(pg_dsn, GROUP).get((topic, 0)) in (None, 0)
+
+
+#: Each product's stock before the orders, and how many orders there are (on PRODUCTS products).
+STOCK, ORDERS, PRODUCTS = 10_000, 600, 5
+
+
+def test_records_of_concurrent_handlers_are_published_in_the_order_of_their_database_writes(
+    pg_dsn: str, kafka: str, new_topic: Callable[..., str], producer: Any, workers: Callable[..., Any],
+) -> None:
+    """Orders on few products, each its own key, so 16 run side by side; each handler awaits, takes one
+    from its product's stock (``UPDATE ... RETURNING``), awaits again, and produces the stock left
+    keyed by the product (tests/outbox_processors.py's StockKeeper). Per product, a read_committed
+    reader must see the stock going down one by one and ending where the database's is: the order of
+    the writes, not the orders' offsets. A rejected order's record and a poison order's (its batch
+    failed and ran again without it) are left out; nothing is published twice."""
+    source, out = new_topic(partitions=2), new_topic(partitions=3)
+    engine = sa.create_engine(pg_dsn)
+    stock_metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(products.insert(), [{"id": f"p{i}", "stock": STOCK} for i in range(PRODUCTS)])
+    engine.dispose()
+    bad = {100: "reject", 321: "poison"}
+    for n in range(ORDERS):
+        producer.send(source, key=f"o{n}".encode(), value=f"p{n % PRODUCTS}:{bad.get(n, '')}".encode())
+    producer.flush()
+    w = workers(pg_dsn, source, "stock-keeper", "outbox_processors:StockKeeper",
+                env={"KSTORE_TEST_OUT_TOPIC": out},
+                args=["--max-batch-size", "200", "--max-attempts", "2"])
+    ends = _ends(kafka, source)
+    wait_until(lambda: stored_offsets(pg_dsn, "stock-keeper") == {(source, p): e for p, e in ends.items()}
+               and rows(pg_dsn, "SELECT count(*) FROM kstore_outbox")[0][0] == 0,
+               120, what="every order committed and published")
+    assert w.terminate() == 0
+
+    assert rows(pg_dsn, "SELECT count(*) FROM kstore_dead_letters")[0][0] == 2
+    stock = dict(rows(pg_dsn, "SELECT id, stock FROM products"))
+    published: dict[str, list[int]] = defaultdict(list)
+    for key, raw in read_committed(kafka, out):
+        value = json.loads(raw)
+        assert key == value["product"].encode()
+        published[value["product"]].append(value["stock_left"])
+    assert sum(STOCK - left for left in stock.values()) == ORDERS - len(bad)
+    for product, seq in sorted(published.items()):
+        swapped = sum(a <= b for a, b in itertools.pairwise(seq))
+        assert seq == list(range(STOCK - 1, stock[product] - 1, -1)), \
+            f"{product}: published {len(seq)} records, {swapped} pair(s) out of the writes' order, the last " \
+            f"{seq[-1]} where the database has {stock[product]}"
+    assert sorted(published) == sorted(stock)
