@@ -350,9 +350,11 @@ class Relay:
             log.info("outbox shard(s) %s of group %r: their relay's worker left the group (%s); taken now, "
                      "not when the lease runs out", ", ".join(map(str, sorted(freed))), self.group,
                      ", ".join(sorted(set(freed.values()))))
-            self._next_heartbeat = 0.0
-            self._heartbeat_now.set()
-            self._wake.set()
+        # Share the shards anew now, not at the next heartbeat (up to a third of the lease away):
+        # a worker that left cleanly released its shards, one that joined is owed its share.
+        self._next_heartbeat = 0.0
+        self._heartbeat_now.set()
+        self._wake.set()
 
     def _settled_members(self) -> set[str] | None:
         """The group's members once it has settled, or None if it does not within SETTLE_PATIENCE_S."""
