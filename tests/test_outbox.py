@@ -102,6 +102,38 @@ def test_produced_records_are_published_once_in_commit_order_across_a_worker_kil
     assert w2.terminate() == 0
 
 
+@pytest.mark.parametrize("how", ["stopped", "killed", "paused"])
+def test_a_gone_workers_shards_are_taken_once_it_left_the_group_not_when_its_lease_ends(
+        how: str, pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
+    """A worker stopped (SIGTERM), SIGKILLed or SIGSTOPped while its relay holds every shard: once
+    Kafka has seen it leave (at once, or after the session timeout, 6 s here) the other worker's
+    relay takes the shards, long before their lease (300 s here) would have run out, or its next
+    heartbeat (100 s). A paused one woken afterwards publishes nothing (its producers were fenced):
+    every record once, per key in commit order."""
+    source, out = new_topic(partitions=2), new_topic(partitions=2)
+    booker_tables(pg_dsn)
+    env = {"KSTORE_TEST_OUT_TOPIC": out, "KSTORE_OUTBOX_SHARDS": "2", "KSTORE_OUTBOX_LEASE_S": "300"}
+    sent = produce(source, keyed_values(200, keys=10))
+    w1 = workers(pg_dsn, source, "booker", BOOKER, env=env)
+    w1.wait_for_log(r"outbox relay \S+ publishes shard 1 of group 'booker'", timeout=90)
+    w2 = workers(pg_dsn, source, "booker", BOOKER, env=env)
+    w2.wait_for_log(r"claimed", timeout=90)
+    {"stopped": w1.terminate, "killed": w1.kill, "paused": w1.pause}[how]()
+    sent += produce(source, keyed_values(200, keys=10, start=200))
+    # Well under the lease: only a relay that took the shards early publishes the second half in time.
+    wait_done(pg_dsn, "booker", sent, timeout=80)
+    if how != "stopped":  # a stopped worker's relay released its shards itself
+        w2.wait_for_log(r"outbox shard\(s\) [0-9, ]+ of group 'booker': their relay's worker left the group",
+                        timeout=5)
+    if how == "paused":
+        w1.resume()
+        sent += produce(source, keyed_values(200, keys=10, start=400))
+        wait_done(pg_dsn, "booker", sent, timeout=120)
+        assert w1.terminate() == 0
+    check_outputs(read_committed(kafka, out), sent)
+    assert w2.terminate() == 0
+
+
 def test_sqlite_one_worker_publishes_once_across_a_kill(
         sqlite_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
     """The embedded default: one worker on SQLite, 20,000 messages, SIGKILLed while publishing, then started again."""

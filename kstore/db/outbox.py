@@ -338,6 +338,25 @@ class Outbox:
             conn.execute(update(r).where(r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member,
                                          r.c.epoch == epoch).values(owner=None, lease_until=0.0, updated_at=now()))
 
+    def expire(self, members: Iterable[str]) -> dict[int, str]:
+        """End the leases of relays known to be gone (their worker left the Kafka group), so live
+        relays take their shards now instead of when the leases run out; they no longer count
+        among the live relays. Returns the shards freed, with who held them.
+
+        Safe even if such a relay is only paused: the next owner's epoch and its transactional
+        producer fence it, as when a lease runs out."""
+        gone = sorted(set(members))
+        if not gone:
+            return {}
+        r, m = self.tables.relays, self.tables.members
+        clock = self._clock()
+        with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
+            freed = conn.execute(
+                update(r).where(r.c.consumer_group == self.group, r.c.owner.in_(gone), r.c.lease_until >= clock)
+                .values(lease_until=0.0, updated_at=now()).returning(r.c.shard, r.c.owner)).all()
+            conn.execute(delete(m).where(m.c.consumer_group == self.group, m.c.member.in_(gone)))
+        return {int(row.shard): str(row.owner) for row in freed}
+
     def leave(self, member: str) -> None:
         """``member`` stops: it is no longer counted among the live relays."""
         m = self.tables.members

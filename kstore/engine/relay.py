@@ -42,6 +42,7 @@ from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka import rdproducer
+from kstore.kafka.inspector import settled_members
 from kstore.kafka.producer import Fenced, PublishFailed, ShardPublisher, open_progress_reader
 from kstore.kafka.rdproducer import RdShardPublisher
 from kstore.settings import Settings
@@ -58,6 +59,10 @@ STUCK_AFTER_TIMEOUTS = 3
 #: First and longest wait after the broker or the database failed a shard.
 RETRY_DELAY_S = 0.5
 RETRY_MAX_DELAY_S = 10.0
+#: After a rebalance, how often and for how long the group is described until it has settled
+#: (to find relays whose worker left it: :meth:`Relay.group_changed`).
+SETTLE_RECHECK_S = 0.5
+SETTLE_PATIENCE_S = 30.0
 #: After a shard's producer was fenced, how long before the lease is checked and a new one made.
 FENCED_RETRY_S = 1.0
 #: How often, at most, a busy shard writes its "published" mark (and deletes what it published).
@@ -139,6 +144,13 @@ class Relay:
         #: When the lease loop last turned, and whether it has read the shards (for the probes).
         self._turned_at = time.monotonic()
         self._running = False
+        #: The group's members when last described settled; a relay among them that is gone the
+        #: next time has lost its worker (see group_changed). Only the departures thread uses it.
+        self._in_group: set[str] = set()
+        self._departures_lock = threading.Lock()
+        self._departures_due = self._departures_running = False
+        #: Set when shards were freed: the lease loop takes them now, not at its next heartbeat.
+        self._heartbeat_now = threading.Event()
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -228,6 +240,25 @@ class Relay:
             state.wake.set()
         self._wake.set()
 
+    def group_changed(self) -> None:
+        """The worker's Kafka group rebalanced (called by the worker; returns at once).
+
+        A worker that crashed leaves its relay's shards leased until the lease runs out
+        (``outbox_lease_s``), though its partitions moved once Kafka saw it gone (the session
+        timeout). So once the group settles, it is described: a relay that was a member the last
+        time and is not now has lost its worker, and its shards are taken at once. Relays are
+        known in the group by their worker's name, its client id: with ``client_id`` set, the
+        lease alone decides; a standalone ``kstore relay`` is never in the group, so never taken so.
+        """
+        if self.settings.client_id:
+            return
+        with self._departures_lock:
+            self._departures_due = True
+            if self._departures_running:
+                return
+            self._departures_running = True
+        threading.Thread(target=self._departures_loop, name="kstore-relay-group", daemon=True).start()
+
     def request_stop(self) -> None:
         self._stop.set()
         self.wake()
@@ -296,6 +327,49 @@ class Relay:
             return False
         self._delay, self.last_error = RETRY_DELAY_S, None
         return True
+
+    def _departures_loop(self) -> None:
+        while True:
+            with self._departures_lock:
+                if not self._departures_due or self._stop.is_set():
+                    self._departures_running = False
+                    return
+                self._departures_due = False
+            try:
+                self._free_departed()
+            except Exception as exc:  # the brokers or the database failed: the leases still run out
+                log.debug("looking for relays whose worker left group %r failed: %s", self.group, exc)
+
+    def _free_departed(self) -> None:
+        live = self._settled_members()
+        if live is None:
+            return
+        gone, self._in_group = self._in_group - live - {self.member}, live
+        freed = self.outbox.expire(gone)
+        if freed:
+            log.info("outbox shard(s) %s of group %r: their relay's worker left the group (%s); taken now, "
+                     "not when the lease runs out", ", ".join(map(str, sorted(freed))), self.group,
+                     ", ".join(sorted(set(freed.values()))))
+        # Share the shards anew now, not at the next heartbeat (up to a third of the lease away):
+        # a worker that left cleanly released its shards, one that joined is owed its share.
+        self._next_heartbeat = 0.0
+        self._heartbeat_now.set()
+        self._wake.set()
+
+    def _settled_members(self) -> set[str] | None:
+        """The group's members once it has settled, or None if it does not within SETTLE_PATIENCE_S."""
+        deadline = time.monotonic() + SETTLE_PATIENCE_S
+        while not self._stop.is_set():
+            with self._admin_lock:
+                if self._stop.is_set():  # the relay is closing its admin client
+                    return None
+                if self._admin is None:
+                    self._admin = open_progress_reader(self.settings)
+                live = settled_members(self._admin, self.group)
+            if live is not None or time.monotonic() > deadline:
+                return live
+            self._stop.wait(SETTLE_RECHECK_S)
+        return None
 
     def _stop_shard(self, shard: int, wait: bool = False) -> None:
         """Tell a shard's thread to stop (it closes its producer on its way out) and forget the shard.
@@ -478,6 +552,8 @@ class Relay:
             if self._listener is None:
                 self._wake.wait(left)
                 break
+            if self._heartbeat_now.is_set():
+                break
             try:
                 if self._listener.wait(min(left, 0.2)):
                     self.wake()
@@ -486,6 +562,7 @@ class Relay:
                 self._listener.close()
                 self._listener = None
         self._wake.clear()
+        self._heartbeat_now.clear()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """The lease thread waits before trying again (doubling up to RETRY_MAX_DELAY_S); said once per reason."""

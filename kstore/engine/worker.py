@@ -503,6 +503,8 @@ class Worker:
                         log.info("%s %s", kind, fmt(dropped))
                         self._revoked_notices.append(dropped)
             source.changed.notify_all()
+        if self.relay is not None:
+            self.relay.group_changed()
 
     def _notify_revoked(self) -> None:
         with self.source.lock:

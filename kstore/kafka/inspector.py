@@ -151,6 +151,16 @@ class KafkaInspector:
         self.admin.close()
 
 
+def settled_members(admin: Any, group: str) -> set[str] | None:
+    """The client ids of a classic consumer group's members once it is settled (``Stable``), or
+    None while it rebalances or if the brokers cannot say (a ``consumer``-protocol group is not
+    described here). One request to the group's coordinator; a KafkaError is the caller's."""
+    described: dict[str, Any] = admin.describe_groups([group]).get(group, {})
+    if described.get("error") is not None or described.get("group_state") != "Stable":
+        return None
+    return {str(member.get("client_id")) for member in described.get("members", [])}
+
+
 def _group_error(text: Any) -> type[KafkaError] | None:
     """The error class of a group's error as kafka-python's description gives it (``[Error 14] ...``)."""
     found = re.match(r"\[Error (-?\d+)\]", text) if isinstance(text, str) else None
