@@ -52,9 +52,9 @@ def _filter_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Only letters whose error is this exception class, e.g. ValueError."),
         click.option("--error", "error_text", default=None, metavar="TEXT",
                      help="Only letters whose error contains TEXT (in any case)."),
-        click.option("--since", default=None, callback=_when,
+        click.option("--since", default=None, callback=_when, metavar="TIME",
                      help=f"Only letters last failed at or after this time {when}."),
-        click.option("--until", default=None, callback=_when,
+        click.option("--until", default=None, callback=_when, metavar="TIME",
                      help=f"Only letters last failed before this time {when}."),
     ]):
         f = option(f)
