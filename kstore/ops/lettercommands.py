@@ -94,12 +94,9 @@ def dead_letters_list(ctx: click.Context, /, group: str, status: str, show_all: 
     """A page of the group's dead letters by id (default: the waiting ones, status dead), filtered by topic,
     partition, error, time or status, with how many match and how many more there are (on stderr)."""
     wanted = None if show_all or status == "any" else status
-    db = opts
-
-    def find(s: Settings) -> LetterPage:
-        return list_dead_letters(s, group, _where(db, wanted), limit, after)
-
-    page = run(ctx, lambda: Settings.from_env(**{k: v for k, v in db.items() if k not in _FILTERS}), find)
+    settings_opts = {k: v for k, v in opts.items() if k not in _FILTERS}
+    page: LetterPage = run(ctx, lambda: Settings.from_env(**settings_opts),
+                           lambda s: list_dead_letters(s, group, _where(opts, wanted), limit, after))
     if as_json:
         for d in page.letters:
             click.echo(json.dumps(d.summary()))
