@@ -10,10 +10,13 @@ transaction, rather than run through a worker one by one.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +31,7 @@ from kstore.errors import ConfigurationError
 from kstore.ops.replay import replay_matching
 from kstore.retry import Failure
 
-from .harness import TESTS_DIR
+from .harness import TESTS_DIR, wait_until
 from .processors import Recorder
 from .test_cli import assert_one_clear_line
 
@@ -140,6 +143,37 @@ def test_a_replay_walk_goes_on_past_letters_that_fail_again_a_page_at_a_time(
     assert sorted(done.failures) == ids[::3]
     assert [r.attempts for r in rows(pg_dsn, "SELECT attempts FROM kstore_dead_letters WHERE status = 'dead'")] \
         == [2] * 20, "a letter that failed again was not tried again in the same walk"
+
+
+def test_a_walk_skips_the_letter_another_operator_is_replaying_and_goes_on(pg_dsn: str, tmp_path: Path) -> None:
+    ids = dead_letter(pg_dsn, 250)
+    held = ids[120]
+    # That replay waits inside its transaction, which holds the letter's lock, while the pause file exists.
+    pause = tmp_path / "pause"
+    pause.touch()
+    first = subprocess.Popen(
+        [sys.executable, "-m", "kstore", "dead-letters", "replay", "processors:Recorder", "--group", "g", "--id",
+         str(held), "--dsn", pg_dsn], cwd=TESTS_DIR, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR), "KSTORE_TEST_PAUSE_FILE": str(pause),
+             "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "120000"})
+    try:
+        wait_until(lambda: Path(f"{pause}.batch").exists() or first.poll() is not None, 60,
+                   what="the other operator's replay inside its transaction")
+        assert first.poll() is None, first.communicate()
+        r = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--partition", "0", "--execute",
+                   "--dsn", pg_dsn)
+        assert r.stdout.splitlines() == [f"replayed 83, failed 0, skipped 1, remaining 0 (ids {ids[0]}..{ids[-1]})"]
+        r = kstore("dead-letters", "discard", "--group", "g", "--reason", "test traffic", "--execute", "--dsn", pg_dsn)
+        assert r.stdout.splitlines() == [f"discarded 166, skipped 1, remaining 0 (ids {ids[1]}..{ids[-2]})"]
+        assert first.poll() is None, "the walks went on while the other replay still held its letter"
+    finally:
+        pause.unlink()
+    assert first.wait(120) == 0, first.communicate()
+    now = statuses(pg_dsn)
+    assert now[held] == "replayed" and sorted(now.values()).count("replayed") == 84
+    assert sorted(now.values()).count("discarded") == 166
+    effects = rows(pg_dsn, "SELECT kafka_offset, count(*) AS n FROM effects GROUP BY kafka_offset")
+    assert {e.kafka_offset: e.n for e in effects} == {i: 1 for i in range(0, 250, 3)}, "each replayed once"
 
 
 def test_list_pages_by_id_with_the_total_and_how_many_more(pg_dsn: str) -> None:
