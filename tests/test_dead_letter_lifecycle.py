@@ -25,8 +25,8 @@ from kstore.db.deadletters import (
     DeadLetterStateError,
     Edit,
     build_table,
-    list_dead_letters,
 )
+from kstore.db.letterquery import LetterFilter, list_dead_letters
 from kstore.ops.replay import replay_dead_letters
 
 from .faultproxy import FaultProxy
@@ -91,9 +91,9 @@ def test_discard_and_resolve_record_who_when_why_and_leave_the_waiting_list(pg_d
     assert rows[0].request_id == rows[1].request_id != rows[2].request_id, "one transaction, one request id"
 
     waiting_list = kstore("dead-letters", "list", "--group", "g", "--json", "--dsn", pg_dsn)
-    assert [d["id"] for d in json.loads(waiting_list.stdout)] == [waiting]
+    assert [json.loads(line)["id"] for line in waiting_list.stdout.splitlines()] == [waiting]
     every = kstore("dead-letters", "list", "--group", "g", "--all", "--json", "--dsn", pg_dsn)
-    assert {d["id"]: d["status"] for d in json.loads(every.stdout)} == statuses(pg_dsn)
+    assert {d["id"]: d["status"] for d in map(json.loads, every.stdout.splitlines())} == statuses(pg_dsn)
     table = kstore("dead-letters", "list", "--group", "g", "--all", "--dsn", pg_dsn).stdout.splitlines()
     assert [line.split()[7] for line in table[1:]] == ["discarded", "discarded", "resolved", "dead"]
 
@@ -118,8 +118,9 @@ def test_resolve_and_discard_on_sqlite_through_the_api(sqlite_dsn: str) -> None:
             letters.discard([a], "oops")
     finally:
         letters.close()
-    assert list_dead_letters(Settings(dsn=sqlite_dsn), "g") == []
-    assert [d.status for d in list_dead_letters(Settings(dsn=sqlite_dsn), "g", None)] == ["resolved", "discarded"]
+    assert list_dead_letters(Settings(dsn=sqlite_dsn), "g").letters == []
+    every = list_dead_letters(Settings(dsn=sqlite_dsn), "g", LetterFilter(status=None)).letters
+    assert [d.status for d in every] == ["resolved", "discarded"]
 
 
 def test_a_discarded_letter_cannot_be_replayed_nor_a_replayed_one_discarded(pg_dsn: str) -> None:
@@ -334,7 +335,7 @@ def test_a_replay_that_fails_again_updates_its_letter(pg_dsn: str) -> None:
     env = {"KSTORE_TEST_FAIL_VALUE": "poison"}
     for attempt in (1, 2):
         r = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--reason", f"try {attempt}",
-                   "--dsn", pg_dsn, env=env)
+                   "--execute", "--dsn", pg_dsn, env=env)
         assert r.returncode == 1 and f"dead letter {a} failed again: ValueError: poison message" in r.stderr, r.stderr
     (after,) = query(pg_dsn, "SELECT * FROM kstore_dead_letters")  # one letter for the message, not three
     assert (after.id, after.status, after.attempts) == (a, "dead", before.attempts + 2)
@@ -346,7 +347,7 @@ def test_a_replay_that_fails_again_updates_its_letter(pg_dsn: str) -> None:
     shown = kstore("dead-letters", "show", str(a), "--dsn", pg_dsn).stdout
     assert "dead -> dead" in shown and "the replay failed" in shown, shown
     assert effect_values(pg_dsn) == []
-    fixed = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--dsn", pg_dsn)
+    fixed = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--execute", "--dsn", pg_dsn)
     assert fixed.returncode == 0 and "replayed 1," in fixed.stdout, fixed.stdout + fixed.stderr
     assert statuses(pg_dsn) == {a: "replayed"} and effect_values(pg_dsn) == [(7, "poison")]
 

@@ -56,10 +56,11 @@ def test_poison_message_is_retried_then_dead_lettered_and_replayed_once(
     assert shown.returncode == 0 and "value: b'poison'" in shown.stdout and "traceback:" in shown.stdout
 
     env = {"KSTORE_TEST_FAIL_VALUE": "poison"}
-    again = _kstore_env(env, "dead-letters", "replay", "processors:Recorder", "--group", "dlq", "--dsn", pg_dsn)
+    again = _kstore_env(env, "dead-letters", "replay", "processors:Recorder", "--group", "dlq", "--execute",
+                        "--dsn", pg_dsn)
     assert again.returncode == 1 and "failed again" in again.stderr, again.stdout + again.stderr
     assert dead_letter_rows(pg_dsn)[0].status == "dead" and dead_letter_rows(pg_dsn)[0].attempts == 4
-    fixed = kstore("dead-letters", "replay", "processors:Recorder", "--group", "dlq", "--dsn", pg_dsn)
+    fixed = kstore("dead-letters", "replay", "processors:Recorder", "--group", "dlq", "--execute", "--dsn", pg_dsn)
     assert fixed.returncode == 0 and "replayed 1," in fixed.stdout, fixed.stdout + fixed.stderr
     twice = kstore("dead-letters", "replay", "processors:Recorder", "--group", "dlq", "--dsn", pg_dsn,
                    "--id", str(row.id))

@@ -26,7 +26,7 @@ from kstore import CommitInDoubtError, DatabaseError, Settings
 from kstore.db.deadletters import build_table
 from kstore.db.store import Store, make_engine
 from kstore.ops.offsets import set_offsets
-from kstore.ops.replay import replay_dead_letters
+from kstore.ops.replay import replay_matching
 
 from .faultproxy import FaultProxy
 from .harness import REPO_DIR, TESTS_DIR, effects, stored_offsets
@@ -187,9 +187,9 @@ def letter_state(dsn: str, letter_id: int) -> tuple[str, int]:
 def test_replay_whose_commit_answer_was_lost_counts_as_replayed_once(pg_dsn: str, lossy_admin: Faults) -> None:
     letter = add_dead_letter(pg_dsn, "g", "poison")
     lossy_admin.commits.append("lost")
-    result = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+    result = replay_matching(Settings(dsn=pg_dsn), Recorder(), "g")
     assert_cut_the_replay(lossy_admin, "lost")
-    assert (result.replayed, result.failed) == ([letter], {})
+    assert (result.done, result.failed) == (1, 0)
     assert letter_state(pg_dsn, letter) == ("replayed", 3)
     assert effects(pg_dsn) == {("t", 0, 7): 1}
 
@@ -204,13 +204,13 @@ def assert_cut_the_replay(faults: Faults, *expected: str) -> None:
 def test_replay_whose_commit_did_not_land_stays_dead_and_replays_later(pg_dsn: str, lossy_admin: Faults) -> None:
     letter = add_dead_letter(pg_dsn, "g", "poison")
     lossy_admin.commits.append("refused")
-    result = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+    result = replay_matching(Settings(dsn=pg_dsn), Recorder(), "g")
     assert_cut_the_replay(lossy_admin, "refused")
-    assert result.replayed == [] and CUT in result.failed[letter]
+    assert result.done == 0 and CUT in result.failures[letter]
     assert letter_state(pg_dsn, letter) == ("dead", 4)
     assert effects(pg_dsn) == {}
-    again = replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
-    assert again.replayed == [letter]
+    again = replay_matching(Settings(dsn=pg_dsn), Recorder(), "g")
+    assert again.done == 1
     assert effects(pg_dsn) == {("t", 0, 7): 1}
 
 
@@ -219,7 +219,7 @@ def test_replay_that_cannot_be_read_back_is_in_doubt(pg_dsn: str, lossy_admin: F
     lossy_admin.commits.append("lost")
     lossy_admin.down_after_fault = True
     with pytest.raises(CommitInDoubtError, match=f"`kstore dead-letters show {letter}`") as raised:
-        replay_dead_letters(Settings(dsn=pg_dsn), Recorder(), "g")
+        replay_matching(Settings(dsn=pg_dsn), Recorder(), "g")
     assert_cut_the_replay(lossy_admin, "lost")
     assert "may or may not have landed" in str(raised.value) and "\n" not in str(raised.value)
     assert letter_state(pg_dsn, letter) == ("replayed", 3), "it landed; no failure was counted"

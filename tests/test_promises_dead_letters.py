@@ -140,7 +140,8 @@ def test_a_typod_group_is_one_line_for_list_and_replay(pg_dsn: str, kafka: str, 
     code, out, err = kstore("dead-letters", "list", "--group", "ledger", "--dsn", pg_dsn)
     assert code == 0 and out.split() == ["ID", "TOPIC", "PARTITION", "OFFSET", "ATTEMPTS", "LAST_FAILURE", "STATUS",
                                          "ERROR"], (code, out, err)
-    code, out, err = kstore("dead-letters", "replay", "processors:Recorder", "--group", "ledger", "--dsn", pg_dsn)
+    code, out, err = kstore("dead-letters", "replay", "processors:Recorder", "--group", "ledger", "--execute",
+                            "--dsn", pg_dsn)
     assert code == 0 and out.startswith("replayed 0,"), (code, out, err)
     code, out, err = kstore("dead-letters", "list", "--group", "payments", "--dsn", pg_dsn)
     assert code == 0 and len(out.strip().splitlines()) == 2, (code, out, err)

@@ -4,7 +4,9 @@
   offset commit (in one round trip with its COMMIT on psycopg2), and ``make_engine``.
 - :mod:`~kstore.db.resets`: moving stored offsets (with an epoch bump and a history row).
 - :mod:`~kstore.db.deadletters`: the dead-letter tables, the write inside a batch, listing and
-  status changes (a replay's transaction; the processor is run by :mod:`kstore.ops.replay`).
+  status changes (a replay's transaction; the processor is run by :mod:`kstore.ops.replay`);
+  :mod:`~kstore.db.letterquery`: which letters (a filter), their counts, keyset pages, and walks
+  that discard or resolve every letter a filter matches.
 - :mod:`~kstore.db.indoubt`: a COMMIT whose answer was lost is read back on a fresh connection.
 - :mod:`~kstore.db.session`, :mod:`~kstore.db.manyrows`, :mod:`~kstore.db.copy`,
   :mod:`~kstore.db.sqltext`: the processor's session, its deferred INSERTs sent as many rows,
@@ -18,7 +20,7 @@
 May import the shared vocabulary (settings, errors, records, the retry policy's ``Failure``,
 commandline for its command); never the Kafka side, :mod:`kstore.processor`, the engine or the
 operator's tools. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
-``store``, ``migration`` and ``deadletters``, with no cycle (tests/test_layout.py).
+``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle (tests/test_layout.py).
 
 Invariants:
 

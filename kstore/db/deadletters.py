@@ -274,14 +274,6 @@ class DeadLetters:
         if self._own_engine:
             self.engine.dispose()
 
-    def find(self, group: str, status: str | None = DEAD, limit: int = 100) -> list[DeadLetter]:
-        t = self.table
-        stmt = select(t).where(t.c.consumer_group == group).order_by(t.c.id).limit(limit)
-        if status is not None:
-            stmt = stmt.where(t.c.status == status)
-        with self.engine.connect() as conn:
-            return [_row(r) for r in conn.execute(stmt)]
-
     def check_known(self, group: str) -> None:
         """Raise :class:`ConfigurationError` if ``group`` has no dead letter of any status and no stored
         offset in this database (a typo, most likely), naming the groups that have dead letters."""
@@ -325,11 +317,21 @@ class DeadLetters:
         """Mark dead letters ``resolved`` (fixed by hand elsewhere), all in one transaction; see :meth:`_close`."""
         return self._close(ids, RESOLVED, reason, group)
 
-    def _close(self, ids: Sequence[int], status: str, reason: str, group: str | None) -> StatusChange:
+    def close_waiting(self, ids: Sequence[int], status: str, reason: str, group: str) -> StatusChange:
+        """Move those of ``ids`` still waiting (dead) in ``group`` to ``status``, in one transaction, and
+        leave the rest (gone, of another group, or no longer dead: another operator got there first).
+
+        For a walk over the letters a filter matched, read before this locks them; see :meth:`_close`.
+        """
+        return self._close(ids, status, reason, group, lenient=True)
+
+    def _close(self, ids: Sequence[int], status: str, reason: str, group: str | None,
+               lenient: bool = False) -> StatusChange:
         """Move ``ids`` from dead to ``status``, recording who, when and why, in one transaction.
 
         All or nothing: an unknown id, one of another group (if ``group`` is given) or one that left
-        ``dead`` another way raises and changes nothing. Ids already in ``status`` are left as they are
+        ``dead`` another way raises and changes nothing (``lenient``: changes the others, and leaves
+        those). Ids already in ``status`` are left as they are
         (listed in ``already``), so running the same command twice is harmless. A lost COMMIT answer
         is read back by request id: landed returns as usual; not landed raises :class:`DatabaseError`
         (safe to run again); unreadable raises :class:`CommitInDoubtError`.
@@ -345,9 +347,11 @@ class DeadLetters:
             with self.engine.connect() as conn:  # closing it rolls back whatever did not commit
                 conn.execution_options(**WRITES).begin()
                 rows = self._lock(conn, wanted, nowait=True)
-                self._refuse(conn, rows, wanted, action, status, group)
-                todo = [i for i in wanted if rows[i].status == DEAD]
-                already = [i for i in wanted if rows[i].status == status]
+                if not lenient:
+                    self._refuse(conn, rows, wanted, action, status, group)
+                todo = [i for i in wanted if i in rows and rows[i].status == DEAD
+                        and group in (None, rows[i].consumer_group)]
+                already = [i for i in wanted if i in rows and rows[i].status == status]
                 if not todo:
                     return StatusChange(status, [], already, None)
                 self._mark(conn, todo, status)
@@ -528,11 +532,3 @@ def show_dead_letter(settings: Settings, dead_letter_id: int) -> tuple[DeadLette
     with DeadLetters(settings) as letters:
         return letters.get(dead_letter_id), letters.history(dead_letter_id)
 
-
-def list_dead_letters(settings: Settings, group: str, status: str | None = DEAD) -> list[DeadLetter]:
-    """A group's dead letters with ``status`` (default: the ones waiting), or every one with None."""
-    with DeadLetters(settings) as letters:
-        found = letters.find(group, status=status)
-        if not found:
-            letters.check_known(group)
-        return found

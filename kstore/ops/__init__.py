@@ -5,7 +5,8 @@
 - :mod:`~kstore.ops.outbox`: a group's outbox shards, what waits to be published (``kstore outbox show``).
 - :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
   :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
-- :mod:`~kstore.ops.commands`: the ``offsets``, ``dead-letters``, ``outbox``, ``exporter`` and ``top`` commands.
+- :mod:`~kstore.ops.commands`: the ``offsets``, ``outbox``, ``exporter`` and ``top`` commands;
+  :mod:`~kstore.ops.lettercommands` the ``dead-letters`` ones.
 
 May import the database side, the Kafka side, :mod:`kstore.telemetry` (the lag metric families),
 :mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no

@@ -1,8 +1,7 @@
-"""The operator's commands: ``kstore offsets``, ``kstore dead-letters``, ``kstore outbox``, ``kstore exporter``,
-``kstore top``.
+"""The operator's commands: ``kstore offsets``, ``kstore outbox``, ``kstore exporter``, ``kstore top``
+(and ``kstore dead-letters``, from :mod:`kstore.ops.lettercommands`).
 
-Each parses its options, builds Settings and calls one function of :mod:`kstore.ops` (or of
-:mod:`kstore.db.deadletters` for a dead letter's listing and status changes), and prints
+Each parses its options, builds Settings and calls one function of :mod:`kstore.ops`, and prints
 what it returned. None of them needs a worker running.
 """
 
@@ -10,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
@@ -26,13 +22,13 @@ from kstore.commandline import (
     stop_on_signals,
     table,
 )
-from kstore.db import deadletters
-from kstore.processor import load_processor
 from kstore.settings import Settings
 
 from . import offsets as offsets_admin
 from . import outbox as outbox_admin
-from . import replay as replays
+from .lettercommands import dead_letters
+
+__all__ = ["dead_letters", "exporter", "offsets", "outbox", "top"]
 
 
 @click.group()
@@ -143,117 +139,6 @@ def _lease(r: outbox_admin.ShardStatus) -> str | None:
     if r.owner is None:
         return None
     return f"{r.lease_left_s:.1f}s" if r.lease_left_s > 0 else "expired"
-
-
-@click.group("dead-letters")
-def dead_letters() -> None:
-    """Messages that failed every attempt: list, show, replay (edited if need be), discard, resolve."""
-
-
-@dead_letters.command("list")
-@dsn_option
-@click.option("--group", required=True)
-@click.option("--all", "show_all", is_flag=True, help="Every status: replayed, discarded, resolved too.")
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def dead_letters_list(ctx: click.Context, /, group: str, show_all: bool, as_json: bool, **db: Any) -> None:
-    """The group's dead letters waiting (status dead), or every one with --all."""
-    status = None if show_all else deadletters.DEAD
-    letters = run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.list_dead_letters(s, group, status))
-    if as_json:
-        click.echo(json.dumps([d.summary() for d in letters], indent=2))
-        return
-    click.echo(table(["ID", "TOPIC", "PARTITION", "OFFSET", "ATTEMPTS", "LAST_FAILURE", "STATUS", "ERROR"],
-                      [[d.id, d.topic, d.partition_id, d.offset, d.attempts,
-                        d.last_failure_at.strftime("%Y-%m-%d %H:%M:%S"), d.status, d.error[:80]] for d in letters]))
-
-
-@dead_letters.command("show")
-@dsn_option
-@click.argument("dead_letter_id", type=int)
-@click.pass_context
-def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> None:
-    """One dead letter in full: the message, the error, its history (who changed it, when, why) and traceback."""
-    d, changes = run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.show_dead_letter(s, dead_letter_id))
-    for name, value in d.summary().items():
-        click.echo(f"{name}: {value}")
-    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}")
-    click.echo("history:" if changes else "history: none (waiting since it was dead-lettered)")
-    for c in changes:
-        click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
-                   f"request {c.request_id}  reason: {c.reason or '-'}")
-        if c.failed:
-            click.echo("    the replay failed: the letter's error and attempts include it")
-        if c.edited:
-            ran = "ran" if c.failed else "replayed"
-            click.echo(f"    {ran} edited: key {c.replayed_key!r} value {c.replayed_value!r}")
-    click.echo(f"traceback:\n{d.traceback}")
-
-
-@dead_letters.command("replay")
-@click.argument("processor")
-@group_connection_options
-@click.option("--id", "ids", type=int, multiple=True, help="Only these (repeatable); default: all not yet replayed.")
-@click.option("--value", default=None, help="Replay with this value instead (UTF-8); needs exactly one --id.")
-@click.option("--value-file", default=None, metavar="PATH",
-              help="Replay with this file's bytes as the value; needs exactly one --id.")
-@click.option("--key", default=None, help="Replay with this key instead (UTF-8); needs exactly one --id.")
-@click.option("--reason", default=None, help="Recorded in the dead letter's history.")
-@click.pass_context
-def dead_letters_replay(ctx: click.Context, /, processor: str, group: str, ids: tuple[int, ...], value: str | None,
-                        value_file: str | None, key: str | None, reason: str | None, **db: Any) -> None:
-    """Run dead letters through PROCESSOR again; each is marked replayed in the transaction of its effects.
-
-    With --value, --value-file or --key the processor gets the edited message; the dead letter
-    keeps the original, and its history the edited one. What the processor produces is checked
-    against the brokers (--bootstrap-servers) as the worker checks it: a record for a topic the
-    cluster lacks fails the replay instead of waiting in the outbox.
-    """
-    def replay(s: Settings) -> replays.ReplayResult:
-        edits = replays.edits_from_options(ids, key, value, value_file)
-        sys.path.insert(0, os.getcwd())
-        return replays.replay_dead_letters(s, load_processor(processor), group, ids or None, edits, reason)
-
-    result = run(ctx, lambda: Settings.from_env(**db), replay)
-    click.echo(f"replayed {len(result.replayed)}, skipped {len(result.skipped)} (already replayed or not "
-               f"of {group!r}), failed {len(result.failed)}")
-    for letter_id, error in result.failed.items():
-        click.echo(f"dead letter {letter_id} failed again: {error}", err=True)
-    if result.failed:
-        ctx.exit(1)
-
-
-def _close_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    f = click.option("--reason", required=True, help="Why; recorded with who and when in the history.")(f)
-    f = click.option("--id", "ids", type=int, multiple=True, required=True, help="Repeatable.")(f)
-    f = click.option("--group", required=True)(f)
-    return dsn_option(f)
-
-
-def _echo_closed(done: deadletters.StatusChange) -> None:
-    if done.changed:
-        click.echo(f"{done.status} {len(done.changed)}: {', '.join(map(str, done.changed))} "
-                   f"(request {done.request_id})")
-    if done.already:
-        click.echo(f"already {done.status}, left as they were: {', '.join(map(str, done.already))}")
-
-
-@dead_letters.command("discard")
-@_close_options
-@click.pass_context
-def dead_letters_discard(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
-    """Drop waiting dead letters on purpose (status discarded), all or none, recording who, when and why."""
-    _echo_closed(run(ctx, lambda: Settings.from_env(**db),
-                     lambda s: deadletters.discard_dead_letters(s, group, ids, reason)))
-
-
-@dead_letters.command("resolve")
-@_close_options
-@click.pass_context
-def dead_letters_resolve(ctx: click.Context, /, group: str, ids: tuple[int, ...], reason: str, **db: Any) -> None:
-    """Mark waiting dead letters fixed by hand elsewhere (status resolved), all or none, with who, when and why."""
-    _echo_closed(run(ctx, lambda: Settings.from_env(**db),
-                     lambda s: deadletters.resolve_dead_letters(s, group, ids, reason)))
 
 
 @click.command()

@@ -9,7 +9,8 @@ No worker is needed, and none is involved: this runs in the operator's process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from kstore.db.deadletters import (
     DeadLetterStateError,
     Edit,
 )
+from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, waiting, walk
 from kstore.db.outbox import Outbox
-from kstore.errors import CommitInDoubtError, ConfigurationError
+from kstore.errors import CommitInDoubtError, ConfigurationError, KstoreError
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Outgoing, Processor, call_hook, deserialized, produce_check, run_handler, to_ms
 from kstore.records import Produced
@@ -64,43 +66,101 @@ class ReplayResult:
     failed: dict[int, str]
 
 
-def replay_dead_letters(settings: Settings, processor: Processor, group: str, ids: Sequence[int] | None = None,
+def replay_dead_letters(settings: Settings, processor: Processor, group: str, ids: Sequence[int],
                         edits: Mapping[int, Edit] | None = None, reason: str | None = None) -> ReplayResult:
-    """Replay a group's dead letters (or the given ids) through ``processor``, each exactly once.
+    """Replay the given dead letters of a group through ``processor``, each exactly once.
 
     ``edits`` maps ids (which must be among ``ids``) to a replacement key or value. Letters of
     another group, or already replayed, are skipped; a discarded or resolved one among ``ids``
     raises :class:`DeadLetterStateError` before anything runs. ``reason`` goes to the history.
+    For every letter a filter matches, however many, see :func:`replay_matching`.
     """
+    if not ids:
+        raise ConfigurationError("give the dead letters to replay (--id N, repeatable)")
     edits = dict(edits or {})
-    stray = sorted(set(edits) - set(ids or ()))
+    stray = sorted(set(edits) - set(ids))
     if stray:
         raise ConfigurationError(f"an edit for dead letter(s) {', '.join(map(str, stray))} needs their --id")
     with DeadLetters(settings) as letters:
-        todo = [letters.get(i) for i in ids] if ids else letters.find(group)
-        if not todo:
-            letters.check_known(group)  # a typo'd group is not "replayed 0"
+        todo = [letters.get(i) for i in ids]
         closed = [d for d in todo if d.consumer_group == group and d.status not in (DEAD, REPLAYED)]
         if closed:
             with letters.engine.connect() as conn:
                 why = "; ".join(letters.state_note(conn, d.id, d.status) for d in closed)
             raise DeadLetterStateError(f"cannot replay {why}; nothing was replayed")
-        processor.engine = letters.engine
-        call_hook(processor, "setup")
         result = ReplayResult([], [], {})
-        partitions = PartitionCounts(settings)
-        check = produce_check(partitions.count, settings.outbox_max_record_bytes,
-                              f"Kafka at {settings.bootstrap_servers}")
-        try:
+        with _replaying(letters, processor) as check:
             for letter in todo:
                 if letter.consumer_group != group or letter.status != DEAD:
                     result.skipped.append(letter.id)
                     continue
                 _replay_one(letters, processor, letter, edits.get(letter.id), reason, result, check)
-        finally:
-            partitions.close()
-        call_hook(processor, "teardown")
         return result
+
+
+def replay_matching(settings: Settings, processor: Processor, group: str, where: LetterFilter | None = None,
+                    reason: str | None = None, size: int = BATCH) -> Tally:
+    """Replay every waiting letter of a group that ``where`` matches (default: all) through ``processor``.
+
+    It walks them by id, up to the highest there at its start, reading ``size`` at a time; each
+    replay is one transaction, exactly once, as :func:`replay_dead_letters` runs it. A letter that
+    fails again takes the failure, stays dead and is counted; the walk goes on past it, so letters
+    that keep failing never hold up the ones after them. A letter another operator is replaying
+    (or changed since it was read) is skipped. A replay whose COMMIT is in doubt stops the walk
+    (what landed before it stays; its message says how much). ``Tally.remaining`` counts the
+    matching letters dead-lettered after the walk started.
+    """
+    where = waiting(where)
+    tally = Tally("replay")
+    with DeadLetters(settings) as letters:
+        found = start(letters, group, where)
+        if found.last_id is None:
+            return tally
+        tally.first_id = found.first_id
+        with _replaying(letters, processor) as check:
+            try:
+                for letters_page in walk(letters, group, where, found.last_id, size):
+                    for letter in letters_page:
+                        _replay_counted(letters, processor, letter, reason, tally, check)
+            except KstoreError as exc:
+                raise tally.so_far(exc) from None
+        tally.last_id = found.last_id
+        return finish(letters, group, where, tally)
+
+
+@contextmanager
+def _replaying(letters: DeadLetters, processor: Processor) -> Iterator[Callable[[Produced], None]]:
+    """The processor's ``setup`` and ``teardown`` around replays, and the check of what they produce."""
+    settings = letters.settings
+    processor.engine = letters.engine
+    call_hook(processor, "setup")
+    partitions = PartitionCounts(settings)
+    try:
+        yield produce_check(partitions.count, settings.outbox_max_record_bytes,
+                            f"Kafka at {settings.bootstrap_servers}")
+    finally:
+        partitions.close()
+    call_hook(processor, "teardown")
+
+
+def _replay_counted(letters: DeadLetters, processor: Processor, letter: DeadLetter, reason: str | None,
+                    tally: Tally, check: Callable[[Produced], None]) -> None:
+    try:
+        replayed = replay(letters, processor, letter, None, reason, check)
+    except DeadLetterStateError:  # busy (another operator replays it) or closed since it was read: theirs
+        tally.skipped += 1
+        return
+    except CommitInDoubtError:
+        raise  # it may have landed: the operator must look before anything else
+    except Exception as exc:
+        # The letter takes the failure and stays dead; the walk goes on past it.
+        letters.note_failure(letter, exc, reason)
+        tally.fail(letter.id, f"{type(exc).__name__}: {exc}")
+        return
+    if replayed:
+        tally.done += 1
+    else:
+        tally.skipped += 1
 
 
 def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None,
