@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from kstore import Message, Settings
 from kstore.cli import cli
 from kstore.db import deadletters as dl
 from kstore.db.letterquery import LetterFilter, discard_matching, list_dead_letters, plan_dead_letters
-from kstore.errors import ConfigurationError
+from kstore.errors import ConfigurationError, DatabaseError
 from kstore.ops.replay import replay_matching
 from kstore.retry import Failure
 
@@ -143,6 +143,32 @@ def test_a_replay_walk_goes_on_past_letters_that_fail_again_a_page_at_a_time(
     assert sorted(done.failures) == ids[::3]
     assert [r.attempts for r in rows(pg_dsn, "SELECT attempts FROM kstore_dead_letters WHERE status = 'dead'")] \
         == [2] * 20, "a letter that failed again was not tried again in the same walk"
+
+
+class CutsItsConnection(Recorder):
+    """Recorder, but the message valued "cut" ends its own database session (as a failover or a
+    restart would): an outage in the middle of the replay, not something wrong with the letter."""
+
+    def handle_batch(self, msgs: Sequence[Message]) -> None:
+        if any(m.value == "cut" for m in msgs):
+            self.session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        super().handle_batch(msgs)
+
+
+def test_a_database_outage_stops_a_replay_walk_and_fails_no_letter(pg_dsn: str) -> None:
+    """The walk stops at the outage with one line saying how far it got; the letter it was on is not
+    counted as failed (its attempts stay); running it again goes on with the rest."""
+    ids = dead_letter(pg_dsn, 10, value=lambda i: "cut" if i == 4 else f"ok-{i}")
+    with pytest.raises(DatabaseError) as stopped:
+        replay_matching(Settings(dsn=pg_dsn), CutsItsConnection(), "g", size=3)
+    assert str(stopped.value).startswith(f"the database failed while replaying dead letter {ids[4]}: ")
+    assert "before it this command replayed 4, failed 0, skipped 0" in str(stopped.value)
+    letter = rows(pg_dsn, f"SELECT status, attempts FROM kstore_dead_letters WHERE id = {ids[4]}")[0]
+    assert (letter.status, letter.attempts) == ("dead", 1)
+    assert not rows(pg_dsn, f"SELECT * FROM kstore_dead_letter_history WHERE dead_letter_id = {ids[4]}")
+    again = replay_matching(Settings(dsn=pg_dsn), Recorder(), "g")
+    assert (again.done, again.failed, again.skipped) == (6, 0, 0)
+    assert len(rows(pg_dsn, "SELECT * FROM effects")) == 10
 
 
 def test_a_walk_skips_the_letter_another_operator_is_replaying_and_goes_on(pg_dsn: str, tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from kstore.db.deadletters import (
 )
 from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, waiting, walk
 from kstore.db.outbox import Outbox
-from kstore.errors import CommitInDoubtError, ConfigurationError, KstoreError
+from kstore.db.sqlerrors import first_line, transient
+from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Outgoing, Processor, call_hook, deserialized, produce_check, run_handler, to_ms
 from kstore.records import Produced
@@ -153,6 +154,9 @@ def _replay_counted(letters: DeadLetters, processor: Processor, letter: DeadLett
     except CommitInDoubtError:
         raise  # it may have landed: the operator must look before anything else
     except Exception as exc:
+        if transient(exc):  # an outage is not the letter's fault: stop here, it stays as it was
+            raise DatabaseError(f"the database failed while replaying dead letter {letter.id}: "
+                                f"{first_line(exc)}") from None
         # The letter takes the failure and stays dead; the walk goes on past it.
         letters.note_failure(letter, exc, reason)
         tally.fail(letter.id, f"{type(exc).__name__}: {exc}")
