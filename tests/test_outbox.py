@@ -22,6 +22,7 @@ from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
 from kstore.dev.broker import Cluster
+from kstore.kafka.inspector import settled_members
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy
@@ -117,7 +118,12 @@ def test_a_gone_workers_shards_are_taken_once_it_left_the_group_not_when_its_lea
     w1 = workers(pg_dsn, source, "booker", BOOKER, env=env)
     w1.wait_for_log(r"outbox relay \S+ publishes shard 1 of group 'booker'", timeout=90)
     w2 = workers(pg_dsn, source, "booker", BOOKER, env=env)
-    w2.wait_for_log(r"claimed", timeout=90)
+    # Both in the group, settled: w1's leaving is a rebalance that w2 sees.
+    admin = KafkaAdminClient(bootstrap_servers=kafka)
+    try:
+        wait_until(lambda: len(settled_members(admin, "booker") or ()) == 2, 90, what="two settled members")
+    finally:
+        admin.close()
     {"stopped": w1.terminate, "killed": w1.kill, "paused": w1.pause}[how]()
     sent += produce(source, keyed_values(200, keys=10, start=200))
     # Well under the lease: only a relay that took the shards early publishes the second half in time.
