@@ -156,12 +156,12 @@ class CutsItsConnection(Recorder):
 
 
 def test_a_database_outage_stops_a_replay_walk_and_fails_no_letter(pg_dsn: str) -> None:
-    """The walk stops at the outage with one line saying how far it got; the letter it was on is not
-    counted as failed (its attempts stay); running it again goes on with the rest."""
+    """The walk tries the letter again, then stops at the outage with one line saying how far it got;
+    the letter it was on is not counted as failed (its attempts stay); running it again goes on with the rest."""
     ids = dead_letter(pg_dsn, 10, value=lambda i: "cut" if i == 4 else f"ok-{i}")
     with pytest.raises(DatabaseError) as stopped:
         replay_matching(Settings(dsn=pg_dsn), CutsItsConnection(), "g", size=3)
-    assert str(stopped.value).startswith(f"the database failed while replaying dead letter {ids[4]}: ")
+    assert str(stopped.value).startswith(f"the database failed while replaying dead letter {ids[4]} (3 tries): ")
     assert "before it this command replayed 4, failed 0, skipped 0" in str(stopped.value)
     letter = rows(pg_dsn, f"SELECT status, attempts FROM kstore_dead_letters WHERE id = {ids[4]}")[0]
     assert (letter.status, letter.attempts) == ("dead", 1)

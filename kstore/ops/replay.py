@@ -9,6 +9,7 @@ No worker is needed, and none is involved: this runs in the operator's process.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,19 +145,40 @@ def _replaying(letters: DeadLetters, processor: Processor) -> Iterator[Callable[
     call_hook(processor, "teardown")
 
 
+#: How often a walk tries one letter through database errors before it stops, and the first pause.
+OUTAGE_TRIES = 3
+OUTAGE_PAUSE_S = 0.5
+
+
+def _replay_through_outages(letters: DeadLetters, processor: Processor, letter: DeadLetter,
+                            reason: str | None, check: Callable[[Produced], None]) -> bool:
+    """One letter's replay, tried again after a lost connection (a restart or failover is not the
+    letter's fault); a database that stays away stops the walk with the letter as it was."""
+    for attempt in range(1, OUTAGE_TRIES + 1):
+        try:
+            return replay(letters, processor, letter, None, reason, check)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            if attempt == OUTAGE_TRIES:
+                raise DatabaseError(f"the database failed while replaying dead letter {letter.id} "
+                                    f"({OUTAGE_TRIES} tries): {first_line(exc)}") from None
+            time.sleep(OUTAGE_PAUSE_S * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
+
+
 def _replay_counted(letters: DeadLetters, processor: Processor, letter: DeadLetter, reason: str | None,
                     tally: Tally, check: Callable[[Produced], None]) -> None:
     try:
-        replayed = replay(letters, processor, letter, None, reason, check)
+        replayed = _replay_through_outages(letters, processor, letter, reason, check)
     except DeadLetterStateError:  # busy (another operator replays it) or closed since it was read: theirs
         tally.skipped += 1
         return
     except CommitInDoubtError:
         raise  # it may have landed: the operator must look before anything else
+    except DatabaseError:
+        raise
     except Exception as exc:
-        if transient(exc):  # an outage is not the letter's fault: stop here, it stays as it was
-            raise DatabaseError(f"the database failed while replaying dead letter {letter.id}: "
-                                f"{first_line(exc)}") from None
         # The letter takes the failure and stays dead; the walk goes on past it.
         letters.note_failure(letter, exc, reason)
         tally.fail(letter.id, f"{type(exc).__name__}: {exc}")
