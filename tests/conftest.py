@@ -62,6 +62,37 @@ if KAFKA_CLIENT != "kafka-python":
     os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
 
 
+#: Where each test session's base temp goes when ``--basetemp`` is not given. pytest's own root,
+#: ``/tmp/pytest-of-<user>``, is reset to mode 0700 by every pytest session that starts without
+#: ``--basetemp`` (anyone's, for any project); the PostgreSQL servers below run as ``postgres`` and
+#: would lose their data directory then. This root is kstore's: nothing resets it.
+SESSIONS_ROOT = Path(tempfile.gettempdir()) / "kstore-pytest"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A base temp of the session's own under :data:`SESSIONS_ROOT` (before pytest's temp
+    factory reads the option; xdist's workers get theirs below the controller's)."""
+    if config.option.basetemp or hasattr(config, "workerinput"):
+        return
+    SESSIONS_ROOT.mkdir(exist_ok=True)
+    SESSIONS_ROOT.chmod(0o711)  # others may traverse (postgres), not list
+    for old in SESSIONS_ROOT.glob("pid-*"):
+        if not _running(int(old.name.split("-")[1])):
+            shutil.rmtree(old, ignore_errors=True)
+    config.option.basetemp = tempfile.mkdtemp(prefix=f"pid-{os.getpid()}-", dir=SESSIONS_ROOT)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The long tests (and those starting a cluster of their own) first, otherwise in their order:
     under pytest-xdist the last test to start bounds the run, and a long one started last keeps
