@@ -35,7 +35,9 @@ from kstore.concurrency import (
     set_slot,
 )
 from kstore.db.session import BatchSession, batch_session
-from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
+from kstore.db.setuplock import setup_lock
+from kstore.db.sqlerrors import first_line
+from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError, ProcessorError
 from kstore.records import Message as Message  # re-exported: users import it from here
 from kstore.records import Produced
 from kstore.retry import Reject, Retry, RetryPolicy
@@ -359,6 +361,24 @@ def call_hook(processor: Processor, hook: str, *args: Any) -> Any:
     if result is not None:
         check_returned(processor, hook, result)
     return result
+
+
+def call_setup(processor: Processor, engine: Engine, group: str) -> None:
+    """Give the processor ``engine`` and call its ``setup()`` under the group's setup lock
+    (:mod:`kstore.db.setuplock`), so the DDL of workers that start together never races.
+
+    What ``setup()`` raises becomes a :class:`~kstore.errors.ProcessorError` naming it (the
+    original is its ``__cause__``): a worker or a replay that cannot start says why in one line.
+    """
+    processor.engine = engine
+    with setup_lock(engine, group):
+        try:
+            call_hook(processor, "setup")
+        except KstoreError:
+            raise
+        except Exception as exc:
+            raise ProcessorError(f"{type(processor).__name__}.setup() failed: {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from exc
 
 
 def check_processor(processor: Processor) -> None:
