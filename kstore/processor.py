@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -599,10 +600,26 @@ def load_processor(path: str) -> Processor:
         module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc}") from None
+    except SyntaxError as exc:  # IndentationError too: the file is wrong, not kstore
+        raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc.msg} "
+                                 f"({exc.filename}, line {exc.lineno})") from None
     cls: Any = getattr(module, attr, None)
     if cls is None:
-        raise ConfigurationError(f"module {module_name!r} has no {attr!r}")
+        raise ConfigurationError(f"module {module_name!r} has no {attr!r}{_suggestion(module, attr)}")
     if not (isinstance(cls, type) and issubclass(cls, Processor)):
         raise ConfigurationError(f"{path} is not a kstore.Processor subclass")
     instance: Processor = cls()
     return instance
+
+
+def _suggestion(module: Any, attr: str) -> str:
+    """``; did you mean 'X'?`` for the module's Processor subclass closest to a mistyped name, or the
+    ones it has when none is close."""
+    found = sorted(name for name, value in vars(module).items()
+                   if isinstance(value, type) and issubclass(value, Processor) and value is not Processor)
+    by_lower = {name.lower(): name for name in found}  # `recorder` for `Recorder` is a typo too
+    close = difflib.get_close_matches(attr.lower(), list(by_lower), n=1)
+    if close:
+        return f"; did you mean {by_lower[close[0]]!r}?"
+    return f" (its Processor classes: {', '.join(found)})" if found else " (and no Processor class at all)"
+
