@@ -261,7 +261,11 @@ class Processor:
     engine: Engine
 
     def setup(self) -> None:
-        """Called once before the first message, after the worker connected."""
+        """Called once before the first message, after the worker connected.
+
+        The workers of a group run it one at a time (on PostgreSQL, under an advisory lock of
+        the group), so ``CREATE TABLE IF NOT EXISTS`` here never races another worker's. What it
+        raises stops the worker's start (one line, exit 1)."""
 
     def teardown(self) -> None:
         """Called once when the worker stops."""
