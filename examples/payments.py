@@ -22,8 +22,8 @@ Kafka to the database to Kafka, exactly once:
   returned a row, i.e. the first time. (``produce()`` follows the transaction, not the message:
   a replayed message that produced again would publish a second record.)
 
-A payment that can never be booked (a missing field, an amount that is not a positive integer)
-is rejected before anything is written and dead-lettered (``kstore dead-letters list --group
+A payment that can never be booked (not JSON, a missing field, an amount that is not a positive
+integer) is rejected before anything is written and dead-lettered (``kstore dead-letters list --group
 payments``), producing nothing.
 
 Run it (``python -m kstore.dev.broker start`` prints the broker's address)::
@@ -46,7 +46,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from kstore import Message, Processor, Reject, RetryPolicy
+from kstore import Message, Processor, Reject
 
 # The application's tables. Created by setup() (CREATE TABLE IF NOT EXISTS) so the example
 # runs with one command; a real project creates them with its own migrations.
@@ -85,9 +85,7 @@ class Payments(Processor):
     topics = ["payments"]
     group = "payments"
     value_format = "json"
-    on_error = "dead_letter"
-    # A value that is not JSON fails in deserialize(): dead-letter it at once, as Reject is.
-    retry = RetryPolicy(give_up_on=(json.JSONDecodeError,))
+    on_error = "dead_letter"  # as are values that are not JSON: kstore never retries those
 
     def setup(self) -> None:
         self.booked_topic = os.environ.get("PAYMENTS_BOOKED_TOPIC", "payment-booked")

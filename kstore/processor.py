@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -35,7 +36,9 @@ from kstore.concurrency import (
     set_slot,
 )
 from kstore.db.session import BatchSession, batch_session
-from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
+from kstore.db.setuplock import setup_lock
+from kstore.db.sqlerrors import first_line
+from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError, ProcessorError
 from kstore.records import Message as Message  # re-exported: users import it from here
 from kstore.records import Produced
 from kstore.retry import Reject, Retry, RetryPolicy
@@ -258,7 +261,11 @@ class Processor:
     engine: Engine
 
     def setup(self) -> None:
-        """Called once before the first message, after the worker connected."""
+        """Called once before the first message, after the worker connected.
+
+        The workers of a group run it one at a time (on PostgreSQL, under an advisory lock of
+        the group), so ``CREATE TABLE IF NOT EXISTS`` here never races another worker's. What it
+        raises stops the worker's start (one line, exit 1)."""
 
     def teardown(self) -> None:
         """Called once when the worker stops."""
@@ -359,6 +366,24 @@ def call_hook(processor: Processor, hook: str, *args: Any) -> Any:
     if result is not None:
         check_returned(processor, hook, result)
     return result
+
+
+def call_setup(processor: Processor, engine: Engine, group: str) -> None:
+    """Give the processor ``engine`` and call its ``setup()`` under the group's setup lock
+    (:mod:`kstore.db.setuplock`), so the DDL of workers that start together never races.
+
+    What ``setup()`` raises becomes a :class:`~kstore.errors.ProcessorError` naming it (the
+    original is its ``__cause__``): a worker or a replay that cannot start says why in one line.
+    """
+    processor.engine = engine
+    with setup_lock(engine, group):
+        try:
+            call_hook(processor, "setup")
+        except KstoreError:
+            raise
+        except Exception as exc:
+            raise ProcessorError(f"{type(processor).__name__}.setup() failed: {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from exc
 
 
 def check_processor(processor: Processor) -> None:
@@ -579,10 +604,26 @@ def load_processor(path: str) -> Processor:
         module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc}") from None
+    except SyntaxError as exc:  # IndentationError too: the file is wrong, not kstore
+        raise ConfigurationError(f"cannot import processor module {module_name!r}: {exc.msg} "
+                                 f"({exc.filename}, line {exc.lineno})") from None
     cls: Any = getattr(module, attr, None)
     if cls is None:
-        raise ConfigurationError(f"module {module_name!r} has no {attr!r}")
+        raise ConfigurationError(f"module {module_name!r} has no {attr!r}{_suggestion(module, attr)}")
     if not (isinstance(cls, type) and issubclass(cls, Processor)):
         raise ConfigurationError(f"{path} is not a kstore.Processor subclass")
     instance: Processor = cls()
     return instance
+
+
+def _suggestion(module: Any, attr: str) -> str:
+    """``; did you mean 'X'?`` for the module's Processor subclass closest to a mistyped name, or the
+    ones it has when none is close."""
+    found = sorted(name for name, value in vars(module).items()
+                   if isinstance(value, type) and issubclass(value, Processor) and value is not Processor)
+    by_lower = {name.lower(): name for name in found}  # `recorder` for `Recorder` is a typo too
+    close = difflib.get_close_matches(attr.lower(), list(by_lower), n=1)
+    if close:
+        return f"; did you mean {by_lower[close[0]]!r}?"
+    return f" (its Processor classes: {', '.join(found)})" if found else " (and no Processor class at all)"
+

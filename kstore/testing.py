@@ -42,6 +42,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
+from kstore.db.setuplock import setup_lock
 from kstore.processor import (
     DeserializationError,
     Message,
@@ -129,7 +130,10 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
         engine = create_engine(engine)
     if getattr(processor, "engine", None) is not engine:
         processor.engine = engine
-        call_hook(processor, "setup")
+        # Under the setup lock the worker takes, so test runs in parallel (pytest-xdist) on one
+        # PostgreSQL database never race each other's CREATE TABLE; what setup() raises is raised as is.
+        with setup_lock(engine, processor.group or f"{type(processor).__module__}.{type(processor).__qualname__}"):
+            call_hook(processor, "setup")
     dead_letter = (on_error or processor.on_error) == "dead_letter"
     rejected: list[tuple[int, Rejected]] = []
     items: list[tuple[int, Message]] = []  # position given, the message as the processor sees it

@@ -236,3 +236,16 @@ class AsyncKeyed(Processor):
             except asyncio.CancelledError:
                 print(f"handler of offset {msg.offset} cancelled", flush=True)
                 raise
+
+
+class FailingSetup(Processor):
+    """Its setup() reads a table nobody created: the worker cannot start."""
+
+    group = "failing-setup"
+
+    def setup(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(sa.text("SELECT * FROM no_such_table WHERE id = :id"), {"id": 1})
+
+    def handle(self, msg: Message) -> None:
+        raise AssertionError("never reached: setup() failed")

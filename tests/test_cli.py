@@ -82,6 +82,27 @@ def test_unknown_processor(sqlite_dsn: str, kafka: str) -> None:
     assert_one_clear_line(r, "MODULE:CLASS")
 
 
+def test_a_syntax_error_in_the_processor_names_its_file_and_line(tmp_path: Path, sqlite_dsn: str,
+                                                               kafka: str) -> None:
+    """A processor file that does not parse is bad configuration (exit 2) like any other import
+    error: one line with the file and the line to fix, as a file given by path or as a module."""
+    (tmp_path / "broken_pipeline.py").write_text("from kstore import Processor\n\nclass Orders(Processor)\n    pass\n")
+    r = kstore("worker", f"{tmp_path / 'broken_pipeline.py'}:Orders", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "cannot import processor module", "broken_pipeline.py, line 3", "expected ':'")
+    r = kstore("worker", "broken_pipeline:Orders", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka,
+               env={"PYTHONPATH": str(tmp_path)})
+    assert_one_clear_line(r, "cannot import processor module 'broken_pipeline'", "broken_pipeline.py, line 3")
+
+
+def test_a_mistyped_processor_class_gets_a_suggestion(sqlite_dsn: str, kafka: str) -> None:
+    r = kstore("worker", "processors:Recoder", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "has no 'Recoder'; did you mean 'Recorder'?")
+    r = kstore("worker", "processors:failingsetup", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "did you mean 'FailingSetup'?")
+    r = kstore("worker", "processors:Zzzzzz", "--dsn", sqlite_dsn, "--bootstrap-servers", kafka)
+    assert_one_clear_line(r, "has no 'Zzzzzz' (its Processor classes: ", "Recorder")
+
+
 def test_tables_not_migrated(tmp_path: Path, kafka: str, new_topic: Any) -> None:
     topic = new_topic(partitions=1)
     dsn = f"sqlite:///{tmp_path / 'empty.db'}"

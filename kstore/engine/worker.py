@@ -46,7 +46,7 @@ from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, D
 from kstore.kafka.backends import source_class
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Processor, call_hook, check_processor, produce_check
+from kstore.processor import Processor, call_hook, call_setup, check_processor, produce_check
 from kstore.records import timestamp_ms
 from kstore.settings import Settings
 from kstore.targets import Target
@@ -225,8 +225,8 @@ class Worker:
         self.connect()
         log.info("worker %s for group %r on %s: database %s, brokers %s", self.worker_id, self.group,
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
-        self.processor.engine = self.store.engine
-        call_hook(self.processor, "setup")
+        # Under the group's lock: workers that start together run their setup() one at a time.
+        call_setup(self.processor, self.store.engine, self.group)
         self.source.subscribe()
         self._started_at = time.monotonic()
         port = self.settings.metrics_port

@@ -31,7 +31,7 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Outgoing, Processor, call_hook, deserialized, produce_check, run_handler, to_ms
+from kstore.processor import Outgoing, Processor, call_hook, call_setup, deserialized, produce_check, run_handler, to_ms
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -91,7 +91,7 @@ def replay_dead_letters(settings: Settings, processor: Processor, group: str, id
                 why = "; ".join(letters.state_note(conn, d.id, d.status) for d in closed)
             raise DeadLetterStateError(f"cannot replay {why}; nothing was replayed")
         result = ReplayResult([], [], {})
-        with _replaying(letters, processor) as check:
+        with _replaying(letters, processor, group) as check:
             for letter in todo:
                 if letter.consumer_group != group or letter.status != DEAD:
                     result.skipped.append(letter.id)
@@ -119,7 +119,7 @@ def replay_matching(settings: Settings, processor: Processor, group: str, where:
         if found.last_id is None:
             return tally
         tally.first_id = found.first_id
-        with _replaying(letters, processor) as check:
+        with _replaying(letters, processor, group) as check:
             try:
                 for letters_page in walk(letters, group, where, found.last_id, size):
                     for letter in letters_page:
@@ -131,11 +131,11 @@ def replay_matching(settings: Settings, processor: Processor, group: str, where:
 
 
 @contextmanager
-def _replaying(letters: DeadLetters, processor: Processor) -> Iterator[Callable[[Produced], None]]:
-    """The processor's ``setup`` and ``teardown`` around replays, and the check of what they produce."""
+def _replaying(letters: DeadLetters, processor: Processor, group: str) -> Iterator[Callable[[Produced], None]]:
+    """The processor's ``setup`` (under the group's setup lock, as a worker's) and ``teardown``
+    around replays, and the check of what they produce."""
     settings = letters.settings
-    processor.engine = letters.engine
-    call_hook(processor, "setup")
+    call_setup(processor, letters.engine, group)
     partitions = PartitionCounts(settings)
     try:
         yield produce_check(partitions.count, settings.outbox_max_record_bytes,
