@@ -148,6 +148,11 @@ class Settings:
     #: in flight is resolved (a COMMIT is read back). Also the TCP user timeout. It caps
     #: how long one statement of a processor may run; 0 turns the deadline off.
     db_timeout_s: float = 30.0
+    #: Show the values bound to a statement the database refused in log lines and the worker's
+    #: errors (SQLAlchemy's ``[parameters: ...]``, the server's ``DETAIL``): a message's contents,
+    #: often personal data, so only to debug. Off, a failure is logged by its type and first line;
+    #: the dead letter keeps it whole either way.
+    log_statement_parameters: bool = False
     #: Seconds to wait for the brokers at start-up.
     connect_timeout_s: float = 30.0
     #: After SIGTERM/SIGINT, how long the batch in flight may run before it is rolled back.
