@@ -46,9 +46,10 @@ def test_an_error_line_is_the_same_whatever_the_password(args: list[str]) -> Non
         r = kstore(*args, "--dsn", dsn(password))
         assert (r.returncode, r.stderr) == (expected.returncode, expected.stderr), password
     if args[0] == "migrate":
-        assert expected.stderr.strip() == (f"kstore: error: cannot migrate postgresql+{PG_DRIVER}://postgres:***@"
-                                           '127.0.0.1:1/nodb: connection to server at "127.0.0.1", port 1 failed: '
-                                           "Connection refused")
+        line = expected.stderr.strip()
+        assert line.startswith(f"kstore: error: cannot migrate postgresql+{PG_DRIVER}://postgres:***@127.0.0.1:1/nodb: "
+                               "connection"), line
+        assert line.endswith('connection to server at "127.0.0.1", port 1 failed: Connection refused'), line
 
 
 def test_a_malformed_dsn_is_the_same_line_whatever_the_password() -> None:
