@@ -38,6 +38,20 @@ def test_a_refused_write_is_logged_without_the_message_values(pg_dsn: str, new_t
 
 
 @pytest.mark.integration
+def test_a_worker_stopped_by_a_refused_write_says_why_without_the_values(pg_dsn: str, new_topic: Any, produce: Any,
+                                                                        workers: Any) -> None:
+    """on_error=stop: the worker's last line names the error, not the values of the row it refused."""
+    topic = new_topic(1)
+    produce(topic, ["a0", CARD, "b0"])
+    w = workers(pg_dsn, topic, "stopped", env={"KSTORE_TEST_DB_POISON": CARD},
+                args=["--on-error", "stop", "--max-attempts", "1"])
+    assert w.wait() == 1
+    last = w.log.strip().splitlines()[-1]
+    assert last.startswith("kstore: error: processor Recorder failed on") and "NotNullViolation" in last, last
+    assert CARD not in w.log, [line for line in w.log.splitlines() if CARD in line]
+
+
+@pytest.mark.integration
 def test_log_statement_parameters_shows_them_for_debugging(pg_dsn: str, new_topic: Any, produce: Any,
                                                            workers: Any) -> None:
     topic = new_topic(1)
