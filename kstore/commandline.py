@@ -1,6 +1,6 @@
 """What every ``kstore`` command shares: the options that build :class:`~kstore.settings.Settings`,
-running one library call with a KstoreError as one line and an exit code, and keeping secrets out
-of what is printed and logged.
+running one library call with a KstoreError as one line and an exit code, and keeping credentials
+out of what is printed and logged (:mod:`kstore.masking`).
 
 Each command group sits beside the library it calls (:mod:`kstore.engine.commands`,
 :mod:`kstore.db.commands`, :mod:`kstore.ops.commands`) and builds on this; :mod:`kstore.cli`
@@ -20,6 +20,7 @@ import click
 
 from kstore.errors import KstoreError
 from kstore.kafkaoptions import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.masking import Masker
 from kstore.settings import Settings
 
 #: The commands' own log lines (a stop signal, a rolled back batch) are kstore.cli's, as before the split.
@@ -104,58 +105,52 @@ LOG_CONTEXT = _LogContext()
 
 def run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Callable[[Settings], Any]) -> Any:
     """Build settings and call the library, turning KstoreError into one line on stderr."""
-    settings: Settings | None = None
+    masker = Masker()
     try:
         settings = settings_factory()
-        _hide_in_logs(settings.secrets)
+        masker = Masker(settings.secrets)
+        _mask_logs(masker)
         return action(settings)
     except KstoreError as exc:
-        _fail(ctx, settings, f"kstore: error: {exc}", exc.exit_code)
+        _fail(ctx, masker, f"kstore: error: {exc}", exc.exit_code)
     except Exception as exc:  # the last line of defence for a clean message
-        _fail(ctx, settings, f"kstore: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug)", 1)
+        _fail(ctx, masker, f"kstore: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug)", 1)
 
 
-def _fail(ctx: click.Context, settings: Settings | None, message: str, code: int) -> NoReturn:
+def _fail(ctx: click.Context, masker: Masker, message: str, code: int) -> NoReturn:
     if ctx.obj["debug"]:
         log.exception("failed")
-    click.echo(_scrub(message, settings), err=True)
+    # kstore's own messages hold no secret; a driver's text inside one might (see kstore.masking).
+    click.echo(masker.mask(" ".join(message.splitlines())), err=True)
     ctx.exit(code)
     raise AssertionError("unreachable")
 
 
-def _scrub(message: str, settings: Settings | None) -> str:
-    """Belt and braces: never print a secret, even if a driver put it in a message."""
-    line = " ".join(message.splitlines())
-    for secret in settings.secrets if settings is not None else ():
-        line = line.replace(secret, "***")
-    return line
+class _MaskLogs(logging.Filter):
+    """Masks the credentials in every log record (kstore's, the drivers', tracebacks with --debug)."""
 
-
-class _HideSecrets(logging.Filter):
-    """Masks the settings' secrets in every log record (kstore's, the drivers', with --debug too)."""
-
-    def __init__(self, secrets: list[str]) -> None:
+    def __init__(self, masker: Masker) -> None:
         super().__init__()
-        self.secrets = secrets
+        self.masker = masker
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
-        hidden = text
-        for secret in self.secrets:
-            hidden = hidden.replace(secret, "***")
-            if record.exc_text:
-                record.exc_text = record.exc_text.replace(secret, "***")
-        if hidden != text:
-            record.msg, record.args = hidden, None
+        if record.exc_text:
+            record.exc_text = self.masker.mask(record.exc_text)
+        text = record.getMessage()
+        masked = self.masker.mask(text)
+        if masked != text:
+            record.msg, record.args = masked, None
         return True
 
 
-def _hide_in_logs(secrets: list[str]) -> None:
-    if secrets:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_HideSecrets(secrets))
+def _mask_logs(masker: Masker) -> None:
+    """One masking filter on each handler of the root logger (replacing an earlier command's, in-process)."""
+    for handler in logging.getLogger().handlers:
+        for earlier in [f for f in handler.filters if isinstance(f, _MaskLogs)]:
+            handler.removeFilter(earlier)
+        handler.addFilter(_MaskLogs(masker))
 
 
 def stop_on_signals(stop: Callable[[], None]) -> None:

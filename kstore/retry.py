@@ -63,6 +63,13 @@ class RetryPolicy:
         return max(0.0, base * spread)
 
 
+def one_line(exc: BaseException) -> str:
+    """An error as a log line gives it: its type and the first line of its message. The further
+    lines of a database error hold the statement and the values bound to it, a message's contents."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 @dataclass
 class Failure:
     """What is known about one failing message."""
@@ -70,13 +77,17 @@ class Failure:
     attempts: int = 0
     first_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     last_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    #: The whole error, as the dead letter keeps it (in the database, beside the message).
     error: str = ""
+    #: The error as log lines and the worker's messages give it: :func:`one_line` unless told otherwise.
+    logged: str = ""
     traceback: str = ""
     #: The last error was final (:class:`Reject`, or one the policy gives up on): no more attempts.
     final: bool = False
 
-    def record(self, exc: BaseException) -> None:
+    def record(self, exc: BaseException, logged: str | None = None) -> None:
         self.attempts += 1
         self.last_at = datetime.now(timezone.utc)
         self.error = f"{type(exc).__name__}: {exc}"
+        self.logged = one_line(exc) if logged is None else logged
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

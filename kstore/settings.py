@@ -18,6 +18,7 @@ from sqlalchemy.exc import ArgumentError
 
 from kstore.errors import ConfigurationError
 from kstore.kafkaoptions import check_kafka_options, check_security
+from kstore.masking import shown_options
 
 ENV_PREFIX = "KSTORE_"
 #: ``KSTORE_KAFKA_<NAME>`` sets the Kafka client's option ``<name>`` (see ``kafka_options``).
@@ -147,7 +148,14 @@ class Settings:
     #: in flight is resolved (a COMMIT is read back). Also the TCP user timeout. It caps
     #: how long one statement of a processor may run; 0 turns the deadline off.
     db_timeout_s: float = 30.0
-    #: Seconds to wait for the brokers at start-up.
+    #: Show the values bound to a statement the database refused in log lines and the worker's
+    #: errors (SQLAlchemy's ``[parameters: ...]``, the server's ``DETAIL``): a message's contents,
+    #: often personal data, so only to debug. Off, a failure is logged by its type and first line;
+    #: the dead letter keeps it whole either way.
+    log_statement_parameters: bool = False
+    #: Seconds to wait at start-up for brokers that do not answer. An address where no broker can
+    #: be (its port refuses connections, its name does not resolve) is reported sooner, after three
+    #: tries in 2 s.
     connect_timeout_s: float = 30.0
     #: After SIGTERM/SIGINT, how long the batch in flight may run before it is rolled back.
     shutdown_timeout_s: float = 30.0
@@ -223,10 +231,10 @@ class Settings:
         _check_breaker(self.max_consecutive_dead_letters, self.max_consecutive_rejects, self.dead_letter_breaker)
         try:
             make_url(self.dsn)
-        except ArgumentError:
+        except (ArgumentError, ValueError):  # ValueError: a port that is not a number
             raise ConfigurationError(
-                "malformed DSN: expected e.g. postgresql+psycopg2://user:pass@host/db "
-                "or sqlite:///kstore.db"
+                "malformed DSN: expected a SQLAlchemy URL, e.g. sqlite:///kstore.db or "
+                "postgresql+psycopg2://user@host/db (user:password@host with a password)"
             ) from None
         if not self.table_prefix.replace("_", "").isalnum():
             raise ConfigurationError(f"table_prefix must be letters, digits and _: {self.table_prefix!r}")
@@ -236,9 +244,16 @@ class Settings:
         """The DSN with its password masked, for logs and messages."""
         return make_url(self.dsn).render_as_string(hide_password=True)
 
+    def __repr__(self) -> str:
+        # The dataclass's own repr, but for secrets: left out, or (a Kafka option's) shown as ***.
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        values["kafka_options"] = shown_options(self.kafka_options)
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in values.items())})"
+
     @property
     def secrets(self) -> list[str]:
-        """Every secret value these settings hold (the DSN's password too), to scrub from output."""
+        """Every secret value these settings hold (the DSN's password too): what a
+        :class:`~kstore.masking.Masker` needs to find where one ends in a driver's text."""
         found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password]
         return [str(v) for v in found if v]
 

@@ -7,7 +7,11 @@ name an error in one line without building on :mod:`kstore.db.store`.
 
 from __future__ import annotations
 
+import re
+
 from sqlalchemy.exc import DBAPIError, OperationalError
+
+from kstore.retry import one_line
 
 #: SQLSTATE classes and codes that say "the database, not this batch": connection
 #: exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
@@ -72,3 +76,21 @@ def first_line(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines()
     return lines[0] if lines else type(orig).__name__
+
+
+#: A data exception's (SQLSTATE class 22) first line quotes the value it could not take, at its end:
+#: ``invalid input syntax for type integer: "..."``.
+_QUOTED_VALUE = re.compile(r': ".*"$')
+
+
+def error_text(exc: BaseException, statement_parameters: bool = False) -> str:
+    """An error for a log line: its type and first line (:func:`~kstore.retry.one_line`), so never the
+    values a statement carried (SQLAlchemy's ``[SQL: ...]`` and ``[parameters: ...]``, the server's
+    ``DETAIL``), nor the value a data exception quotes. ``statement_parameters``: the whole error."""
+    if statement_parameters:
+        return f"{type(exc).__name__}: {exc}"
+    text = one_line(exc)
+    code = sqlstate(exc)
+    if code is not None and code.startswith("22"):
+        text = _QUOTED_VALUE.sub(": (value hidden)", text)
+    return text

@@ -189,7 +189,9 @@ def make_engine(settings: Settings) -> Engine:
     elif url.startswith("sqlite"):
         kwargs["connect_args"] = {"factory": dbapi.SQLiteConnection}
     try:
-        engine = create_engine(url, **kwargs)
+        # Values bound to a failed statement stay out of its error text (a message's contents):
+        # hide_parameters, unless log_statement_parameters asks for them.
+        engine = create_engine(url, hide_parameters=not settings.log_statement_parameters, **kwargs)
     except (SQLAlchemyError, ImportError) as exc:
         raise ConfigurationError(f"cannot use DSN {settings.safe_dsn}: {exc}") from None
     if engine.dialect.driver == "psycopg":

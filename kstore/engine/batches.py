@@ -158,7 +158,7 @@ class Batches:
         policy = processor.retry
         if settings.max_attempts is not None:
             policy = dataclasses.replace(policy, max_attempts=settings.max_attempts)
-        self.failures = Failures(policy)
+        self.failures = Failures(policy, settings.log_statement_parameters)
         self.on_error = settings.on_error or processor.on_error
         #: Messages dead-lettered in a row; past its limits the worker stops, or pauses (see _count_letters).
         self.breaker = Breaker(settings.max_consecutive_dead_letters, settings.max_consecutive_rejects)
@@ -393,8 +393,8 @@ class Batches:
             # One line when a failure is first met; the narrowing down that follows is DEBUG.
             already = any(failures.isolating((r.topic, r.partition)) for r in batch[:1])
             (log.debug if already else log.warning)(
-                "a batch of %d failed (%s: %s); retrying it in smaller batches to find the bad message",
-                len(batch), type(cause).__name__, cause)
+                "a batch of %d failed (%s); retrying it in smaller batches to find the bad message",
+                len(batch), failures.describe(cause))
             failures.batch_failed([(r.topic, r.partition, r.offset) for r in batch])
             return False
         record = batch[0]
@@ -403,12 +403,12 @@ class Batches:
         if not failures.exhausted(failure):
             self.metrics.retried()
             log.warning("%s failed (attempt %d of %d): %s; retrying", where, failure.attempts,
-                        failures.policy.max_attempts, failure.error, extra=_fields(record))
+                        failures.policy.max_attempts, failure.logged, extra=_fields(record))
             return False
         if self.on_error != "dead_letter":
             raise ProcessorError(
                 f"processor {type(self.processor).__name__} failed on {where} after {failure.attempts} attempt(s): "
-                f"{failure.error}; its offset was not committed (on_error=stop)"
+                f"{failure.logged}; its offset was not committed (on_error=stop)"
             ) from cause
         return self._dead_letter(taken, failure)
 
@@ -432,7 +432,7 @@ class Batches:
         self._committed(taken)
         self.metrics.dead_lettered()
         log.warning("dead-lettered %s[%d] offset %d after %d attempt(s): %s", record.topic, record.partition,
-                    record.offset, failure.attempts, failure.error, extra=_fields(record))
+                    record.offset, failure.attempts, failure.logged, extra=_fields(record))
         self._count_letters(taken.records, [(record, failure)])
         return True
 
@@ -483,7 +483,7 @@ class Batches:
                     for record, failure in letters:
                         self.metrics.dead_lettered()
                         log.warning("dead-lettered %s[%d] offset %d at once: %s", record.topic, record.partition,
-                                    record.offset, failure.error, extra=_fields(record))
+                                    record.offset, failure.logged, extra=_fields(record))
                 return fenced, msgs, letters
             except _CommitInDoubt as exc:
                 exc.msgs, exc.letters = msgs, letters

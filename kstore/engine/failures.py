@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from kstore.db.sqlerrors import error_text
 from kstore.records import Record
 from kstore.records import TopicPartition as TP
 from kstore.retry import Failure, Retry, RetryPolicy
@@ -24,8 +25,10 @@ MessageKey = tuple[str, int, int]
 class Failures:
     """Attempts per message, the isolation window, and when the next attempt may run."""
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy, statement_parameters: bool = False) -> None:
         self.policy = policy
+        #: ``log_statement_parameters``: log lines give a failure whole, with the values a statement carried.
+        self.statement_parameters = statement_parameters
         self._failures: dict[MessageKey, Failure] = {}
         #: Per partition, the last offset of a failed multi-message batch: until the worker
         #: is past it, batches are smaller, so the failing message is found and retried alone.
@@ -66,7 +69,7 @@ class Failures:
     def message_failed(self, key: MessageKey, exc: BaseException) -> Failure:
         """Count an attempt; schedule the next one unless the policy is exhausted."""
         failure = self._failures.setdefault(key, Failure())
-        failure.record(exc)
+        failure.record(exc, self.describe(exc))
         if self.policy.gives_up_on(exc):
             failure.final = True
         elif failure.attempts < self.policy.max_attempts:
@@ -74,6 +77,10 @@ class Failures:
                 failure.attempts)
             self._not_before = time.monotonic() + delay
         return failure
+
+    def describe(self, exc: BaseException) -> str:
+        """An error for a log line: one line, without the statement's values unless ``statement_parameters``."""
+        return error_text(exc, self.statement_parameters)
 
     def exhausted(self, failure: Failure) -> bool:
         return failure.final or failure.attempts >= self.policy.max_attempts
@@ -144,5 +151,5 @@ class Breaker:
                         "or not deserializable)")
                 return (f"{run} messages in a row {what} and were dead-lettered, none handled in between "
                         f"({setting}={limit}); the last: {record.topic}[{record.partition}] offset {record.offset}: "
-                        f"{failure.error}")
+                        f"{failure.logged}")
         return None

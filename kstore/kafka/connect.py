@@ -37,6 +37,7 @@ from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
+from kstore.masking import shown_options
 
 from .probe import probe
 
@@ -183,7 +184,8 @@ def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     config.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
     config.update(kstore_config)
     if settings.kafka_options:
-        log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(settings.kafka_options.items())))
+        shown = sorted(shown_options(settings.kafka_options).items())
+        log.info("Kafka options: %s", ", ".join(f"{k}={v!r}" for k, v in shown))
     return _open(settings, config, lambda: KafkaConsumer(**config))
 
 

@@ -17,22 +17,31 @@ is made kstore opens one connection itself, with the same TLS context, and asks:
    as the broker closes the connection right after refusing. Without SASL: does it
    answer a Metadata request (a SASL listener closes the connection instead)?
 
-A clear answer raises :class:`~kstore.errors.BrokerError`; anything else (no broker
-up yet, a timeout, a proxy in between) lets the client try as usual.
+Before that, the connection itself: a refused one or a name that does not resolve, at every
+bootstrap address, is tried again briefly (:data:`ABSENT_TRIES`, a broker restarting is back by
+then) and then reported at once, where kafka-python and librdkafka would wait out
+``connect_timeout_s`` in silence.
+
+A clear answer raises :class:`~kstore.errors.BrokerError`; anything else (a broker that does not
+answer, a timeout, a proxy in between) lets the client try as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
 import struct
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kafka.net.sasl import get_sasl_mechanism
 
 from kstore.errors import BrokerError
+
+log = logging.getLogger(__name__)
 
 _API_VERSIONS, _METADATA, _SASL_HANDSHAKE, _SASL_AUTHENTICATE = 18, 3, 17, 36
 #: Mechanisms the probe logs in with (kafka-python's own implementation); GSSAPI and
@@ -42,6 +51,11 @@ _UNSUPPORTED_SASL_MECHANISM = 33
 #: Metadata versions whose request is the topics array and the auto-create flag (v8 adds two flags).
 _METADATA_VERSIONS = range(4, 8)
 _PROBE_TIMEOUT_S = 10.0
+#: A broker that cannot be there (its port refuses connections, its name does not resolve) is tried
+#: this many times, this far apart, before kstore says so: a broker restarting is back by then, and
+#: the 30 s of ``connect_timeout_s`` are kept for a broker that does not answer at all.
+ABSENT_TRIES = 3
+ABSENT_RETRY_DELAY_S = 1.0
 _CLIENT_ID = b"kstore-probe"
 
 
@@ -53,24 +67,49 @@ class _TlsRecord(Exception):
     """A plain-text request got a TLS record back (an alert): the listener speaks TLS."""
 
 
-def probe(settings: Any, config: Mapping[str, Any]) -> None:
-    """Raise BrokerError naming the cause if the first reachable broker clearly cannot work."""
+def probe(settings: Any, config: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Raise BrokerError naming the cause if the first reachable broker clearly cannot work, or if
+    no broker can be there at all (see :func:`_absent`)."""
     if config.get("proxy_url") or config.get("socks5_proxy"):
         return
     timeout = min(_PROBE_TIMEOUT_S, max(1.0, settings.connect_timeout_s))
-    for server in settings.bootstrap_servers.split(","):
-        host, port = _split_address(server.strip())
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError:
-            continue  # not up (yet): the client waits for it as it always does
-        try:
-            _check(sock, host, port, settings, config)
-        except _Inconclusive:
-            pass
-        finally:
-            sock.close()
-        return
+    servers = [_split_address(server.strip()) for server in settings.bootstrap_servers.split(",")]
+    for attempt in range(1, ABSENT_TRIES + 1):
+        absent = []
+        for host, port in servers:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout)
+            except OSError as exc:
+                why = _absent(exc, host)
+                if why is None:
+                    return  # silence, or no answer yet: the client waits for it as it always does
+                absent.append(why if len(servers) == 1 else f"{host}:{port}: {why}")
+                continue
+            try:
+                _check(sock, host, port, settings, config)
+            except _Inconclusive:
+                pass
+            finally:
+                sock.close()
+            return
+        if attempt < ABSENT_TRIES:
+            log.debug("Kafka at %s: %s; trying again in %gs", settings.bootstrap_servers, "; ".join(absent),
+                      ABSENT_RETRY_DELAY_S)
+            sleep(ABSENT_RETRY_DELAY_S)
+    took = ABSENT_RETRY_DELAY_S * (ABSENT_TRIES - 1)
+    raise BrokerError(f"cannot reach Kafka at {settings.bootstrap_servers}: {'; '.join(absent)}; check "
+                      f"--bootstrap-servers (tried {ABSENT_TRIES} times in {took:g}s)")
+
+
+def _absent(exc: OSError, host: str) -> str | None:
+    """Why no broker can be at an address, from the error connecting to it: nothing listens on the
+    port (refused) or the name does not resolve. None for what waiting can end: no answer at all (a
+    firewall that drops, a host that is down), a name server that does not answer."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror) and exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)):
+        return f"the name {host!r} does not resolve"
+    return None
 
 
 def _split_address(server: str) -> tuple[str, int]:

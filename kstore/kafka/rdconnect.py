@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
+from kstore.masking import shown_options
 
 from .connect import client_config, load_token_provider
 from .probe import probe
@@ -83,7 +84,8 @@ def open_rd_consumer(settings: Any, **kstore_config: Any) -> Consumer:
     config = librdkafka_config(settings)
     config.update(kstore_config)
     if settings.kafka_options:
-        log.info("librdkafka options: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(settings.kafka_options.items())))
+        shown = sorted(shown_options(settings.kafka_options).items())
+        log.info("librdkafka options: %s", ", ".join(f"{k}={v!r}" for k, v in shown))
     try:
         return Consumer(config)
     except KafkaException as exc:
