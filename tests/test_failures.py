@@ -138,7 +138,7 @@ def test_database_outage_rides_through(postgresql_outage_proc: Any, pg_outage_ds
     producer.join(60)
     wait_until(lambda: len(effects(pg_dsn)) >= 2000, 90, what="all 2,000 effects after the outage")
     time.sleep(1)
-    assert w.terminate() == 0
+    assert w.terminate() == 0, w.log[-3000:]
     counts = effects(pg_dsn)
     assert len(counts) == 2000 and set(counts.values()) == {1}
     assert "database error" in w.log and "retrying in" in w.log

@@ -8,6 +8,7 @@ smaller batches, dead letters, the database going away).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -653,8 +654,12 @@ class Batches:
                 # Rolls back anything open (kstore's own BEGIN included: see
                 # kstore.db.store._no_transaction_back_into_the_pool) and returns it to the pool.
                 conn.close()
-            except SQLAlchemyError as exc:
-                log.debug("closing the batch connection failed: %s", exc)
+            except Exception as exc:
+                # A connection the server dropped can fail its way back into the pool (psycopg2 raises
+                # while SQLAlchemy resets its isolation level): discard it instead, so the pool keeps its slot.
+                log.debug("closing the batch connection failed: %s", first_line(exc))
+                with contextlib.suppress(Exception):
+                    conn.invalidate()
 
     def _decode(self, taken: _Batch) -> tuple[_Batch, _Decoded]:
         """The batch as the processor sees it (see :meth:`_messages`); with on_error=stop, cut before

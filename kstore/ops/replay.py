@@ -28,7 +28,7 @@ from kstore.db.deadletters import (
 )
 from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, waiting, walk
 from kstore.db.outbox import Outbox
-from kstore.db.sqlerrors import first_line, transient
+from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.logreader import PartitionCounts
 from kstore.processor import Outgoing, Processor, call_hook, call_setup, deserialized, produce_check, run_handler, to_ms
@@ -181,7 +181,7 @@ def _replay_counted(letters: DeadLetters, processor: Processor, letter: DeadLett
     except Exception as exc:
         # The letter takes the failure and stays dead; the walk goes on past it.
         letters.note_failure(letter, exc, reason)
-        tally.fail(letter.id, f"{type(exc).__name__}: {exc}")
+        tally.fail(letter.id, error_text(exc, letters.settings.log_statement_parameters))
         return
     if replayed:
         tally.done += 1
@@ -202,7 +202,7 @@ def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, 
     except Exception as exc:
         # The letter takes the failure (no second letter for the message), unless it left dead meanwhile.
         letters.note_failure(letter, exc, reason, edited=edit.apply(letter) if edit else None)
-        result.failed[letter.id] = f"{type(exc).__name__}: {exc}"
+        result.failed[letter.id] = error_text(exc, letters.settings.log_statement_parameters)
 
 
 def edits_from_options(ids: Sequence[int], key: str | None, value: str | None,
