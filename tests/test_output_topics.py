@@ -22,13 +22,15 @@ import sqlalchemy as sa
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
-from kstore import Message, Processor, ProduceError, UndeclaredTopicError
+from kstore import Message, MissingTopicError, Processor, ProduceError, Settings, UndeclaredTopicError
 from kstore.dev.broker import Cluster
+from kstore.ops.replay import replay_matching
 from kstore.testing import make_message, run_batch
 
 from .conftest import BROKER_CONFIG, KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from .harness import WorkerProcess, effects, read_committed, stored_offsets, wait_until
 from .test_cli import assert_one_clear_line, kstore
+from .test_dead_letters_at_scale import dead_letter, rows
 from .test_metrics import get, port_of, scrape, total
 
 ANNOUNCER = "topic_processors:Announcer"
@@ -275,6 +277,59 @@ def test_run_batch_refuses_an_oversize_record_as_the_worker_does(engine: Any) ->
 def test_run_batch_stops_on_an_undeclared_topic_whatever_on_error_says(engine: Any) -> None:
     with pytest.raises(UndeclaredTopicError, match="'elsewhere', which is not in produces \\(out\\)"):
         run_batch(Undeclared(), [make_message("a"), make_message("b", offset=1)], engine)
+
+
+# -- dead-letter replays check as the worker does ---------------------------------------------------
+
+
+#: The topic the replayed processor declares (made by the test, once per session).
+REPLAY_OUT = f"replay-out-{uuid.uuid4().hex[:8]}"
+
+
+class Replayed(Processor):
+    """Records each replayed message and produces it to ``REPLAY_OUT`` (declared); ``stray`` to a
+    topic it did not declare."""
+
+    value_format = "str"
+    produces = [REPLAY_OUT]
+
+    def handle(self, msg: Message) -> None:
+        self.session.execute(sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
+                                     "VALUES (:t, :p, :o, :v, 'replay')"),
+                             {"t": msg.topic, "p": msg.partition, "o": msg.offset, "v": msg.value})
+        self.produce("never-declared" if msg.value == "stray" else REPLAY_OUT, msg.value)
+
+
+class ToMissing(Processor):
+    """Produces every replayed message to a declared topic the cluster does not have."""
+
+    value_format = "str"
+    produces = [f"missing-{uuid.uuid4().hex[:8]}"]
+
+    def handle(self, msg: Message) -> None:
+        self.produce(self.produces[0], msg.value)
+
+
+def test_a_replay_stops_at_an_undeclared_or_missing_topic_and_fails_no_letter(
+        pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """A replay applies the worker's checks: ``produce()`` to an undeclared topic stops the walk with
+    UndeclaredTopicError, and a declared topic the cluster lacks with MissingTopicError; neither is
+    the letter's failure (it stays dead, its attempts unchanged), and what was replayed before stays."""
+    ids = dead_letter(pg_dsn, 4, value=lambda i: "stray" if i == 2 else f"ok-{i}")
+    new_topic(partitions=1, name=REPLAY_OUT)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    with pytest.raises(UndeclaredTopicError, match="before it this command replayed 2, failed 0"):
+        replay_matching(settings, Replayed(), "g")
+    letters = {r.id: (r.status, r.attempts) for r in rows(pg_dsn, "SELECT id, status, attempts FROM "
+                                                                   "kstore_dead_letters")}
+    assert [letters[i] for i in ids] == [("replayed", 1), ("replayed", 1), ("dead", 1), ("dead", 1)]
+
+    with pytest.raises(MissingTopicError, match=r"does not exist .* before it this command replayed 0, failed 0"):
+        replay_matching(settings, ToMissing(), "g")
+    letters = {r.id: (r.status, r.attempts) for r in rows(pg_dsn, "SELECT id, status, attempts FROM "
+                                                                   "kstore_dead_letters")}
+    assert [letters[i] for i in ids[2:]] == [("dead", 1), ("dead", 1)]
+    assert outbox_rows(pg_dsn) == 2  # the two replayed before the stop, for their relay to publish
 
 
 # -- kstore topics ----------------------------------------------------------------------------------
