@@ -140,7 +140,7 @@ NOT_THE_MESSAGE = (ProcessorContractError, MissingTopicError)
 
 def declared_topics(processor: Processor) -> frozenset[str] | None:
     """The topics the processor declares it produces to (``produces``), or None if it declares none."""
-    produces = type(processor).produces
+    produces = processor.produces
     if produces is None:
         return None
     if isinstance(produces, str) or not all(isinstance(t, str) and t for t in produces):
@@ -338,7 +338,11 @@ class Processor:
         ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
         None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a
         dict. ``partition``: the output partition (default: by key, as Kafka's producer does).
-        A record that can never be published raises :class:`ProduceError` here.
+        A record that can never be published raises :class:`ProduceError` here. A topic not in
+        :attr:`produces` (when declared) raises :class:`~kstore.UndeclaredTopicError`, which stops
+        the worker; one the cluster does not have, :class:`~kstore.MissingTopicError`, which makes
+        the batch wait for it. Neither is a fault of the message: neither is ever dead-lettered, and
+        the batch fails even if the processor catches them.
         """
         outgoing = vars(self).get("_outgoing")
         if outgoing is None:

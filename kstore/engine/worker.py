@@ -400,8 +400,8 @@ class Worker:
         return True, "the batch loop and the fetch thread are turning"
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready once joined, every assigned partition claimed, and the database answering; never
-        again once the dead-letter breaker paused the worker."""
+        """Ready once joined, every assigned partition claimed, the database answering and the topics
+        it produces to there; never again once the dead-letter breaker paused the worker."""
         source, ledger = self._source, self._ledger
         if source is None or ledger is None:
             return False, "not connected"
