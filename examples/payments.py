@@ -48,6 +48,10 @@ from sqlalchemy import text
 
 from kstore import Message, Processor, Reject
 
+#: Where each booking is announced; declared in ``produces``, so the worker checks it exists at its
+#: start and refuses a produce() anywhere else.
+BOOKED_TOPIC = os.environ.get("PAYMENTS_BOOKED_TOPIC", "payment-booked")
+
 # The application's tables. Created by setup() (CREATE TABLE IF NOT EXISTS) so the example
 # runs with one command; a real project creates them with its own migrations.
 SCHEMA = (
@@ -83,12 +87,13 @@ def validate(value: Any) -> dict[str, Any]:
 
 class Payments(Processor):
     topics = ["payments"]
+    produces = [BOOKED_TOPIC]
     group = "payments"
     value_format = "json"
     on_error = "dead_letter"  # as are values that are not JSON: kstore never retries those
 
     def setup(self) -> None:
-        self.booked_topic = os.environ.get("PAYMENTS_BOOKED_TOPIC", "payment-booked")
+        self.booked_topic = BOOKED_TOPIC
         with self.engine.begin() as conn:
             for ddl in SCHEMA:
                 conn.execute(text(ddl))

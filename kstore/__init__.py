@@ -36,10 +36,12 @@ from kstore.errors import (
     FencedError,
     InvalidOffsetError,
     KstoreError,
+    MissingTopicError,
     NotMigratedError,
     ProcessorContractError,
     ProcessorError,
     TooManyDeadLettersError,
+    UndeclaredTopicError,
 )
 from kstore.processor import DeserializationError, Message, Processor, ProduceError, load_processor
 from kstore.retry import Reject, Retry, RetryPolicy
@@ -76,9 +78,11 @@ __all__ = [
     "FencedError",
     "InvalidOffsetError",
     "KstoreError",
+    "MissingTopicError",
     "NotMigratedError",
     "ProcessorContractError",
     "ProcessorError",
     "ProduceError",
     "TooManyDeadLettersError",
+    "UndeclaredTopicError",
 ]

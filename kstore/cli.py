@@ -1,7 +1,7 @@
 """The ``kstore`` command: logging, ``--debug``, and the command groups, each from beside the library it calls.
 
 ``kstore worker`` and ``relay`` are :mod:`kstore.engine.commands`, ``kstore migrate``
-:mod:`kstore.db.commands`, ``kstore offsets``, ``dead-letters``, ``outbox``, ``exporter`` and ``top``
+:mod:`kstore.db.commands`, ``kstore offsets``, ``dead-letters``, ``outbox``, ``exporter``, ``top`` and ``topics``
 :mod:`kstore.ops.commands`; what they share (options, one-line errors, secrets kept out of output) is
 :mod:`kstore.commandline`.
 No SQL and no Kafka here. A :class:`KstoreError` is printed on one line and exits non-zero;
@@ -20,7 +20,7 @@ from kstore import __version__
 from kstore.commandline import LOG_CONTEXT
 from kstore.db.commands import migrate
 from kstore.engine.commands import relay, worker
-from kstore.ops.commands import dead_letters, exporter, offsets, outbox, top
+from kstore.ops.commands import dead_letters, exporter, offsets, outbox, top, topics
 
 
 @click.group()
@@ -49,7 +49,7 @@ def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> Non
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top):
+for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top, topics):
     cli.add_command(command)
 
 

@@ -31,6 +31,15 @@ class BrokerError(KstoreError):
     """The Kafka brokers cannot be reached or refused a request."""
 
 
+class MissingTopicError(BrokerError):
+    """A topic the processor produces to is not in the cluster (not created yet, or deleted).
+
+    An outage, never the message's fault: the batch is rolled back and retried after a backoff
+    until the topic exists (``topic_recheck_s``); nothing is dead-lettered. At a worker's start, a
+    declared output topic that is missing is a configuration error instead (one line, exit 2).
+    """
+
+
 class InvalidOffsetError(KstoreError):
     """A reset target lies outside the partition's log (raised in strict mode)."""
 
@@ -54,6 +63,14 @@ class ProcessorContractError(ProcessorError):
 
     The worker stops, whatever ``on_error`` says: every message would fail the same way, and
     dead-lettering them would fill the dead letters with good messages.
+    """
+
+
+class UndeclaredTopicError(ProcessorContractError):
+    """``produce()`` to a topic missing from the processor's ``produces``: a programming error.
+
+    The worker stops (nothing of the batch commits, nothing is dead-lettered): every message would
+    produce to it the same way. Add the topic to ``produces``, or fix its name.
     """
 
 

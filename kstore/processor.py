@@ -38,7 +38,14 @@ from kstore.concurrency import (
 from kstore.db.session import BatchSession, batch_session
 from kstore.db.setuplock import setup_lock
 from kstore.db.sqlerrors import first_line
-from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError, ProcessorError
+from kstore.errors import (
+    ConfigurationError,
+    KstoreError,
+    MissingTopicError,
+    ProcessorContractError,
+    ProcessorError,
+    UndeclaredTopicError,
+)
 from kstore.records import Message as Message  # re-exported: users import it from here
 from kstore.records import Produced
 from kstore.retry import Reject, Retry, RetryPolicy
@@ -63,7 +70,8 @@ def decode(data: bytes | None, fmt: Format) -> Any:
 
 class ProduceError(Reject):
     """A record given to :meth:`Processor.produce` can never be published (a value that cannot be
-    serialized, a topic or partition the cluster does not have, a record over the size limit).
+    serialized, a partition its topic does not have, a record over the size limit). A topic the
+    cluster does not have is not one of these: that is an outage (:class:`~kstore.MissingTopicError`).
 
     A :class:`~kstore.retry.Reject`: the message that produced it is not retried but, by
     ``on_error``, dead-lettered at once (nothing it produced is published) or stops the worker.
@@ -129,14 +137,41 @@ def _headers(headers: Any) -> tuple[tuple[str, bytes | None], ...]:
     return tuple(out)
 
 
+#: What :meth:`Processor.produce` raises that is neither a message's fault nor to be caught by the
+#: processor: a topic missing from ``produces`` (a programming error) or from the cluster (an outage).
+NOT_THE_MESSAGE = (ProcessorContractError, MissingTopicError)
+
+
+def declared_topics(processor: Processor) -> frozenset[str] | None:
+    """The topics the processor declares it produces to (``produces``), or None if it declares none."""
+    produces = processor.produces
+    if produces is None:
+        return None
+    if isinstance(produces, str) or not all(isinstance(t, str) and t for t in produces):
+        raise ConfigurationError(f"{type(processor).__name__}.produces must be a list of topic names, "
+                                 f"got {produces!r}")
+    return frozenset(produces)
+
+
 def produce_check(partitions: Callable[[str], int | None] | None, max_bytes: int,
-                  where: str = "Kafka") -> Callable[[Produced], None]:
-    """What :meth:`Processor.produce` checks a record against before it goes to the outbox: its size,
-    and (given ``partitions``, a topic's partition count, 0 for none, None when the brokers did not
-    answer) its topic and partition. A record that could never be published fails here, as the
-    message's failure, not later in the relay, where it would stop a shard until it can be."""
+                  where: str = "Kafka", produces: frozenset[str] | None = None) -> Callable[[Produced], None]:
+    """What :meth:`Processor.produce` checks a record against before it goes to the outbox, the same
+    for a worker, a dead letter's replay and :func:`kstore.testing.run_batch`.
+
+    - ``produces`` (the processor's declared topics, if any): another topic raises
+      :class:`~kstore.UndeclaredTopicError`, which stops the worker.
+    - its size against ``max_bytes``, and (given ``partitions``, a topic's partition count, 0 for
+      none, None when the brokers did not answer) its partition: a record that could never be
+      published is the message's failure here (:class:`ProduceError`), not later in the relay,
+      where it would stop a shard until it can be.
+    - a topic the cluster does not have raises :class:`~kstore.MissingTopicError`: an outage,
+      waited out, never the message's failure.
+    """
 
     def check(record: Produced) -> None:
+        if produces is not None and record.topic not in produces:
+            raise UndeclaredTopicError(f"produce() to topic {record.topic!r}, which is not in produces "
+                                       f"({', '.join(sorted(produces)) or 'none'}): add it, or fix the name")
         size = record.size()
         if size > max_bytes:
             raise ProduceError(f"a record for topic {record.topic!r} is {size:,} bytes, over "
@@ -145,7 +180,8 @@ def produce_check(partitions: Callable[[str], int | None] | None, max_bytes: int
         if count is None:
             return  # not known now: the relay finds out when it publishes, and never skips the record
         if count == 0:
-            raise ProduceError(f"topic {record.topic!r} does not exist in {where}")
+            raise MissingTopicError(f"output topic {record.topic!r} does not exist in {where}: create it "
+                                    f"(kstore topics create)")
         if record.partition is not None and record.partition >= count:
             raise ProduceError(f"topic {record.topic!r} has {count} partition(s); there is no partition "
                                f"{record.partition}")
@@ -155,11 +191,14 @@ def produce_check(partitions: Callable[[str], int | None] | None, max_bytes: int
 
 class Outgoing:
     """The records a batch produced (:meth:`Processor.produce`), written to the outbox with its
-    commit. ``check`` (the worker's) refuses a record that could never be published, at once."""
+    commit. ``check`` (see :func:`produce_check`) refuses a record that could never be published,
+    at once; what it raised that is not the message's fault (:data:`NOT_THE_MESSAGE`) is kept in
+    ``refused``, so the batch fails even if the processor caught it."""
 
     def __init__(self, check: Callable[[Produced], None] | None = None) -> None:
         self.records: list[Produced] = []
         self._check = check
+        self.refused: Exception | None = None
 
     def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
         self.records.append(self.make(topic, value, key, headers, partition))
@@ -172,7 +211,11 @@ class Outgoing:
             raise ProduceError(f"produce(): partition must be a non-negative int, got {partition!r}")
         record = Produced(topic, encode(value, "value"), encode(key, "key"), _headers(headers), partition)
         if self._check is not None:
-            self._check(record)
+            try:
+                self._check(record)
+            except NOT_THE_MESSAGE as exc:
+                self.refused = self.refused or exc
+                raise
         return record
 
 
@@ -233,6 +276,10 @@ class Processor:
 
     #: Topics to consume.
     topics: ClassVar[Sequence[str]] = ()
+    #: Topics :meth:`produce` writes to. Declared, the worker checks they exist before it starts, and
+    #: ``produce()`` to any other topic stops the worker (:class:`~kstore.UndeclaredTopicError`).
+    #: None: any topic, looked up at its first ``produce()``.
+    produces: ClassVar[Sequence[str] | None] = None
     #: The pipeline's name: the Kafka group id and the key of its stored offsets.
     group: ClassVar[str | None] = None
     #: How :meth:`deserialize` turns keys and values into Python values.
@@ -299,7 +346,11 @@ class Processor:
         ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
         None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a
         dict. ``partition``: the output partition (default: by key, as Kafka's producer does).
-        A record that can never be published raises :class:`ProduceError` here.
+        A record that can never be published raises :class:`ProduceError` here. A topic not in
+        :attr:`produces` (when declared) raises :class:`~kstore.UndeclaredTopicError`, which stops
+        the worker; one the cluster does not have, :class:`~kstore.MissingTopicError`, which makes
+        the batch wait for it. Neither is a fault of the message: neither is ever dead-lettered, and
+        the batch fails even if the processor catches them.
         """
         outgoing = vars(self).get("_outgoing")
         if outgoing is None:
@@ -402,6 +453,7 @@ def check_processor(processor: Processor) -> None:
             f"{name_}.handle is `async def` but its handle_batch is a plain `def`, which would get coroutines "
             "it never runs; make handle_batch `async def` too, or remove it (the default runs handle concurrently)")
     check_concurrency(name_, processor.max_concurrency, processor.ordering)
+    declared_topics(processor)
 
 
 def check_concurrency(where: str, max_concurrency: Any, ordering: Any) -> None:
@@ -467,11 +519,24 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
                         check_returned(processor, "handle_batch", result)
                 else:
                     _handle_each(processor, session, msgs, span, rejects)
+    except Exception as exc:
+        _raise_refused(outgoing, exc)
+        raise
+    else:
+        _raise_refused(outgoing, None)
     finally:
         # The session is closed; a hook that used it after the batch would begin a
         # transaction on the worker's connection that nothing ends.
         vars(processor).pop("session", None)
         vars(processor).pop("_outgoing", None)
+
+
+def _raise_refused(outgoing: Outgoing | None, raised: Exception | None) -> None:
+    """What ``produce()`` refused that is not the message's fault, raised even if the processor caught
+    it (or failed otherwise after it): the batch cannot commit without the record, nor blame a message."""
+    refused = outgoing.refused if outgoing is not None else None
+    if refused is not None and refused is not raised:
+        raise refused from raised
 
 
 class Concurrency(NamedTuple):
@@ -534,7 +599,7 @@ async def _handle_concurrently(processor: Processor, face: AsyncSession, msgs: S
             else:
                 with span.message(msg):
                     await cast(Any, handle(msg))
-        except ProcessorContractError:
+        except NOT_THE_MESSAGE:
             raise
         except Exception as exc:
             if rejects is None or not processor.retry.gives_up_on(exc) or index in face.touched:
@@ -567,7 +632,7 @@ def _handle_each(processor: Processor, session: BatchSession, msgs: Sequence[Mes
                     result = handle(msg)
             if result is not None:
                 check_returned(processor, "handle", result)
-        except ProcessorContractError:
+        except NOT_THE_MESSAGE:
             raise
         except Exception as exc:
             if rejects is None or not processor.retry.gives_up_on(exc) or not session.untouched(mark):

@@ -184,6 +184,10 @@ class Settings:
     #: A produced record (key, value and headers) larger than this is refused at ``produce()``:
     #: keep it at or below the topics' ``max.message.bytes``.
     outbox_max_record_bytes: int = 1_000_000
+    #: How long a topic's partition count, as read for ``produce()``, is trusted: a topic found
+    #: missing is looked up again after this long (a batch producing to it waits meanwhile, as in
+    #: an outage), and one found is looked up again too, so that its deletion is noticed.
+    topic_recheck_s: float = 10.0
     #: The worker stops taking batches while more produced records than this wait to be
     #: published (a broker outage): the outbox grows no further, and /readyz says why.
     outbox_max_pending: int = 100_000
@@ -219,7 +223,7 @@ class Settings:
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
-        for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms"):
+        for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms", "topic_recheck_s"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         parse_start_policy(self.start_from)

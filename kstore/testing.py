@@ -44,6 +44,7 @@ from sqlalchemy import Engine, create_engine
 
 from kstore.db.setuplock import setup_lock
 from kstore.processor import (
+    NOT_THE_MESSAGE,
     DeserializationError,
     Message,
     OnError,
@@ -51,11 +52,14 @@ from kstore.processor import (
     Processor,
     call_hook,
     check_processor,
+    declared_topics,
     deserialized,
+    produce_check,
     run_handler,
     to_ms,
 )
 from kstore.records import Produced
+from kstore.settings import Settings
 
 
 class RawMessage(Message):
@@ -114,7 +118,7 @@ def make_message(
 
 
 def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str, *,
-              on_error: OnError | None = None) -> Outcome:
+              on_error: OnError | None = None, settings: Settings | None = None) -> Outcome:
     """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL).
 
     ``on_error`` (default: the processor's) as the worker applies it: with ``"stop"`` whatever the
@@ -124,8 +128,14 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
     ``Outcome.rejected``; if such an error comes after the message wrote something, it is found by
     halving the batch in transactions that are rolled back, as the worker narrows a batch down, and
     the rest runs again. Any other error is raised (the worker would retry it), nothing committed.
+
+    What the processor produces is checked as the worker checks it (no broker is asked): a record over
+    ``outbox_max_record_bytes`` (of ``settings``, default :class:`~kstore.settings.Settings`' own) is a
+    :class:`~kstore.ProduceError`, and a topic missing from a declared ``produces`` raises
+    :class:`~kstore.UndeclaredTopicError`, whatever ``on_error`` says.
     """
     check_processor(processor)
+    check = produce_check(None, (settings or Settings()).outbox_max_record_bytes, produces=declared_topics(processor))
     if isinstance(engine, str):
         engine = create_engine(engine)
     if getattr(processor, "engine", None) is not engine:
@@ -145,15 +155,15 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
                 raise
             rejected.append((position, Rejected(msg, exc)))
     while True:
-        outgoing = Outgoing()
+        outgoing = Outgoing(check)
         rejects: list[tuple[int, Exception]] | None = [] if dead_letter else None
         try:
             _run(processor, engine, [m for _, m in items], rejects, outgoing, commit=True)
             break
         except Exception as exc:
-            if not dead_letter or not processor.retry.gives_up_on(exc):
+            if not dead_letter or not processor.retry.gives_up_on(exc) or isinstance(exc, NOT_THE_MESSAGE):
                 raise
-            found = _culprit(lambda msgs: _trial(processor, engine, msgs), [m for _, m in items])
+            found = _culprit(lambda msgs: _trial(processor, engine, msgs, check), [m for _, m in items])
             if found is None:
                 raise
             index, error = found
@@ -183,13 +193,14 @@ def _run(processor: Processor, engine: Engine, msgs: list[Message], rejects: lis
             trans.rollback()
 
 
-def _trial(processor: Processor, engine: Engine, msgs: list[Message]) -> Exception | None:
+def _trial(processor: Processor, engine: Engine, msgs: list[Message],
+           check: Callable[[Produced], None]) -> Exception | None:
     """The final error ``msgs`` fail with, run in a transaction that is rolled back; None if they do not
     fail (another error is raised: the worker would retry it, and :func:`run_batch` raises it)."""
     try:
-        _run(processor, engine, msgs, [], Outgoing(), commit=False)
+        _run(processor, engine, msgs, [], Outgoing(check), commit=False)
     except Exception as exc:
-        if not processor.retry.gives_up_on(exc):
+        if not processor.retry.gives_up_on(exc) or isinstance(exc, NOT_THE_MESSAGE):
             raise
         return exc
     return None

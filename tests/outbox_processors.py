@@ -95,9 +95,9 @@ def check_outputs(records: Sequence[tuple[bytes | None, bytes]],
 
 
 class Picky(Processor):
-    """Produces each message's value to the output topic, except: ``to-nowhere`` goes to a topic
-    the cluster does not have, ``huge`` is 2 MB, ``unjson`` is a set (not JSON). Each of those must
-    fail at produce(), be dead-lettered alone, and leave the rest published."""
+    """Produces each message's value to the output topic, except: ``no-partition`` goes to a
+    partition the topic does not have, ``huge`` is 2 MB, ``unjson`` is a set (not JSON). Each of those
+    must fail at produce(), be dead-lettered alone, and leave the rest published."""
 
     group = "picky"
     value_format = "str"
@@ -107,8 +107,8 @@ class Picky(Processor):
         self.out = os.environ["KSTORE_TEST_OUT_TOPIC"]
 
     def handle(self, msg: Message) -> None:
-        if msg.value == "to-nowhere":
-            self.produce("no-such-topic-anywhere", msg.value)
+        if msg.value == "no-partition":
+            self.produce(self.out, msg.value, partition=9)
         elif msg.value == "huge":
             self.produce(self.out, b"x" * 2_000_000)
         elif msg.value == "unjson":

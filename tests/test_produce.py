@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from kstore import KstoreError, Message, Processor, ProduceError, Reject
+from kstore import (
+    KstoreError,
+    Message,
+    MissingTopicError,
+    Processor,
+    ProduceError,
+    Reject,
+    UndeclaredTopicError,
+)
 from kstore.processor import Outgoing, produce_check, run_handler
 from kstore.records import Produced
 from kstore.testing import make_message, run_batch
@@ -55,14 +63,19 @@ def test_produce_outside_a_batch_is_a_clear_error() -> None:
         Echo().produce("out", b"x")
 
 
-def test_the_check_refuses_oversized_records_unknown_topics_and_partitions() -> None:
+def test_the_check_refuses_oversized_records_and_partitions_and_waits_for_unknown_topics() -> None:
     counts = {"out": 3}.get
     check = produce_check(lambda t: counts(t, 0), max_bytes=100, where="Kafka at here")
     check(Produced("out", b"x" * 90, b"k", (("h", b"12345"),), 2))
     with pytest.raises(ProduceError, match="over outbox_max_record_bytes=100"):
         check(Produced("out", b"x" * 95, b"k", (("h", b"12345"),)))
-    with pytest.raises(ProduceError, match="topic 'nope' does not exist in Kafka at here"):
+    # A topic the cluster lacks is an outage (the batch waits for it), never the message's failure.
+    with pytest.raises(MissingTopicError, match="output topic 'nope' does not exist in Kafka at here"):
         check(Produced("nope", b"x"))
+    assert not issubclass(MissingTopicError, Reject)
+    declared = produce_check(lambda t: counts(t, 0), max_bytes=100, produces=frozenset({"out"}))
+    with pytest.raises(UndeclaredTopicError, match="'nope', which is not in produces \\(out\\)"):
+        declared(Produced("nope", b"x"))
     with pytest.raises(ProduceError, match="has 3 partition"):
         check(Produced("out", b"x", partition=3))
     # Brokers that do not answer: the record goes on (the relay will not skip it), never refused for that.

@@ -30,12 +30,14 @@ from kstore.db.writes import WRITES
 from kstore.errors import (
     BrokerError,
     CommitInDoubtError,
+    MissingTopicError,
     ProcessorContractError,
     ProcessorError,
     TooManyDeadLettersError,
 )
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.processor import (
+    NOT_THE_MESSAGE,
     Concurrency,
     DeserializationError,
     Message,
@@ -53,6 +55,7 @@ from kstore.telemetry.tracing import Tracing
 
 from .failures import Breaker, Failures, MessageKey
 from .ownership import Backoff, Ledger, fmt
+from .topicwait import TopicWait
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +158,8 @@ class Batches:
         self.store, self.source, self.ledger = store, source, ledger
         #: Shared with the worker's claims and checks: one database, one backoff.
         self.db_backoff = db_backoff
+        #: A topic the processor produces to is missing: batches wait for it, as for the database.
+        self.topic_wait = TopicWait(self.metrics)
         self._recheck = recheck
         policy = processor.retry
         if settings.max_attempts is not None:
@@ -193,7 +198,8 @@ class Batches:
 
     def ready(self) -> bool:
         """False while a failed message or the database waits for its next attempt, or the breaker paused."""
-        return self.paused is None and self.failures.ready() and self.db_backoff.ready()
+        return (self.paused is None and self.failures.ready() and self.db_backoff.ready()
+                and self.topic_wait.ready())
 
     def close(self) -> None:
         self._drop_batch_connection()
@@ -223,11 +229,12 @@ class Batches:
         except _CommitInDoubt as exc:
             self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch", exc.letters)
             return self._resolve()
-        except (_HandlerFailed, SQLAlchemyError) as exc:
+        except (_HandlerFailed, SQLAlchemyError, MissingTopicError) as exc:
             if not self._failed(taken, _cause(exc), "process a batch"):
                 self._requeue(taken)
             return False
         self.db_backoff.succeeded()
+        self.topic_wait.succeeded()
         if fenced:
             self.metrics.rolled_back("fenced")
             self._on_fenced(fenced, taken.positions)
@@ -338,8 +345,8 @@ class Batches:
     # -- failures ---------------------------------------------------------------
 
     def _failed(self, taken: _Batch, cause: BaseException, what: str) -> bool:
-        """A batch did not commit. The database being away is retried as it is, after a
-        backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
+        """A batch did not commit. The database being away, or a topic it produces to, is retried as
+        it is, after a backoff; anything else is the batch's failure (see :meth:`_handler_failed`).
         True if the batch is settled (dead-lettered, or in doubt): do not requeue it.
 
         No batch is retried at the same size forever: one that fails with a database error
@@ -348,6 +355,9 @@ class Batches:
         than the deadline, a session the server ends for idling inside it): that is the
         batch's failure, narrowed down to a message and counted against it by policy.
         """
+        if isinstance(cause, MissingTopicError):  # an outage too, never a message's fault: waited out
+            self.topic_wait.failed(cause)
+            return False
         if transient(cause):
             key = _first(taken)
             if self._db_failed == (key, True) and not database_state(cause):
@@ -503,8 +513,8 @@ class Batches:
             return  # every message of the batch was set aside (it could not be deserialized)
         try:
             run_handler(self.processor, conn, msgs, self.tracing, rejects, outgoing, self._concurrency)
-        except ProcessorContractError:
-            raise  # stops the worker: no message is to blame
+        except NOT_THE_MESSAGE:
+            raise  # a contract broken stops the worker, a missing topic waits: no message is to blame
         except Exception as exc:
             raise _HandlerFailed(str(exc)) from exc
 

@@ -68,6 +68,9 @@ from .worker import Worker
 @click.option("--metrics-host", default=None, metavar="ADDRESS",
               help="The address the metrics port listens on, e.g. 127.0.0.1 for this host only "
                    "[env KSTORE_METRICS_HOST; default 0.0.0.0, every interface, as Kubernetes probes need]")
+@click.option("--topic-recheck-s", type=float, default=None, metavar="SECONDS",
+              help="How long a produced-to topic's existence is trusted before it is looked up again "
+                   "[env KSTORE_TOPIC_RECHECK_S; default 10]")
 @click.option("--relay/--no-relay", default=None,
               help="Publish what the processor produces from this worker [default: on]; turn it off where "
                    "`kstore relay` runs apart.")

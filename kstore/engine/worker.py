@@ -46,7 +46,7 @@ from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, D
 from kstore.kafka.backends import source_class
 from kstore.kafka.consumer import TP, KafkaSource
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Processor, call_hook, call_setup, check_processor, produce_check
+from kstore.processor import Processor, call_hook, call_setup, check_processor, declared_topics, produce_check
 from kstore.records import timestamp_ms
 from kstore.settings import Settings
 from kstore.targets import Target
@@ -147,6 +147,7 @@ class Worker:
         engine = make_engine(self.settings)
         store = Store(engine, self.settings)
         source: KafkaSource | None = None
+        partitions = PartitionCounts(self.settings)
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
@@ -154,24 +155,41 @@ class Worker:
             source = factory(self.settings, self.group, self.topics, self.worker_id,
                              database_id=store.database_id())
             source.check_topics()
+            self._check_output_topics(partitions)
         except KstoreError:
             if source is not None:
                 source.close()
+            partitions.close()
             engine.dispose()
             raise
         self._store, self._source = store, source
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
         self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
         self._ensure_shards(self._outbox)
-        self._partitions = PartitionCounts(self.settings)
+        self._partitions = partitions
         if self.settings.relay:
             self.relay = Relay(self.settings, self.group, engine, self.metrics, member=self.worker_id)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
                                 self._db_backoff, self._recheck, self.metrics, outbox=self._outbox,
-                                check_produced=produce_check(self._partitions.count,
+                                check_produced=produce_check(partitions.count,
                                                              self.settings.outbox_max_record_bytes,
-                                                             f"Kafka at {self.settings.bootstrap_servers}"),
+                                                             f"Kafka at {self.settings.bootstrap_servers}",
+                                                             declared_topics(self.processor)),
                                 on_produced=self._produced)
+
+    def _check_output_topics(self, partitions: PartitionCounts) -> None:
+        """The topics the processor declares it produces to exist, checked before it starts as its input
+        topics are (a topic made later is found: a missing one is looked up again at each attempt)."""
+        declared = declared_topics(self.processor)
+        for topic in sorted(declared or ()):
+            count = partitions.count(topic)
+            if count is None:
+                raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} did not say whether output "
+                                  f"topic {topic!r} exists")
+            if count == 0:
+                raise ConfigurationError(
+                    f"output topic {topic!r} does not exist at {self.settings.bootstrap_servers} (declared in "
+                    f"{type(self.processor).__name__}.produces): create it (kstore topics create PROCESSOR)")
 
     def _ensure_shards(self, outbox: Outbox) -> None:
         """The group's outbox shards, made if it has none. A database error (a COMMIT whose answer
@@ -382,8 +400,8 @@ class Worker:
         return True, "the batch loop and the fetch thread are turning"
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready once joined, every assigned partition claimed, and the database answering; never
-        again once the dead-letter breaker paused the worker."""
+        """Ready once joined, every assigned partition claimed, the database answering and the topics
+        it produces to there; never again once the dead-letter breaker paused the worker."""
         source, ledger = self._source, self._ledger
         if source is None or ledger is None:
             return False, "not connected"
@@ -391,6 +409,8 @@ class Worker:
             return False, f"paused by the dead-letter breaker: {self._batches.paused}"
         if self._db_backoff.failing:
             return False, "the database is not answering"
+        if self._batches is not None and self._batches.topic_wait.missing is not None:
+            return False, self._batches.topic_wait.missing
         if self._outbox_backlog > self.settings.outbox_max_pending:
             return False, (f"{self._outbox_backlog} produced records wait to be published "
                            f"(outbox_max_pending={self.settings.outbox_max_pending})")

@@ -199,7 +199,7 @@ def _open(settings: Any, config: Mapping[str, Any], make: Callable[[], Any]) -> 
     probe(settings, config)
     where = settings.bootstrap_servers
     try:
-        return make()
+        return _no_auto_create(make(), config)
     except SaslAuthenticationFailedError as exc:
         raise BrokerError(f"Kafka at {where} refused SASL {settings.sasl_mechanism} authentication"
                           f"{_as_user(settings)}: {_first_line(exc)}") from None
@@ -214,6 +214,21 @@ def _open(settings: Any, config: Mapping[str, Any], make: Callable[[], Any]) -> 
         ) from None
     except KafkaError as exc:
         raise BrokerError(f"Kafka at {where} refused the client: {_first_line(exc)}") from None
+
+
+def _no_auto_create(client: Any, config: Mapping[str, Any]) -> Any:
+    """The client, its metadata requests asking the brokers never to create a topic when
+    ``allow_auto_create_topics=False``. kafka-python 3.0 keeps that option in the consumer's and the
+    producer's own config but builds the metadata its requests come from without it (so they ask
+    for creation, and a broker with ``auto.create.topics.enable`` recreates a deleted topic with its
+    defaults): it is set there too."""
+    if config.get("allow_auto_create_topics", True):
+        return client
+    cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
+    options = getattr(cluster, "config", None)
+    if isinstance(options, dict) and "allow_auto_create_topics" in options:
+        options["allow_auto_create_topics"] = False
+    return client
 
 
 def _as_user(settings: Any) -> str:

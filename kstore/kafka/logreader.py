@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 
 from kstore.errors import BrokerError
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 
-from .connect import client_config, open_consumer
+from .connect import client_config, open_admin, open_consumer
 from .consumer import log_bounds
 from .inspector import KafkaInspector
 
@@ -124,44 +124,58 @@ class LogReader:
 
 
 class PartitionCounts:
-    """How many partitions each topic has, asked of the brokers once per topic (a topic not found
-    is asked again after :data:`RECHECK_S`: it may be made meanwhile). For checking what a processor
-    produces before it reaches the outbox (:func:`kstore.processor.produce_check`)."""
+    """How many partitions each topic has, for checking what a processor produces before it reaches
+    the outbox (:func:`kstore.processor.produce_check`).
 
-    RECHECK_S = 10.0
+    Each answer is trusted for ``topic_recheck_s``, then asked again with a fresh metadata request
+    (never one that could create the topic): a missing topic may have been created meanwhile, and a
+    topic found may have been deleted. A failed question leaves the last answer (or, for a topic never
+    found, "unknown": the record goes on and the relay publishes it when it can).
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._reader: LogReader | None = None
-        self._known: dict[str, int] = {}
-        self._missing: dict[str, float] = {}
+        self._admin: Any = None
+        #: topic -> (partitions, when to ask again)
+        self._known: dict[str, tuple[int, float]] = {}
         self._unreachable_until = 0.0
 
     def count(self, topic: str) -> int | None:
         """The topic's partitions (0: the cluster has no such topic); None if the brokers did not answer."""
         known = self._known.get(topic)
-        if known is not None:
-            return known
         now = time.monotonic()
-        if now < self._missing.get(topic, 0.0):
-            return 0
+        if known is not None and now < known[1]:
+            return known[0]
         if now < self._unreachable_until:
-            return None
+            return None if known is None else known[0]
         try:
-            if self._reader is None:
-                self._reader = LogReader(self.settings, int(self.settings.connect_timeout_s * 1000))
-            found = len(self._reader.partitions(topic))
-        except BrokerError as exc:
+            found = self._ask(topic)
+        except (BrokerError, KafkaError) as exc:
             log.debug("could not look topic %r up: %s", topic, exc)
-            self._unreachable_until = now + self.RECHECK_S
-            return None
-        if found:
-            self._known[topic] = found
-        else:
-            self._missing[topic] = time.monotonic() + self.RECHECK_S
+            self._unreachable_until = now + self.settings.topic_recheck_s
+            self.close()  # a new client next time: this one may be stuck on a broker that left
+            return None if known is None else known[0]
+        if known is not None and (known[0] > 0) != (found > 0):
+            log.info("topic %r %s", topic, "exists again" if found else "no longer exists")
+        self._known[topic] = (found, time.monotonic() + self.settings.topic_recheck_s)
         return found
 
+    def _ask(self, topic: str) -> int:
+        if self._admin is None:
+            self._admin = open_admin(self.settings)
+        described = self._admin.describe_topics([topic])
+        entry = next((d for d in described if d.get("name") == topic), None)
+        if entry is None or entry.get("error_code") == UnknownTopicOrPartitionError.errno:
+            return 0
+        if entry.get("error_code"):
+            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} could not describe topic "
+                              f"{topic!r}: error {entry['error_code']}")
+        return len(entry.get("partitions") or ())
+
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            try:
+                admin.close()
+            except Exception:  # closing after an outage: nothing to save
+                log.debug("closing a Kafka admin client failed", exc_info=True)

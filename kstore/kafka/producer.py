@@ -78,6 +78,8 @@ class ShardPublisher:
         config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
         config.update(
             transactional_id=self.ident,
+            # A record for a deleted topic must wait for it, never recreate it with the broker's defaults.
+            allow_auto_create_topics=False,
             enable_idempotence=True,
             acks="all",
             retry_backoff_ms=RETRY_BACKOFF_MS,

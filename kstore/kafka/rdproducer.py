@@ -59,6 +59,9 @@ class RdShardPublisher:
         config = dict(base)
         config.update({
             "transactional.id": self.ident,
+            # A record for a deleted topic must wait for it, never recreate it with the broker's defaults
+            # (librdkafka's producer would: its default differs from its consumer's).
+            "allow.auto.create.topics": False,
             "enable.idempotence": True,
             "acks": "all",
             # Records are sent as soon as they are queued: a transaction's are all queued before

@@ -1,4 +1,4 @@
-"""The operator's commands: ``kstore offsets``, ``kstore outbox``, ``kstore exporter``, ``kstore top``
+"""The operator's commands: ``kstore offsets``, ``outbox``, ``exporter``, ``top``, ``topics``
 (and ``kstore dead-letters``, from :mod:`kstore.ops.lettercommands`).
 
 Each parses its options, builds Settings and calls one function of :mod:`kstore.ops`, and prints
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from typing import Any
 
 import click
@@ -22,13 +24,15 @@ from kstore.commandline import (
     stop_on_signals,
     table,
 )
+from kstore.processor import Processor, load_processor
 from kstore.settings import Settings
 
 from . import offsets as offsets_admin
 from . import outbox as outbox_admin
+from . import topics as topics_admin
 from .lettercommands import dead_letters
 
-__all__ = ["dead_letters", "exporter", "offsets", "outbox", "top"]
+__all__ = ["dead_letters", "exporter", "offsets", "outbox", "top", "topics"]
 
 
 @click.group()
@@ -179,3 +183,55 @@ def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: 
         view.run()
 
     run(ctx, lambda: Settings.from_env(**opts), watch)
+
+
+@click.group()
+def topics() -> None:
+    """The topics a processor consumes and produces to: which exist, and creating the missing ones."""
+
+
+def _topics_settings(topic: tuple[str, ...], opts: dict[str, Any]) -> Settings:
+    return Settings.from_env(topics=tuple(topic) or None, **opts)
+
+
+def _load(processor: str) -> Processor:
+    sys.path.insert(0, os.getcwd())
+    return load_processor(processor)
+
+
+@topics.command("list")
+@click.argument("processor")
+@kafka_connection_options
+@click.option("--topic", "topic", multiple=True, help="Input topic (repeatable); overrides the processor's.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def topics_list(ctx: click.Context, /, processor: str, topic: tuple[str, ...], as_json: bool, **opts: Any) -> None:
+    """PROCESSOR's (MODULE:CLASS) input topics and declared output topics (``produces``), and which exist."""
+    rows = run(ctx, lambda: _topics_settings(topic, opts), lambda s: topics_admin.list_topics(s, _load(processor)))
+    _print_topics(rows, as_json)
+
+
+@topics.command("create")
+@click.argument("processor")
+@kafka_connection_options
+@click.option("--topic", "topic", multiple=True, help="Input topic (repeatable); overrides the processor's.")
+@click.option("--partitions", type=int, default=None, help="Partitions of each topic created [default: the brokers'].")
+@click.option("--replication-factor", type=int, default=None,
+              help="Replicas of each topic created [default: the brokers'].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def topics_create(ctx: click.Context, /, processor: str, topic: tuple[str, ...], partitions: int | None,
+                  replication_factor: int | None, as_json: bool, **opts: Any) -> None:
+    """Create PROCESSOR's input and declared output topics that do not exist yet (the others are left as they are)."""
+    rows = run(ctx, lambda: _topics_settings(topic, opts),
+               lambda s: topics_admin.create_topics(s, _load(processor), partitions, replication_factor))
+    _print_topics(rows, as_json)
+
+
+def _print_topics(rows: list[topics_admin.TopicState], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps([{**dataclasses.asdict(r), "exists": r.exists} for r in rows], indent=2))
+        return
+    click.echo(table(["TOPIC", "ROLE", "PARTITIONS", "STATE"],
+                     [[r.topic, r.role, r.partitions or None,
+                       "created" if r.created else "exists" if r.exists else "missing"] for r in rows]))

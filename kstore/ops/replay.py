@@ -31,7 +31,18 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.logreader import PartitionCounts
-from kstore.processor import Outgoing, Processor, call_hook, call_setup, deserialized, produce_check, run_handler, to_ms
+from kstore.processor import (
+    NOT_THE_MESSAGE,
+    Outgoing,
+    Processor,
+    call_hook,
+    call_setup,
+    declared_topics,
+    deserialized,
+    produce_check,
+    run_handler,
+    to_ms,
+)
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -139,7 +150,7 @@ def _replaying(letters: DeadLetters, processor: Processor, group: str) -> Iterat
     partitions = PartitionCounts(settings)
     try:
         yield produce_check(partitions.count, settings.outbox_max_record_bytes,
-                            f"Kafka at {settings.bootstrap_servers}")
+                            f"Kafka at {settings.bootstrap_servers}", declared_topics(processor))
     finally:
         partitions.close()
     call_hook(processor, "teardown")
@@ -176,8 +187,8 @@ def _replay_counted(letters: DeadLetters, processor: Processor, letter: DeadLett
         return
     except CommitInDoubtError:
         raise  # it may have landed: the operator must look before anything else
-    except DatabaseError:
-        raise
+    except (DatabaseError, *NOT_THE_MESSAGE):
+        raise  # not the letter's fault (an outage, a missing topic, the processor's contract): stop the walk
     except Exception as exc:
         # The letter takes the failure and stays dead; the walk goes on past it.
         letters.note_failure(letter, exc, reason)
@@ -197,8 +208,8 @@ def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, 
     except DeadLetterBusyError as exc:
         done = ", ".join(map(str, result.replayed))
         raise DeadLetterBusyError(f"{exc}; replayed before it by this command: {done}" if done else str(exc)) from None
-    except (CommitInDoubtError, DeadLetterStateError):
-        raise  # not a failure to count: it may have landed, or was closed meanwhile; the operator must look first
+    except (CommitInDoubtError, DeadLetterStateError, *NOT_THE_MESSAGE):
+        raise  # not a failure to count: it may have landed, was closed meanwhile, or is not the letter's fault
     except Exception as exc:
         # The letter takes the failure (no second letter for the message), unless it left dead meanwhile.
         letters.note_failure(letter, exc, reason, edited=edit.apply(letter) if edit else None)

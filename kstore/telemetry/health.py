@@ -6,7 +6,8 @@
   for ``liveness_timeout_s`` (a handler that never returns, a deadlock). Restart on it.
 - ``/readyz``: 200 once the worker has joined its group, claimed every partition it was
   assigned, and its database answers; 503 before that, during a rebalance's claim, and
-  while the database is away. Take it out of rotation on it, do not restart it.
+  while the database is away or a topic it produces to does not exist. Take it out of
+  rotation on it, do not restart it.
 
 The body of each probe is one line saying why. Served by a small threaded WSGI
 server (the standard library's), one daemon thread per request.
