@@ -32,26 +32,13 @@ from .harness import WorkerProcess, effects, read_committed, stored_offsets, wai
 from .test_cli import assert_one_clear_line, kstore
 from .test_dead_letters_at_scale import dead_letter, rows
 from .test_metrics import get, port_of, scrape, total
+from .test_outbox import outbox_rows
 
 ANNOUNCER = "topic_processors:Announcer"
 
 
 def dead_letters(dsn: str) -> int:
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_dead_letters")).scalar_one())
-    finally:
-        engine.dispose()
-
-
-def outbox_rows(dsn: str) -> int:
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one())
-    finally:
-        engine.dispose()
+    return int(rows(dsn, "SELECT count(*) AS n FROM kstore_dead_letters")[0].n)
 
 
 def topic_exists(admin: Any, topic: str) -> bool:
