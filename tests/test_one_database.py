@@ -9,9 +9,6 @@ import subprocess
 import sys
 from typing import Any
 
-import pytest
-
-from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
 
 
@@ -23,9 +20,6 @@ def show(dsn: str, group: str, kafka: str) -> dict[int, Any]:
     return {row["partition"]: row for row in json.loads(r.stdout)}
 
 
-@pytest.mark.xfail(KAFKA_CLIENT == "confluent", strict=True,
-                   reason="the one-database check rides on kstore's own assignor, which librdkafka cannot "
-                          "take (docs/kafka-client.md): on confluent-kafka a worker on another database is not refused")
 def test_a_worker_on_another_database_is_refused_and_not_named_owner(kafka: str, pg_dsn: str, sqlite_dsn: str,
                                                                     new_topic: Any, produce: Any,
                                                                     workers: Any) -> None:

@@ -92,8 +92,8 @@ placing it again assigns the whole assignment afresh, at kstore's positions (eag
 that partition out and puts it back at kstore's position (incremental: ``assign()`` would replace
 the assignment the group's incremental callbacks keep).
 
-Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
-takes no assignor written in Python), so :attr:`refused` stays empty.
+"One pipeline, one database" is the engine's (:mod:`kstore.engine.onedatabase`), as with
+kafka-python: :meth:`group_members` describes the group through confluent-kafka's admin client.
 """
 
 from __future__ import annotations
@@ -107,11 +107,13 @@ from datetime import datetime
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
 
 from .consumer import MIRROR_METADATA, RECORD_OVERHEAD, TP, EventKind, KafkaSource
+from .members import GroupMember
 from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
 
 log = logging.getLogger("kstore.kafka.consumer")
@@ -290,6 +292,7 @@ class ConfluentSource(KafkaSource):
         if placed:
             consumer.pause(placed)
         added = {(tp.topic, tp.partition) for tp in assigned}
+        self._note_join(consumer.memberid())
         with self._events_lock:
             first = not self._joined
             self._assigned = self._assigned | added if self._incremental else added
@@ -540,12 +543,26 @@ class ConfluentSource(KafkaSource):
             raise BrokerError(f"cannot look up offsets by time: {describe(exc)}") from exc
         return {(k.topic, k.partition): (k.offset if k.offset >= 0 else None) for k in found}
 
+    def group_members(self) -> list[GroupMember]:
+        """The group's live members, through confluent-kafka's admin client (a handle of its own, never
+        the group's consumer): a classic group's and a ``consumer``-protocol group's alike."""
+        if self._admin is None:
+            config = {k: v for k, v in librdkafka_config(self.settings).items() if k != "isolation.level"}
+            self._admin = AdminClient({**config, "logger": _DebugLog()})  # type: ignore[dict-item]
+        try:
+            described = self._admin.describe_consumer_groups(
+                [self.group], request_timeout=self.settings.connect_timeout_s)[self.group].result()
+        except KafkaException as exc:
+            raise broker_error(self.settings, f"describe group {self.group!r}", exc) from None
+        return [GroupMember(m.member_id, m.client_id) for m in described.members]
+
     def close(self) -> None:
         """Leave the group; nothing is committed to Kafka (auto-commit is off)."""
         try:
             self.consumer.close()
         finally:
             self._querier.close()
+            self._admin = None  # confluent-kafka's AdminClient has no close: its handle goes with it
 
 
 def group_protocol(settings: Any) -> dict[str, Any]:
@@ -574,6 +591,13 @@ def consumer_id(settings: Any, worker_id: str) -> str:
 def _code(exc: KafkaException) -> Any:
     error = exc.args[0] if exc.args else None
     return error.code() if isinstance(error, KafkaError) else None
+
+
+class _DebugLog:
+    """The ``logger`` of the admin client: its lines (a consumer option it ignores, say) at DEBUG."""
+
+    def log(self, _level: int, msg: str, *args: Any) -> None:
+        logging.getLogger("kstore.kafka.librdkafka").debug(msg, *args)
 
 
 class _ProbeQuietLog:
