@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
-from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
+from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 
 def show(dsn: str, group: str, kafka: str) -> dict[int, Any]:
@@ -46,3 +47,77 @@ def test_a_worker_on_another_database_is_refused_and_not_named_owner(kafka: str,
     assert main.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | more)
     assert_exactly_once(effects(sqlite_dsn), first)
+
+
+def gated(workers: Any, gate: Path, *started: tuple[str, str, str, dict[str, str]]) -> list[Any]:
+    """Start workers that wait in setup() (before joining their group) until the gate opens, and open
+    it once each is waiting: they join the group at the same moment."""
+    procs = [workers(dsn, topic, group, env={**env, "KSTORE_TEST_START_GATE": str(gate)})
+             for dsn, topic, group, env in started]
+    for proc in procs:
+        proc.wait_for_log(r"worker \S+ for group")  # logged just before setup()
+    gate.touch()
+    return procs
+
+
+def test_workers_started_together_on_two_databases_both_refuse(pg_dsn: str, sqlite_dsn: str, new_topic: Any,
+                                                               produce: Any, workers: Any, tmp_path: Path) -> None:
+    topic, group = new_topic(2), "one-db-together"
+    produce(topic, [f"a{i}" for i in range(10)])
+    on_pg, on_sqlite = gated(workers, tmp_path / "gate", (pg_dsn, topic, group, {}), (sqlite_dsn, topic, group, {}))
+    for proc in (on_pg, on_sqlite):
+        assert proc.proc.wait(timeout=60) == 2, proc.log
+        assert "is already consumed by workers writing to another database" in proc.log
+        assert "claimed " not in proc.log
+    for dsn in (pg_dsn, sqlite_dsn):
+        assert not effects(dsn)
+        assert not stored_offsets(dsn, group)
+
+
+def test_a_worker_with_its_own_client_id_is_judged_by_its_member_id(pg_dsn: str, sqlite_dsn: str, new_topic: Any,
+                                                                    produce: Any, workers: Any) -> None:
+    """With ``client_id`` set, every worker has the same client id: the registry knows them by member id."""
+    topic, group, named = new_topic(2), "one-db-client-id", {"KSTORE_CLIENT_ID": "billing"}
+    first = set(produce(topic, [f"a{i}" for i in range(10)]))
+    main = workers(pg_dsn, topic, group, env=named)
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first worker's messages")
+    # A second worker on the same database: not refused, and it takes its share.
+    second = workers(pg_dsn, topic, group, env=named)
+    second.wait_for_log("claimed ")
+    assert second.proc.poll() is None
+    assert "writes to another database" not in main.log + second.log
+    # One on another database, under the same client id: refused, nothing claimed.
+    stray = workers(sqlite_dsn, topic, group, env=named)
+    assert stray.proc.wait(timeout=60) == 2, stray.log
+    assert "is already consumed by workers writing to another database" in stray.log
+    assert "claimed " not in stray.log
+    more = set(produce(topic, [f"b{i}" for i in range(20)]))
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first | more), 60, what="the later messages")
+    assert main.terminate() == 0 and second.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), first | more)
+    assert not effects(sqlite_dsn) and not stored_offsets(sqlite_dsn, group)
+
+
+def test_a_restarted_worker_of_the_pipeline_is_not_refused_while_a_stray_is(pg_dsn: str, sqlite_dsn: str,
+                                                                            new_topic: Any, produce: Any,
+                                                                            workers: Any, tmp_path: Path) -> None:
+    topic, group = new_topic(2), "one-db-restart"
+    first = set(produce(topic, [f"a{i}" for i in range(10)]))
+    staying, leaving = workers(pg_dsn, topic, group), workers(pg_dsn, topic, group)
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the pipeline's first messages")
+    assert leaving.kill() != 0  # a crash: its registry row stays until it goes stale
+    # Its replacement and a stray on another database join at the same moment.
+    restarted, stray = gated(workers, tmp_path / "gate", (pg_dsn, topic, group, {}), (sqlite_dsn, topic, group, {}))
+    assert stray.proc.wait(timeout=60) == 2, stray.log
+    assert "is already consumed by workers writing to another database" in stray.log
+    more = set(produce(topic, [f"b{i}" for i in range(20)]))
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first | more), 60, what="the later messages")
+    assert restarted.proc.poll() is None, restarted.log
+    assert "is already consumed" not in restarted.log
+    assert staying.terminate() == 0
+    restarted.wait_for_log("claimed ")  # it takes over every partition: it was never refused
+    more2 = set(produce(topic, [f"c{i}" for i in range(10)]))
+    wait_until(lambda: len(effects(pg_dsn)) >= len(first | more | more2), 60, what="the last messages")
+    assert restarted.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), first | more | more2)
+    assert not effects(sqlite_dsn) and not stored_offsets(sqlite_dsn, group)

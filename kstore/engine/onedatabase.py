@@ -49,8 +49,10 @@ log = logging.getLogger("kstore.engine.worker")
 REFRESH_S = 5.0
 #: How long a member may stay unknown while it may still be registering (``client_id`` set).
 REGISTRATION_GRACE_S = 10.0
-#: While waiting for such a member: how often the registry and the group are read again.
+#: While waiting for such a member, or for the group to settle: how often the registry and the group are read again.
 GRACE_RECHECK_S = 0.5
+#: How long a refused worker stays in the group before it leaves (see OneDatabase._judge).
+REFUSAL_LINGER_S = 2.0
 
 
 def unknown_members(members: Iterable[GroupMember], registered: Collection[Registered], database_id: str,
@@ -129,27 +131,35 @@ class OneDatabase:
     # -- the judgement ------------------------------------------------------------------------
 
     def _judge(self) -> None:
+        joins = self.source.joins
         self._reported.clear()
         self._suspects.clear()
-        unknown = self._look()
-        if unknown and self.settings.client_id and not self._goes_on():
-            unknown = self._wait_for_registration(unknown)
+        unknown, settled = self._look()
+        if unknown and not self._goes_on():
+            unknown = self._wait(unknown, settled, joins)
+            if self.source.joins != joins:
+                return  # a newer assignment came meanwhile: that one is judged next
         if not unknown:
             return
         if not self._goes_on():
+            # Stay in the group a moment before leaving: a worker on the other side judging the
+            # same rebalance sees this one too, and refuses as well (neither goes on).
+            self._sleep(REFUSAL_LINGER_S)
             raise ConfigurationError(
                 f"group {self.group!r} is already consumed by workers writing to another database "
                 f"({describe(unknown)}, not a worker of {self.settings.safe_dsn}): one pipeline, one database; "
                 "give this worker the group's database, or another group")
         self._suspect(unknown)
 
-    def _look(self) -> list[GroupMember]:
-        """Refresh this worker's row (with its member id), then compare the group with the registry."""
+    def _look(self) -> tuple[list[GroupMember], bool]:
+        """Refresh this worker's row (with its member id), then compare the group with the registry:
+        the members unknown here, and whether the group was settled."""
         self.registry.seen(self.member, kafka_member_id=self.source.member_id, claimed=self.established)
         self._next_refresh = self._clock() + REFRESH_S
-        members = self.source.group_members()
-        return unknown_members(members, self.registry.live(self._stale_after), self.database_id,
-                               self.source.member_id)
+        view = self.source.group_members()
+        unknown = unknown_members(view.members, self.registry.live(self._stale_after), self.database_id,
+                                  self.source.member_id)
+        return unknown, view.settled
 
     def _goes_on(self) -> bool:
         """Established, or another live established worker of this database is in the registry."""
@@ -157,11 +167,15 @@ class OneDatabase:
             return True
         return any(r.claimed and r.member != self.member for r in self.registry.live(self._stale_after))
 
-    def _wait_for_registration(self, unknown: list[GroupMember]) -> list[GroupMember]:
+    def _wait(self, unknown: list[GroupMember], settled: bool, joins: int) -> list[GroupMember]:
+        """Before refusing: look again while the group rebalances (an unknown member may be leaving),
+        and while a member may still be registering (``client_id`` set), for at most
+        :data:`REGISTRATION_GRACE_S`, or until a newer assignment comes."""
         deadline = self._clock() + REGISTRATION_GRACE_S
-        while unknown and self._clock() < deadline:
+        while (unknown and (not settled or self.settings.client_id) and self._clock() < deadline
+               and self.source.joins == joins):
             self._sleep(GRACE_RECHECK_S)
-            unknown = self._look()
+            unknown, settled = self._look()
         return unknown
 
     def _suspect(self, unknown: list[GroupMember]) -> None:
@@ -185,7 +199,7 @@ class OneDatabase:
         """The periodic refresh of the row; and members still suspected looked at again."""
         try:
             if self._suspects and len(self._reported) < len(self._suspects):
-                unknown = self._look()
+                unknown, _settled = self._look()
                 self._report([m for m in unknown if m.member_id in self._suspects], self._clock())
             else:
                 self.registry.seen(self.member, claimed=self.established)

@@ -106,14 +106,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
 
 from .consumer import MIRROR_METADATA, RECORD_OVERHEAD, TP, EventKind, KafkaSource
-from .members import GroupMember
+from .members import GroupMember, GroupView
 from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
 
 log = logging.getLogger("kstore.kafka.consumer")
@@ -543,7 +543,7 @@ class ConfluentSource(KafkaSource):
             raise BrokerError(f"cannot look up offsets by time: {describe(exc)}") from exc
         return {(k.topic, k.partition): (k.offset if k.offset >= 0 else None) for k in found}
 
-    def group_members(self) -> list[GroupMember]:
+    def group_members(self) -> GroupView:
         """The group's live members, through confluent-kafka's admin client (a handle of its own, never
         the group's consumer): a classic group's and a ``consumer``-protocol group's alike."""
         if self._admin is None:
@@ -554,7 +554,8 @@ class ConfluentSource(KafkaSource):
                 [self.group], request_timeout=self.settings.connect_timeout_s)[self.group].result()
         except KafkaException as exc:
             raise broker_error(self.settings, f"describe group {self.group!r}", exc) from None
-        return [GroupMember(m.member_id, m.client_id) for m in described.members]
+        return GroupView(tuple(GroupMember(m.member_id, m.client_id) for m in described.members),
+                         described.state == ConsumerGroupState.STABLE)
 
     def close(self) -> None:
         """Leave the group; nothing is committed to Kafka (auto-commit is off)."""

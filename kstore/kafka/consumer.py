@@ -60,7 +60,7 @@ from kstore.records import Record, timestamp_ms
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .members import GroupMember, described_members
+from .members import GroupView, described_members
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +282,8 @@ class KafkaSource:
             self.joins += 1
             self.member_id = member_id or None
 
-    def group_members(self) -> list[GroupMember]:
-        """The group's live members, as Kafka's describe group gives them (any state).
+    def group_members(self) -> GroupView:
+        """The group's live members, as Kafka's describe group gives them.
 
         On the main thread, through an admin client of its own (never the group's consumer).
         Raises :class:`BrokerError` if the brokers do not answer (the caller retries later)."""

@@ -27,6 +27,14 @@ class GroupMember:
     told_database: str | None = None
 
 
+@dataclass(frozen=True)
+class GroupView:
+    """A group's live members, and whether it was settled (``Stable``: no rebalance under way)."""
+
+    members: tuple[GroupMember, ...]
+    settled: bool
+
+
 def member_database(user_data: bytes | str | None) -> str | None:
     """The database id a kstore worker of an older release told its group in its subscription's user
     data (None: anything else). (A group's description gives the user data as text.)"""
@@ -40,8 +48,8 @@ def member_database(user_data: bytes | str | None) -> str | None:
         return None
 
 
-def described_members(admin: Any, group: str) -> list[GroupMember]:
-    """The members of ``group`` (any state) through kafka-python's admin client. Raises a KafkaError:
+def described_members(admin: Any, group: str) -> GroupView:
+    """The members of ``group`` through kafka-python's admin client. Raises a KafkaError:
     the group's own error as a retriable one when it is (its coordinator loading, say)."""
     described: dict[str, Any] = admin.describe_groups([group]).get(group, {})
     error = group_error(described.get("error"))
@@ -52,7 +60,7 @@ def described_members(admin: Any, group: str) -> list[GroupMember]:
         metadata = member.get("member_metadata")
         told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
         members.append(GroupMember(str(member.get("member_id")), str(member.get("client_id")), told))
-    return members
+    return GroupView(tuple(members), described.get("group_state") == "Stable")
 
 
 def group_error(text: Any) -> type[KafkaError] | None:
