@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kstore.db.members import Registered
+from kstore.engine.onedatabase import unknown_members
+from kstore.kafka.members import GroupMember
+
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 
@@ -121,3 +125,12 @@ def test_a_restarted_worker_of_the_pipeline_is_not_refused_while_a_stray_is(pg_d
     assert restarted.terminate() == 0
     assert_exactly_once(effects(pg_dsn), first | more | more2)
     assert not effects(sqlite_dsn) and not stored_offsets(sqlite_dsn, group)
+
+
+def test_a_member_is_known_by_its_name_or_its_member_id_and_never_by_a_shared_client_id() -> None:
+    registered = [Registered("kstore-a", None, True), Registered("kstore-b", "id-b", False)]
+    members = [GroupMember("id-a", "kstore-a"), GroupMember("id-b", "billing"), GroupMember("id-me", "billing"),
+               GroupMember("id-x", "billing"), GroupMember("id-old", "x", told_database="db-1"),
+               GroupMember("id-other", "y", told_database="db-2")]
+    unknown = unknown_members(members, registered, "db-1", me="id-me")
+    assert [m.member_id for m in unknown] == ["id-x", "id-other"]

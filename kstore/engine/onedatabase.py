@@ -20,10 +20,18 @@ pipeline that runs):
 
 So a stray worker pointed at another database is refused within a rebalance, and the pipeline
 that runs goes on. Two workers started together on two databases, neither established yet, both
-refuse. A member id is known only after the join, so a worker whose ``client_id`` is set by the
-user (its client id then names no registry row) may be mid-registration: it is given
-:data:`REGISTRATION_GRACE_S` to appear before it counts as unknown (only when there is one, so a
-worker starting alone is not slowed).
+refuse: a worker about to refuse judges a settled group (an unknown member seen while the group
+rebalances may be on its way out), and stays in the group :data:`REFUSAL_LINGER_S` before it
+leaves, so the other side, judging the same rebalance, sees it too. A member id is known only
+after the join, so where ``client_id`` is set by the user (a client id then names no registry row)
+an unknown member may be mid-registration: it is given :data:`REGISTRATION_GRACE_S` to appear.
+These waits happen only when there is an unknown member, so a worker starting alone, or beside
+workers of its own database, is not slowed.
+
+Never two databases at once: a worker claims only after it judged a group in which every member
+was known here (or when it, or another worker here, had already claimed); a worker that joins
+later sees it, and refuses unless it was itself established. Safety never rests on timing: the
+waits only decide who gives way.
 
 Every registry write is a short transaction of its own, never inside a batch; the row is
 refreshed every :data:`REFRESH_S` at most (not per batch).
