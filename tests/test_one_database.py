@@ -4,13 +4,21 @@ names only owners that write to it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kstore.db.members import Registered
+import sqlalchemy as sa
+from kafka import KafkaConsumer
+from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+
+from kstore.db.members import GroupMembers, Registered
 from kstore.engine.onedatabase import unknown_members
 from kstore.kafka.members import GroupMember
 
@@ -64,15 +72,78 @@ def gated(workers: Any, gate: Path, *started: tuple[str, str, str, dict[str, str
     return procs
 
 
-def test_workers_started_together_on_two_databases_both_refuse(pg_dsn: str, sqlite_dsn: str, new_topic: Any,
-                                                               produce: Any, workers: Any, tmp_path: Path) -> None:
+HOLDER = "one-db-holder"
+
+
+class _HoldAll(RangePartitionAssignor):  # type: ignore[misc]
+    """The assignor of the test's own member (the group's leader): every partition to itself, none
+    to the workers, so that they claim nothing while the test gathers them in one group."""
+
+    name = "range"
+
+    @classmethod
+    def metadata(cls, topics: Any) -> Any:
+        return ConsumerProtocolSubscription(cls.version, list(topics), HOLDER.encode())
+
+    @classmethod
+    def assign(cls, cluster: Any, members: Any) -> Any:
+        holder = [m for m in members if m.metadata.user_data == HOLDER.encode()]
+        assignment = super().assign(cluster, holder)
+        for m in members:
+            assignment.setdefault(m.member_id, ConsumerProtocolAssignment(cls.version, [], b""))
+        return assignment
+
+
+@contextlib.contextmanager
+def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str]) -> Iterator[None]:
+    """A member of ``group`` that leads it (it joined first) and holds every partition, kept alive by a
+    thread; registered in each database's registry as a worker it knows, though it never claims."""
+    for dsn in dsns:
+        engine = sa.create_engine(dsn)
+        try:
+            GroupMembers(engine, group).register(HOLDER)
+        finally:
+            engine.dispose()
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=group, client_id=HOLDER, enable_auto_commit=False,
+                             session_timeout_ms=6000, heartbeat_interval_ms=1000,
+                             partition_assignment_strategy=[_HoldAll])
+    consumer.subscribe([topic])
+    stop = threading.Event()
+    while not consumer.assignment():
+        consumer.poll(timeout_ms=100)
+    consumer.pause(*consumer.assignment())
+
+    def keep_alive() -> None:
+        while not stop.is_set():
+            consumer.poll(timeout_ms=100)
+            consumer.pause(*consumer.assignment())
+
+    thread = threading.Thread(target=keep_alive, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        consumer.close(autocommit=False)
+
+
+def test_workers_that_join_together_on_two_databases_both_refuse(kafka: str, pg_dsn: str, sqlite_dsn: str,
+                                                                 new_topic: Any, produce: Any,
+                                                                 workers: Any) -> None:
+    """Neither has claimed anything when each sees the other: neither goes on (refusing one side only
+    would have to guess which database the pipeline is meant for)."""
     topic, group = new_topic(2), "one-db-together"
     produce(topic, [f"a{i}" for i in range(10)])
-    on_pg, on_sqlite = gated(workers, tmp_path / "gate", (pg_dsn, topic, group, {}), (sqlite_dsn, topic, group, {}))
-    for proc in (on_pg, on_sqlite):
-        assert proc.proc.wait(timeout=60) == 2, proc.log
-        assert "is already consumed by workers writing to another database" in proc.log
-        assert "claimed " not in proc.log
+    with group_leader(kafka, topic, group, [pg_dsn, sqlite_dsn]):
+        on_pg = workers(pg_dsn, topic, group)
+        on_sqlite = workers(sqlite_dsn, topic, group)
+        for proc, other in ((on_pg, on_sqlite), (on_sqlite, on_pg)):
+            assert proc.proc.wait(timeout=60) == 2, proc.log
+            assert "is already consumed by workers writing to another database" in proc.log
+            assert f"(client id {other.name})" in proc.log, "named the other worker"
+            assert HOLDER not in proc.log.split("is already consumed")[-1], "a member its database knows, named"
+            assert "claimed " not in proc.log
     for dsn in (pg_dsn, sqlite_dsn):
         assert not effects(dsn)
         assert not stored_offsets(dsn, group)
