@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Iterable
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.members import GroupMembers, Registered, stale_after_s
-from kstore.errors import ConfigurationError, KstoreError
+from kstore.errors import BrokerError, ConfigurationError, KstoreError
 from kstore.kafka.consumer import KafkaSource
 from kstore.kafka.members import GroupMember
 from kstore.settings import Settings
@@ -59,6 +59,8 @@ REFRESH_S = 5.0
 REGISTRATION_GRACE_S = 10.0
 #: While waiting for such a member, or for the group to settle: how often the registry and the group are read again.
 GRACE_RECHECK_S = 0.5
+#: How often a worker given nothing yet judges its group all the same.
+UNASSIGNED_LOOK_S = 1.0
 #: How long a refused worker stays in the group before it leaves (see OneDatabase._judge).
 REFUSAL_LINGER_S = 2.0
 
@@ -96,6 +98,7 @@ class OneDatabase:
         self.established = False
         self._judged = 0  # the source's join count last judged
         self._next_refresh = 0.0
+        self._next_unassigned_look = 0.0
         #: Unknown members an established worker still looks at (``client_id`` set): since when.
         self._suspects: dict[str, float] = {}
         self._reported: set[str] = set()
@@ -126,6 +129,14 @@ class OneDatabase:
         if joins != self._judged:
             self._judge()
             self._judged = joins
+        elif joins == 0 and self._clock() >= self._next_unassigned_look:
+            # Nothing assigned yet: with `consumer` (KIP-848) a member given no partition is never
+            # called back, so a stray among enough workers would never be judged. Looked at now and then.
+            self._next_unassigned_look = self._clock() + UNASSIGNED_LOOK_S
+            try:
+                self._judge()
+            except (SQLAlchemyError, BrokerError) as exc:  # not joined yet, say: the next look, or the assignment
+                log.debug("could not look at group %r yet: %s", self.group, exc)
         elif self._clock() >= self._next_refresh:
             self._refresh()
 

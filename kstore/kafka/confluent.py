@@ -302,6 +302,8 @@ class ConfluentSource(KafkaSource):
             self._push_event("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
+        if self._incremental:  # the group changed, though nothing may be added here (eager: on_assign follows)
+            self._note_join(consumer.memberid())
         self._lose("revoked", revoked)
         if self._incremental:
             consumer.incremental_unassign(revoked)
@@ -349,6 +351,10 @@ class ConfluentSource(KafkaSource):
                     messages += self.consumer.consume(most - 1, 0)
         except KafkaException as exc:
             raise BrokerError(f"consuming from Kafka failed: {describe(exc)}") from exc
+        if self.member_id is None:
+            # Known once joined, before any assignment: with `consumer` a member given no partition
+            # is never called back, and the one-database guard must still tell itself apart.
+            self.member_id = self.consumer.memberid() or None
         if any(map(_is_error, map(Message.error, messages))):
             good = []
             for msg in messages:

@@ -200,8 +200,9 @@ class KafkaSource:
     def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> None:
         self.settings = settings
         self.worker_id = worker_id
-        #: Assignments received so far (every one, even of no partition), and this member's id in the
-        #: group as of the last: set by the client's callback, read by the one-database guard.
+        #: Rebalances seen so far (each assignment, even of no partition; on confluent's incremental
+        #: protocols each revoke too), and this member's id in the group as of the last: set by the
+        #: client's callbacks, read by the one-database guard.
         self.joins = 0
         self.member_id: str | None = None
         self._admin: Any = None
@@ -277,7 +278,7 @@ class KafkaSource:
                               f"{self.settings.bootstrap_servers}: {exc}") from None
 
     def _note_join(self, member_id: str | None) -> None:
-        """An assignment came (on the client's callback thread): count it, note the member id."""
+        """A rebalance reached this member (on the client's callback thread): count it, note the member id."""
         with self._events_lock:
             self.joins += 1
             self.member_id = member_id or None
