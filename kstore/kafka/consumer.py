@@ -173,7 +173,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             consumer.pause(*assigned)
             for tp in assigned:
                 consumer.seek(tp, 0)
-        self._source._note_join(self._source.consumer.group_metadata().member_id)
+        self._source._note_join(self._source.current_member_id())
         self._source._push_event("assigned", assigned)
 
     def on_partitions_revoked(self, revoked: Any) -> None:
@@ -282,6 +282,10 @@ class KafkaSource:
         with self._events_lock:
             self.joins += 1
             self.member_id = member_id or None
+
+    def current_member_id(self) -> str | None:
+        """This member's id in the group, as kafka-python knows it now (any thread: a local read)."""
+        return str(self.consumer.group_metadata().member_id or "") or None
 
     def group_members(self) -> GroupView:
         """The group's live members, as Kafka's describe group gives them.

@@ -464,6 +464,9 @@ def _source_class(world: World) -> type[KafkaSource]:
     class SimSource(KafkaSource):
         describes_group = False  # one simulated database: nothing to guard, and no admin client to ask
 
+        def current_member_id(self) -> str | None:
+            return self.settings.client_id
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.lock = PreemptingLock(world.threads, self.settings.client_id or "?")  # type: ignore[assignment]
