@@ -46,6 +46,8 @@ class Recorder(Processor):
     (its topic is NULL), so the failure comes from the write, not from the processor's code.
     KSTORE_TEST_PAUSE_FILE: while that file exists, a batch waits before writing (and its
     first offset is written to the file + ".batch"), so a test can act while a batch is in flight.
+    KSTORE_TEST_START_GATE: setup() waits until that file exists (before the worker joins its
+    group), so a test can have several workers join at the same moment.
     """
 
     group = "recorder"
@@ -63,6 +65,9 @@ class Recorder(Processor):
         self.per_message = os.environ.get("KSTORE_TEST_PER_MESSAGE") == "1"
         self.write = os.environ.get("KSTORE_TEST_WRITE", "insert")
         self.db_poison = os.environ.get("KSTORE_TEST_DB_POISON")
+        gate = os.environ.get("KSTORE_TEST_START_GATE")
+        while gate and not Path(gate).exists():
+            time.sleep(0.01)
 
     def handle_batch(self, msgs: Sequence[Message]) -> None:
         if self.pause_file and Path(self.pause_file).exists():

@@ -8,6 +8,7 @@
   :mod:`~kstore.db.letterquery`: which letters (a filter), their counts, keyset pages, and walks
   that discard or resolve every letter a filter matches.
 - :mod:`~kstore.db.indoubt`: a COMMIT whose answer was lost is read back on a fresh connection.
+- :mod:`~kstore.db.members`: the registry of each group's workers that write to this database.
 - :mod:`~kstore.db.session`, :mod:`~kstore.db.manyrows`, :mod:`~kstore.db.copy`,
   :mod:`~kstore.db.sqltext`: the processor's session, its deferred INSERTs sent as many rows,
   ``copy_rows``, and SQL text read as PostgreSQL reads it.

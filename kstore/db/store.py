@@ -64,6 +64,7 @@ from kstore.records import TopicPartition
 from kstore.settings import Settings
 
 from . import dbapi, deadline, indoubt, resets
+from .members import GroupMembers, stale_after_s
 from .sqlerrors import first_line
 from .writes import WRITES, now
 
@@ -328,6 +329,17 @@ class Store:
         if found is None:
             raise DatabaseError(f"{prefix}identity in {self.settings.safe_dsn} is empty: run `kstore migrate` again")
         return str(found)
+
+    def registered_members(self, group: str) -> set[str]:
+        """The names and Kafka member ids of the group's live workers that write to this database
+        (their rows in the registry, :mod:`kstore.db.members`)."""
+        try:
+            live = GroupMembers(self.engine, group, self.settings.table_prefix, self.settings.schema).live(
+                stale_after_s(self.settings.session_timeout_ms))
+        except SQLAlchemyError as exc:
+            raise DatabaseError(
+                f"cannot read the workers of group {group!r} in {self.settings.safe_dsn}: {first_line(exc)}") from None
+        return {m.member for m in live} | {m.kafka_member_id for m in live if m.kafka_member_id}
 
     def check_reachable(self) -> None:
         """Raise :class:`DatabaseError` with a one-line reason if the database cannot be used."""

@@ -8,6 +8,8 @@
   what goes wrong (fencing, retries in smaller batches, dead letters, the database going away).
 - :mod:`~kstore.engine.positions`: where the consumer's position moved, or could not go, by itself.
 - :mod:`~kstore.engine.failures`: the retry bookkeeping (attempts, the isolation window, backoff).
+- :mod:`~kstore.engine.onedatabase`: one pipeline, one database: the group's live members compared
+  with the database's registry of its workers before any claim.
 - :mod:`~kstore.engine.commands`: ``kstore worker``, which wires SIGTERM/SIGINT to ``request_stop``.
 
 May import the database side (:mod:`kstore.db`), the Kafka side (:mod:`kstore.kafka`), what a

@@ -38,6 +38,7 @@ from typing import TypeVar
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.concurrency import close_loop
+from kstore.db.members import GroupMembers
 from kstore.db.migration import check_migrated
 from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
@@ -55,6 +56,7 @@ from kstore.telemetry.metrics import Metrics, PartitionLag
 
 from . import positions
 from .batches import Batches
+from .onedatabase import OneDatabase
 from .ownership import Backoff, Ledger, fmt
 from .relay import Relay, member_name
 
@@ -126,6 +128,10 @@ class Worker:
         self._source: KafkaSource | None = None
         self._ledger: Ledger | None = None
         self._outbox: Outbox | None = None
+        #: One pipeline, one database (see kstore.engine.onedatabase); None for a source that cannot
+        #: describe its group (a test double).
+        self._guard: OneDatabase | None = None
+        self._guard_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
         self._partitions: PartitionCounts | None = None
         #: Publishes what the processor produced (a thread of its own), unless settings.relay is off.
         self.relay: Relay | None = None
@@ -152,10 +158,13 @@ class Worker:
             store.check_reachable()
             check_migrated(engine, self.settings)
             factory = self.source_factory or source_class(self.settings)
-            source = factory(self.settings, self.group, self.topics, self.worker_id,
-                             database_id=store.database_id())
+            source = factory(self.settings, self.group, self.topics, self.worker_id)
             source.check_topics()
             self._check_output_topics(partitions)
+            if source.describes_group:
+                members = GroupMembers(engine, self.group, self.settings.table_prefix, self.settings.schema)
+                self._guard = OneDatabase(self.settings, self.group, self.worker_id, members, source,
+                                          store.database_id())
         except KstoreError:
             if source is not None:
                 source.close()
@@ -245,6 +254,7 @@ class Worker:
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
         # Under the group's lock: workers that start together run their setup() one at a time.
         call_setup(self.processor, self.store.engine, self.group)
+        self._register()
         self.source.subscribe()
         self._started_at = time.monotonic()
         port = self.settings.metrics_port
@@ -288,13 +298,9 @@ class Worker:
         if self.relay is not None and self.relay.error is not None:
             raise KstoreError(f"the outbox relay failed ({type(self.relay.error).__name__}: {self.relay.error}): "
                               "nothing would publish what the processor produces, so the worker stops")
-        if self.source.refused:
-            raise ConfigurationError(
-                f"group {self.group!r} is already consumed by workers writing to another database "
-                f"({self.source.refused[-1]}): one pipeline, one database; give this worker the group's "
-                "database, or another group")
         self._notify_revoked()
-        self._claim_pending()
+        if self._judge_group():
+            self._claim_pending()
         self._check_epochs()
         if not self._follow_positions():
             return False
@@ -374,6 +380,8 @@ class Worker:
                 self.relay.close()
             if self._partitions is not None:
                 self._partitions.close()
+            if self._guard is not None:
+                self._guard.forget()
             if http is not None:
                 http.stop()
             source.close()
@@ -537,6 +545,33 @@ class Worker:
             log.info("%s %s", why, fmt(tps))
             call_hook(self.processor, "on_revoked", tps)
 
+    def _register(self) -> None:
+        """Before joining the group: this worker's row in its database's registry of the group's workers."""
+        if self._guard is None:
+            return
+        try:
+            self._guard.register()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"cannot register worker {self.worker_id} of group {self.group!r} in "
+                                f"{self.settings.safe_dsn}: {first_line(exc)}") from None
+
+    def _judge_group(self) -> bool:
+        """One pipeline, one database: after each assignment, and before claiming any of it, compare
+        the group's live members with this database's workers (refuses with ConfigurationError; see
+        kstore.engine.onedatabase). False until the last assignment is judged: its partitions wait, paused."""
+        guard = self._guard
+        if guard is None:
+            return True
+        if not guard.judged and not self._guard_backoff.ready():
+            return False
+        try:
+            guard.check()
+        except (SQLAlchemyError, BrokerError) as exc:
+            self._guard_backoff.failed("compare the group's members with this database's workers", exc)
+            return False
+        self._guard_backoff.succeeded()
+        return guard.judged
+
     def _claim_pending(self) -> None:
         """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
         ledger = self.ledger
@@ -552,6 +587,8 @@ class Worker:
             return
         self._db_backoff.succeeded()
         if claimed:
+            if self._guard is not None:
+                self._guard.claimed()
             self.metrics.claimed(time.monotonic() - started)
             offsets = ledger.offsets()
             log.info("claimed %s", ", ".join(

@@ -12,6 +12,8 @@
 - :mod:`~kstore.kafka.connect`: every client built from one Settings (TLS context, SASL, options).
 - :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
 - :mod:`~kstore.kafka.logreader`: partitions, log bounds and one record's timestamp, for the lag.
+- :mod:`~kstore.kafka.members`: a group's live members (describe group) in one plain shape, for the
+  one-database guard.
 
 The one package that imports kafka-python and confluent-kafka (the worker's second backend sits
 beside kafka-python's, behind the same few methods). May import the shared vocabulary (settings,

@@ -92,8 +92,8 @@ placing it again assigns the whole assignment afresh, at kstore's positions (eag
 that partition out and puts it back at kstore's position (incremental: ``assign()`` would replace
 the assignment the group's incremental callbacks keep).
 
-Not available here: the "one pipeline, one database" assignor (kafka-python only; librdkafka
-takes no assignor written in Python), so :attr:`refused` stays empty.
+"One pipeline, one database" is the engine's (:mod:`kstore.engine.onedatabase`), as with
+kafka-python: :meth:`group_members` describes the group through confluent-kafka's admin client.
 """
 
 from __future__ import annotations
@@ -106,12 +106,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
 
 from .consumer import MIRROR_METADATA, RECORD_OVERHEAD, TP, EventKind, KafkaSource
+from .members import GroupMember, GroupView
 from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
 
 log = logging.getLogger("kstore.kafka.consumer")
@@ -290,6 +292,7 @@ class ConfluentSource(KafkaSource):
         if placed:
             consumer.pause(placed)
         added = {(tp.topic, tp.partition) for tp in assigned}
+        self._note_join(consumer.memberid())
         with self._events_lock:
             first = not self._joined
             self._assigned = self._assigned | added if self._incremental else added
@@ -299,6 +302,8 @@ class ConfluentSource(KafkaSource):
             self._push_event("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
+        if self._incremental:  # the group changed, though nothing may be added here (eager: on_assign follows)
+            self._note_join(consumer.memberid())
         self._lose("revoked", revoked)
         if self._incremental:
             consumer.incremental_unassign(revoked)
@@ -346,6 +351,10 @@ class ConfluentSource(KafkaSource):
                     messages += self.consumer.consume(most - 1, 0)
         except KafkaException as exc:
             raise BrokerError(f"consuming from Kafka failed: {describe(exc)}") from exc
+        if self.member_id is None:
+            # Known once joined, before any assignment: with `consumer` a member given no partition
+            # is never called back, and the one-database guard must still tell itself apart.
+            self.member_id = self.consumer.memberid() or None
         if any(map(_is_error, map(Message.error, messages))):
             good = []
             for msg in messages:
@@ -540,12 +549,27 @@ class ConfluentSource(KafkaSource):
             raise BrokerError(f"cannot look up offsets by time: {describe(exc)}") from exc
         return {(k.topic, k.partition): (k.offset if k.offset >= 0 else None) for k in found}
 
+    def group_members(self) -> GroupView:
+        """The group's live members, through confluent-kafka's admin client (a handle of its own, never
+        the group's consumer): a classic group's and a ``consumer``-protocol group's alike."""
+        if self._admin is None:
+            config = {k: v for k, v in librdkafka_config(self.settings).items() if k != "isolation.level"}
+            self._admin = AdminClient({**config, "logger": _DebugLog()})  # type: ignore[dict-item]
+        try:
+            described = self._admin.describe_consumer_groups(
+                [self.group], request_timeout=self.settings.connect_timeout_s)[self.group].result()
+        except KafkaException as exc:
+            raise broker_error(self.settings, f"describe group {self.group!r}", exc) from None
+        return GroupView(tuple(GroupMember(m.member_id, m.client_id) for m in described.members),
+                         described.state == ConsumerGroupState.STABLE)
+
     def close(self) -> None:
         """Leave the group; nothing is committed to Kafka (auto-commit is off)."""
         try:
             self.consumer.close()
         finally:
             self._querier.close()
+            self._admin = None  # confluent-kafka's AdminClient has no close: its handle goes with it
 
 
 def group_protocol(settings: Any) -> dict[str, Any]:
@@ -574,6 +598,13 @@ def consumer_id(settings: Any, worker_id: str) -> str:
 def _code(exc: KafkaException) -> Any:
     error = exc.args[0] if exc.args else None
     return error.code() if isinstance(error, KafkaError) else None
+
+
+class _DebugLog:
+    """The ``logger`` of the admin client: its lines (a consumer option it ignores, say) at DEBUG."""
+
+    def log(self, _level: int, msg: str, *args: Any) -> None:
+        logging.getLogger("kstore.kafka.librdkafka").debug(msg, *args)
 
 
 class _ProbeQuietLog:

@@ -46,8 +46,6 @@ from datetime import datetime
 from typing import Any, ClassVar, Literal
 
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
-from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
-from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import (
     IllegalStateError,
     KafkaError,
@@ -61,7 +59,8 @@ from kstore.errors import BrokerError, ConfigurationError
 from kstore.records import Record, timestamp_ms
 from kstore.settings import Settings
 
-from .connect import open_consumer
+from .connect import open_admin, open_consumer
+from .members import GroupView, described_members
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +173,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
             consumer.pause(*assigned)
             for tp in assigned:
                 consumer.seek(tp, 0)
+        self._source._note_join(self._source.current_member_id())
         self._source._push_event("assigned", assigned)
 
     def on_partitions_revoked(self, revoked: Any) -> None:
@@ -189,20 +189,23 @@ class KafkaSource:
     #: Whether the queued records are :class:`~kstore.records.Message` tuples already (raw bytes),
     #: which a processor that deserializes nothing is handed as they are. kafka-python's are its own.
     queues_messages: ClassVar[bool] = False
+    #: Whether :meth:`group_members` can describe the group (the one-database guard needs it).
+    describes_group: ClassVar[bool] = True
 
     @staticmethod
     def size_of(records: Sequence[Any]) -> int:
         """Approximate memory of queued records (the one function for what is queued and taken)."""
         return records_size(records)
 
-    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str,
-                 database_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> None:
         self.settings = settings
         self.worker_id = worker_id
-        #: The identity of the database this worker writes to, told to the group (see _assignor).
-        self.database_id = database_id
-        #: Set (on the IO thread) when the group's leader refused this worker: why.
-        self.refused: list[str] = []
+        #: Rebalances seen so far (each assignment, even of no partition; on confluent's incremental
+        #: protocols each revoke too), and this member's id in the group as of the last: set by the
+        #: client's callbacks, read by the one-database guard.
+        self.joins = 0
+        self.member_id: str | None = None
+        self._admin: Any = None
         self.group = group
         self.topics = list(topics)
         #: Held while queues change and while a partition is flushed and sought.
@@ -246,8 +249,6 @@ class KafkaSource:
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=s.max_poll_interval_ms,
-            **({} if self.database_id is None else {
-                "partition_assignment_strategy": (_assignor(self.database_id, self.refused),)}),
         )
 
     def check_topics(self) -> None:
@@ -275,6 +276,28 @@ class KafkaSource:
         except KafkaError as exc:
             raise BrokerError(f"cannot read the metadata of {', '.join(self.topics)} at "
                               f"{self.settings.bootstrap_servers}: {exc}") from None
+
+    def _note_join(self, member_id: str | None) -> None:
+        """A rebalance reached this member (on the client's callback thread): count it, note the member id."""
+        with self._events_lock:
+            self.joins += 1
+            self.member_id = member_id or None
+
+    def current_member_id(self) -> str | None:
+        """This member's id in the group, as kafka-python knows it now (any thread: a local read)."""
+        return str(self.consumer.group_metadata().member_id or "") or None
+
+    def group_members(self) -> GroupView:
+        """The group's live members, as Kafka's describe group gives them.
+
+        On the main thread, through an admin client of its own (never the group's consumer).
+        Raises :class:`BrokerError` if the brokers do not answer (the caller retries later)."""
+        try:
+            if self._admin is None:
+                self._admin = open_admin(self.settings)
+            return described_members(self._admin, self.group)
+        except KafkaError as exc:
+            raise BrokerError(f"cannot describe group {self.group!r}: {exc}") from exc
 
     def _push_event(self, kind: EventKind, tps: Iterable[Any]) -> None:
         with self._events_lock:
@@ -675,71 +698,8 @@ class KafkaSource:
     def close(self) -> None:
         """Leave the group without committing anything to Kafka."""
         self.consumer.close(autocommit=False)
-
-
-_DB_TAG = b"kstore-db:"
-_REFUSED_TAG = b"kstore-refused:"
-
-
-def member_database(user_data: bytes | str | None) -> tuple[str, int] | None:
-    """The database id and join time a kstore worker told its group (None: not a kstore >= 0006 worker).
-    (A group's description gives the user data as text, the group protocol as bytes.)"""
-    if isinstance(user_data, str):
-        user_data = user_data.encode("latin-1", errors="replace")
-    if not user_data or not user_data.startswith(_DB_TAG):
-        return None
-    try:
-        db, since = user_data[len(_DB_TAG):].decode().split(";since:")
-        return db, int(since)
-    except ValueError:
-        return None
-
-
-def _assignor(database_id: str, refused: list[str]) -> type[RangePartitionAssignor]:
-    """Kafka's range assignor, plus one rule: **one pipeline, one database**.
-
-    Each worker tells the group which database it writes to (and since when) in its
-    subscription's user data. The leader gives partitions only to the members writing
-    to the database of the group's oldest member; any other gets none, and a note in
-    its assignment that makes it stop with a clear error (two databases would each
-    hold part of the pipeline). Members that tell nothing (other software, older kstore)
-    are assigned as usual. The protocol name stays "range", so mixed versions agree.
-    """
-    tag = _DB_TAG + f"{database_id};since:{int(time.time() * 1000)}".encode()
-
-    class OneDatabaseRange(RangePartitionAssignor):  # type: ignore[misc]
-        name = "range"
-
-        @classmethod
-        def metadata(cls, topics: Any) -> Any:
-            return ConsumerProtocolSubscription(cls.version, list(topics), tag)
-
-        @classmethod
-        def assign(cls, cluster: Any, members: Any) -> Any:
-            told = {m.member_id: member_database(m.metadata.user_data) for m in members}
-            known = [t for t in told.values() if t is not None]
-            if not known:
-                return super().assign(cluster, members)
-            reference = min(known, key=lambda t: t[1])[0]
-            elsewhere = {member_id: t[0] for member_id, t in told.items() if t is not None and t[0] != reference}
-            foreign = [m for m in members if m.member_id in elsewhere]
-            assignment = super().assign(cluster, [m for m in members if m.member_id not in elsewhere])
-            for m in foreign:
-                log.error("member %s of the group writes to another database (%s) than the group (%s): "
-                          "it gets no partitions (one pipeline, one database)", m.member_id,
-                          elsewhere[m.member_id], reference)
-                why = f"the group's workers write to database {reference}, this one to {elsewhere[m.member_id]}"
-                assignment[m.member_id] = ConsumerProtocolAssignment(cls.version, [], _REFUSED_TAG + why.encode())
-            return assignment
-
-        @classmethod
-        def on_assignment(cls, assignment: Any, generation: Any) -> None:
-            data = assignment.user_data or b""
-            if data.startswith(_REFUSED_TAG):
-                refused.append(data[len(_REFUSED_TAG):].decode(errors="replace"))
-            super().on_assignment(assignment, generation)
-
-    return OneDatabaseRange
+        if self._admin is not None:
+            self._admin.close()
 
 
 #: The metadata of the offsets kstore mirrors to Kafka, so a reader can tell them apart.

@@ -13,21 +13,20 @@ transient) raises :class:`~kstore.errors.BrokerError`: one line for the command.
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 from kafka import OffsetAndMetadata, TopicPartition
-from kafka import errors as kafka_errors
 from kafka.errors import BrokerResponseError, KafkaError, NoError, NotCoordinatorError
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .consumer import MIRROR_METADATA, TP, committed_metadata, log_bounds, member_database, offsets_for_times
+from .consumer import MIRROR_METADATA, TP, committed_metadata, log_bounds, offsets_for_times
+from .members import group_error
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +68,17 @@ class KafkaInspector:
     def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
         return self._ask("look up offsets by time", lambda: offsets_for_times(self.consumer, targets))
 
-    def live_owners(self, group: str, database_id: str | None = None) -> dict[TP, str]:
+    def live_owners(self, group: str, registered: Collection[str] | None = None) -> dict[TP, str]:
         """Which live member of the Kafka group is assigned each partition, by its client id (a kstore
         worker's name, as in its logs and the database, unless ``client_id`` is set); with
-        ``database_id``, only members that write to that database (one pipeline, one database)."""
+        ``registered`` (the names and Kafka member ids of the workers a database's registry holds
+        for the group), only the members it names: those that write to that database."""
         described = self._ask(f"describe group {group!r}", lambda: self._describe(group))
         owners: dict[TP, str] = {}
         for member in described.get("members", []):
-            metadata = member.get("member_metadata")
-            told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
-            if database_id is not None and told is not None and told[0] != database_id:
-                continue
             who = str(member.get("client_id") or member.get("member_id"))
+            if registered is not None and who not in registered and member.get("member_id") not in registered:
+                continue
             assignment = member.get("member_assignment") or {}
             for entry in assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []:
                 for partition in entry.get("partitions", []):
@@ -116,7 +114,7 @@ class KafkaInspector:
         described: dict[str, Any] = self.admin.describe_groups([group]).get(group, {})
         # kafka-python gives a group's own error (its coordinator still loading, say) as text in
         # the answer, not raised: a transient one is raised here, to be asked again.
-        error = _group_error(described.get("error"))
+        error = group_error(described.get("error"))
         if error is not None and error.retriable:
             raise error(described["error"])
         return described
@@ -159,12 +157,6 @@ def settled_members(admin: Any, group: str) -> set[str] | None:
     if described.get("error") is not None or described.get("group_state") != "Stable":
         return None
     return {str(member.get("client_id")) for member in described.get("members", [])}
-
-
-def _group_error(text: Any) -> type[KafkaError] | None:
-    """The error class of a group's error as kafka-python's description gives it (``[Error 14] ...``)."""
-    found = re.match(r"\[Error (-?\d+)\]", text) if isinstance(text, str) else None
-    return None if found is None else kafka_errors.for_code(int(found.group(1)))
 
 
 def _reason(exc: KafkaError) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -76,12 +76,12 @@ class LogReader:
         with self._kafka_errors():
             return log_bounds(self._kafka_consumer(), tps)
 
-    def live_owners(self, group: str, database_id: str | None) -> dict[TP, str]:
+    def live_owners(self, group: str, registered: Collection[str] | None) -> dict[TP, str]:
         """The live member of the Kafka group assigned each partition (see :meth:`KafkaInspector.live_owners`)."""
         with self._kafka_errors():
             if self._inspector is None:
                 self._inspector = KafkaInspector(self.settings)
-            return self._inspector.live_owners(group, database_id)
+            return self._inspector.live_owners(group, registered)
 
     def first_timestamps(self, offsets: Mapping[TP, int], timeout_s: float) -> dict[TP, int | None]:
         """One record of each partition, from its offset on: its timestamp (None: the record has none).

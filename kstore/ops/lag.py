@@ -147,7 +147,7 @@ class LagReader:
                       shards: list[ShardState]) -> GroupReading:
         tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
         bounds = self._kafka.log_bounds(tps)
-        owners = self._kafka.live_owners(group, self.store.database_id()) if self.owners else {}
+        owners = self._kafka.live_owners(group, self.store.registered_members(group)) if self.owners else {}
         nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
         # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
         waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}

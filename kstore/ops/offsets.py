@@ -96,7 +96,7 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
         topics = [topic] if topic else sorted({t for t, _ in rows})
         tps = [(t, p) for t in topics for p in kafka.partitions(t)]
         bounds = kafka.log_bounds(tps)
-        owners = kafka.live_owners(group, store.database_id())
+        owners = kafka.live_owners(group, store.registered_members(group))
     out = []
     for tp in tps:
         row = rows.get(tp)

@@ -462,6 +462,11 @@ def _source_class(world: World) -> type[KafkaSource]:
     and the epochs of each batch taken are noted (the delivery checks need them)."""
 
     class SimSource(KafkaSource):
+        describes_group = False  # one simulated database: nothing to guard, and no admin client to ask
+
+        def current_member_id(self) -> str | None:
+            return self.settings.client_id
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.lock = PreemptingLock(world.threads, self.settings.client_id or "?")  # type: ignore[assignment]
