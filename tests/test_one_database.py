@@ -19,7 +19,7 @@ from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, Con
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 
 from kstore.db.members import GroupMembers, Registered
-from kstore.engine.onedatabase import unknown_members
+from kstore.engine.onedatabase import established_in_group, unknown_members
 from kstore.kafka.members import GroupMember
 
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
@@ -205,3 +205,17 @@ def test_a_member_is_known_by_its_name_or_its_member_id_and_never_by_a_shared_cl
                GroupMember("id-other", "y", told_database="db-2")]
     unknown = unknown_members(members, registered, "db-1", me="id-me")
     assert [m.member_id for m in unknown] == ["id-x", "id-other"]
+
+
+def test_only_an_established_worker_in_the_group_now_lets_a_new_one_go_on() -> None:
+    """A crashed worker's row stays until it goes stale: it must not outvote a stray that joined since."""
+    crashed = Registered("kstore-crashed", "id-crashed", True)
+    joining = Registered("kstore-me", None, False)
+    stray = GroupMember("id-stray", "kstore-elsewhere")
+    assert not established_in_group([crashed, joining], [stray, GroupMember("id-me", "kstore-me")], "kstore-me")
+    assert established_in_group([crashed, joining], [stray, GroupMember("id-crashed", "x")], "kstore-me")
+    assert established_in_group([crashed, joining], [GroupMember("id-9", "kstore-crashed")], "kstore-me")
+    assert not established_in_group([Registered("kstore-me", "id-me", True)], [GroupMember("id-me", "kstore-me")],
+                                    "kstore-me"), "itself does not count"
+    assert not established_in_group([Registered("kstore-idle", "id-idle", False)],
+                                    [GroupMember("id-idle", "kstore-idle")], "kstore-me"), "it never claimed"

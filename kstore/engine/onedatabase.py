@@ -13,8 +13,8 @@ Who gives way when each side sees the other as unknown (refusing on both sides w
 pipeline that runs):
 
 - a worker that is **established** (it has claimed a partition of the group since it started), or
-  whose registry holds another live established worker, goes on, and logs an error naming each
-  unknown member once per rebalance;
+  beside another established worker of its database that is a member of the group now, goes on,
+  and logs an error naming each unknown member once per rebalance;
 - any other worker **refuses**: :class:`~kstore.errors.ConfigurationError` before it claimed or
   committed anything; it leaves the group, so the partitions go back to the established workers.
 
@@ -75,6 +75,17 @@ def unknown_members(members: Iterable[GroupMember], registered: Collection[Regis
             and m.told_database != database_id]
 
 
+def established_in_group(registered: Collection[Registered], members: Iterable[GroupMember], me: str) -> bool:
+    """Whether another worker of this database that has claimed is a member of the group now. A row
+    alone is not enough: a worker that crashed keeps its row until it goes stale, and a stray that
+    joined in the meantime must not be outvoted by it."""
+    members = list(members)
+    names = {m.client_id for m in members}
+    ids = {m.member_id for m in members}
+    return any(r.claimed and r.member != me and (r.member in names or (r.kafka_member_id or "") in ids)
+               for r in registered)
+
+
 def describe(members: Iterable[GroupMember]) -> str:
     return ", ".join(f"member {m.member_id} (client id {m.client_id})" for m in members)
 
@@ -102,6 +113,9 @@ class OneDatabase:
         #: Unknown members an established worker still looks at (``client_id`` set): since when.
         self._suspects: dict[str, float] = {}
         self._reported: set[str] = set()
+        #: The registry's live rows and the group's members, as the last look found them.
+        self._registered: list[Registered] = []
+        self._members: list[GroupMember] = []
 
     def register(self) -> None:
         """Before the worker joins the group: its row, so that workers of this database starting
@@ -176,15 +190,14 @@ class OneDatabase:
         self.registry.seen(self.member, kafka_member_id=self.source.member_id, claimed=self.established)
         self._next_refresh = self._clock() + REFRESH_S
         view = self.source.group_members()
-        unknown = unknown_members(view.members, self.registry.live(self._stale_after), self.database_id,
-                                  self.source.member_id)
+        self._registered = self.registry.live(self._stale_after)
+        self._members = list(view.members)
+        unknown = unknown_members(self._members, self._registered, self.database_id, self.source.member_id)
         return unknown, view.settled
 
     def _goes_on(self) -> bool:
-        """Established, or another live established worker of this database is in the registry."""
-        if self.established:
-            return True
-        return any(r.claimed and r.member != self.member for r in self.registry.live(self._stale_after))
+        """Established, or another established worker of this database is in the group (as last looked)."""
+        return self.established or established_in_group(self._registered, self._members, self.member)
 
     def _wait(self, unknown: list[GroupMember], settled: bool, joins: int) -> list[GroupMember]:
         """Before refusing: look again while the group rebalances (an unknown member may be leaving),
