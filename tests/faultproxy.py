@@ -33,7 +33,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from sqlalchemy.engine import make_url
@@ -96,9 +96,11 @@ class PgWatcher:
     stream makes no sense the watcher goes ``opaque``: bytes still flow, faults just cannot fire there.
     """
 
-    def __init__(self, take: Callable[[str], bool], log: Callable[[str], None],
+    def __init__(self, take: Callable[[str, Sequence[str]], bool], log: Callable[[str], None],
                  seen: Callable[[str], None] = lambda sql: None) -> None:
-        self._take = take  # take("commit") / take("transaction"): consume one armed fault, if any
+        # take("commit", statements) / take("transaction", ...): consume one armed fault, if any (a
+        # commit fault may want a transaction that touched a given table: the statements say).
+        self._take = take
         self._log = log
         self._seen = seen  # every simple-query message's text, in the order sent
         self._client = bytearray()
@@ -160,7 +162,7 @@ class PgWatcher:
         """A simple query on its way: why to cut before it reaches the server, or None (sent)."""
         self._seen(sql)
         self.transaction.append(sql)
-        if _commit_kind(sql) is not None and self._take("commit_refused"):
+        if _commit_kind(sql) is not None and self._take("commit_refused", self.transaction):
             self.cut_transaction = list(self.transaction)
             return f"cut before COMMIT: never sent ({sql[-40:]!r})"
         self._pending.append(self._fault_for(sql))
@@ -169,12 +171,12 @@ class PgWatcher:
     def _fault_for(self, sql: str) -> str | None:
         """What to do at the answer to ``sql``: nothing (None), or cut the connection, as an armed fault says."""
         kind = _commit_kind(sql)
-        if kind is not None and self._take("commit"):
+        if kind is not None and self._take("commit", self.transaction):
             self.unfired.append("commit")
             return kind
         words, last = _first_and_last(sql)
         ends = (words[0] if words else "") in _TRANSACTION_ENDS or last in _TRANSACTION_ENDS
-        if self._status == b"T" and not ends and self._take("transaction"):
+        if self._status == b"T" and not ends and self._take("transaction", self.transaction):
             self.unfired.append("transaction")
             return f"statement in a transaction ({sql[:40]!r})"
         return None
@@ -278,6 +280,7 @@ class FaultProxy:
         #: The same for each COMMIT refused (``cut_before_commit``).
         self.refused_transactions: list[list[str]] = []
         self._armed = {"commit": 0, "transaction": 0, "commit_refused": 0}
+        self._commit_touching: str | None = None
         self._latency = 0.0
         self._blackholed = False
         self._heal_at: float | None = None
@@ -343,9 +346,11 @@ class FaultProxy:
 
     # --- faults ---------------------------------------------------------------------------------------
 
-    def cut_after_commit(self, count: int = 1) -> None:
+    def cut_after_commit(self, count: int = 1, touching: str | None = None) -> None:
         """The next ``count`` COMMITs reach the server; once its answer is back, both sockets are reset
-        and the answer is dropped: the client cannot know the commit landed (a commit in doubt)."""
+        and the answer is dropped: the client cannot know the commit landed (a commit in doubt).
+        ``touching``: only COMMITs of transactions with a statement that names it (a table, say)."""
+        self._commit_touching = touching
         self._arm("commit", count)
 
     def cut_before_commit(self, count: int = 1) -> None:
@@ -396,8 +401,11 @@ class FaultProxy:
         self._call(lambda: self._armed.__setitem__(kind, self._armed[kind] + count))
         self._log(f"armed {count} {kind} cut(s)")
 
-    def _take(self, kind: str) -> bool:
+    def _take(self, kind: str, statements: Sequence[str] = ()) -> bool:
         if self._armed[kind] <= 0:
+            return False
+        touching = self._commit_touching
+        if kind == "commit" and touching is not None and not any(touching in sql for sql in statements):
             return False
         self._armed[kind] -= 1
         return True

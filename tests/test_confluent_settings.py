@@ -288,6 +288,7 @@ def _source(consumer: _ScriptedConsumer) -> ConfluentSource:
     source.lock = threading.RLock()
     source._want_seek, source._want_paused, source._topic = {}, {}, None
     source.consumer = consumer  # type: ignore[assignment]
+    source.member_id = "member-1"  # joined: the fetch does not ask librdkafka for it
     return source
 
 

@@ -167,15 +167,15 @@ def test_dead_letter_commit_in_doubt_writes_one_dead_letter(pg_dsn: str, pg_prox
 
 def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
                                                                 produce: Any, workers: Any) -> None:
-    """The first COMMIT of a worker is its claim (and where each partition starts): cut it. Nothing
-    may be delivered under that claim; the worker claims again and everything lands once. (The
-    group's outbox shards exist already and its relay is off, so no other COMMIT comes first.)"""
+    """A worker's first COMMIT on the offsets table is its claim (and where each partition starts): cut
+    it. Nothing may be delivered under that claim; the worker claims again and everything lands once.
+    (The group's outbox shards exist already and its relay is off.)"""
     topic = new_topic(2)
     expected = set(produce(topic, [f"c{i}" for i in range(200)]))
     engine = make_engine(Settings(dsn=pg_dsn))
     Outbox(engine, "indoubt-claim").ensure_shards(4)
     engine.dispose()
-    pg_proxy.cut_after_commit()
+    pg_proxy.cut_after_commit(touching="kstore_offsets")
     w = workers(pg_proxy.dsn_through(pg_dsn), topic, "indoubt-claim", args=["--no-relay"])
     wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 60, what="every message processed")
     assert w.terminate() == 0
@@ -185,6 +185,21 @@ def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_
     failed_claim = log.index("could not claim")
     assert not re.search(r"committed \d+ messages", log[:failed_claim]), "a batch ran under an unanswered claim"
     assert log.index("claimed ") > failed_claim
+
+
+def test_a_registration_whose_commit_answer_was_lost_is_made_again(pg_dsn: str, pg_proxy: FaultProxy,
+                                                                   new_topic: Any, produce: Any, workers: Any) -> None:
+    """The worker's row in its database's registry of the group's workers is written before it joins:
+    a COMMIT whose answer was lost there is written again (it is safe to), not the end of the start."""
+    topic = new_topic(2)
+    expected = set(produce(topic, [f"r{i}" for i in range(50)]))
+    pg_proxy.cut_after_commit(touching="kstore_group_members")
+    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "indoubt-register", args=["--no-relay"])
+    wait_until(lambda: len(effects(pg_dsn)) >= len(expected), 60, what="every message processed")
+    assert w.terminate() == 0
+    assert pg_proxy.commits_cut == 1
+    assert "could not register this worker with its database" in w.log
+    assert_exactly_once(effects(pg_dsn), expected)
 
 
 @pytest.mark.parametrize(("driver", "write"), [(d, w) for w in ("insert", "copy") for d in DRIVERS])

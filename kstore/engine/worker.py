@@ -31,7 +31,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -201,20 +201,23 @@ class Worker:
                     f"{type(self.processor).__name__}.produces): create it (kstore topics create PROCESSOR)")
 
     def _ensure_shards(self, outbox: Outbox) -> None:
-        """The group's outbox shards, made if it has none. A database error (a COMMIT whose answer
-        was lost, two workers making them at once) is tried again, since it is safe to; until
-        ``connect_timeout_s``, then one clear line."""
+        """The group's outbox shards, made if it has none (two workers may make them at once)."""
+        self._at_start(lambda: outbox.ensure_shards(self.settings.outbox_shards),
+                       "set up the outbox's shards", f"set up the outbox of group {self.group!r}")
+
+    def _at_start(self, write: Callable[[], object], doing: str, cannot: str) -> None:
+        """A write the start needs, safe to repeat: a database error (a COMMIT whose answer was
+        lost, a connection cut) is tried again until ``connect_timeout_s``, then one clear line."""
         deadline = time.monotonic() + self.settings.connect_timeout_s
         delay = DB_RETRY_DELAY
         while True:
             try:
-                outbox.ensure_shards(self.settings.outbox_shards)
+                write()
                 return
             except SQLAlchemyError as exc:
                 if time.monotonic() + delay > deadline:
-                    raise DatabaseError(f"cannot set up the outbox of group {self.group!r} in "
-                                        f"{self.settings.safe_dsn}: {first_line(exc)}") from None
-                log.warning("could not set up the outbox's shards (%s); trying again in %.1fs", first_line(exc), delay)
+                    raise DatabaseError(f"cannot {cannot} in {self.settings.safe_dsn}: {first_line(exc)}") from None
+                log.warning("could not %s (%s); trying again in %.1fs", doing, first_line(exc), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, DB_RETRY_MAX_DELAY)
 
@@ -547,13 +550,9 @@ class Worker:
 
     def _register(self) -> None:
         """Before joining the group: this worker's row in its database's registry of the group's workers."""
-        if self._guard is None:
-            return
-        try:
-            self._guard.register()
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"cannot register worker {self.worker_id} of group {self.group!r} in "
-                                f"{self.settings.safe_dsn}: {first_line(exc)}") from None
+        if self._guard is not None:
+            self._at_start(self._guard.register, "register this worker with its database",
+                           f"register worker {self.worker_id} of group {self.group!r}")
 
     def _judge_group(self) -> bool:
         """One pipeline, one database: after each assignment, and before claiming any of it, compare
