@@ -32,7 +32,7 @@ from .harness import WorkerProcess, effects, read_committed, stored_offsets, wai
 from .test_cli import assert_one_clear_line, kstore
 from .test_dead_letters_at_scale import dead_letter, rows
 from .test_metrics import get, port_of, scrape, total
-from .test_outbox import outbox_rows
+from .test_outbox import outbox_rows, wait_done
 
 ANNOUNCER = "topic_processors:Announcer"
 
@@ -51,17 +51,6 @@ def create_topic(admin: Any, topic: str, partitions: int) -> None:
     wait_until(lambda: topic_exists(admin, topic), 30, what=f"topic {topic} created")
 
 
-def wait_committed(dsn: str, group: str, sent: list[tuple[str, int, int]], timeout: float = 180) -> None:
-    """Until every sent message's offset is committed and the outbox is empty (all published)."""
-    ends: dict[tuple[str, int], int] = {}
-    for t, p, o in sent:
-        ends[(t, p)] = max(ends.get((t, p), 0), o + 1)
-
-    def done() -> bool:
-        stored = stored_offsets(dsn, group)
-        return all((stored.get(tp) or 0) >= end for tp, end in ends.items()) and outbox_rows(dsn) == 0
-
-    wait_until(done, timeout, interval=0.5, what="every message committed and the outbox empty")
 
 
 # -- at the worker's start --------------------------------------------------------------------------
@@ -152,7 +141,7 @@ def test_a_topic_deleted_while_the_worker_runs_is_waited_for_then_produced_to_ex
                 args=["--bootstrap-servers", autocreating_kafka, "--metrics-port", "0", "--on-error", "dead_letter"])
     port = port_of(w)
     before = send(source, [f"before{i}" for i in range(20)])
-    wait_committed(pg_dsn, "announcer", before)
+    wait_done(pg_dsn, "announcer", before)
     assert sorted(v for _, v in read_committed(autocreating_kafka, out)) == sorted(
         f"before{i}".encode() for i in range(20))
 
@@ -178,7 +167,7 @@ def test_a_topic_deleted_while_the_worker_runs_is_waited_for_then_produced_to_ex
     assert "does not exist" in w.log and "waits for it (nothing is dead-lettered)" in w.log
 
     create_topic(kafka_admin, out, 2)
-    wait_committed(pg_dsn, "announcer", before + during)
+    wait_done(pg_dsn, "announcer", before + during)
     wait_until(lambda: get(port, "/readyz")[0] == 200, 60, what="ready again")
     values = [v for _, v in read_committed(autocreating_kafka, out)]
     assert sorted(values) == sorted(f"during{i}".encode() for i in range(len(during))), values
@@ -217,7 +206,7 @@ def test_the_relay_waits_for_a_deleted_topic_and_never_creates_it(
         assert not topic_exists(kafka_admin, out), "the relay's producer created the deleted topic"
         assert outbox_rows(pg_dsn) == 10
         create_topic(kafka_admin, out, 3)
-        wait_committed(pg_dsn, "announcer", sent, timeout=180)
+        wait_done(pg_dsn, "announcer", sent, timeout=180)
         assert sorted(v for _, v in read_committed(autocreating_kafka, out)) == sorted(
             f"v{i}".encode() for i in range(10))
         assert relay.terminate() == 0
