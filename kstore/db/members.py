@@ -13,11 +13,10 @@ Every write is a short transaction of its own, never inside a batch. A row not s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, delete, insert, select, update
 
-from .writes import WRITES, now
+from .writes import WRITES, aware, now
 
 #: A registry row counts as live for at least this long after it was last seen.
 MIN_STALE_AFTER_S = 60.0
@@ -89,7 +88,7 @@ class GroupMembers:
                                 .where(t.c.consumer_group == self.group)).all()
         current = now()
         return [Registered(row.member, row.kafka_member_id, row.claimed_at is not None) for row in rows
-                if (current - _aware(row.seen_at)).total_seconds() <= stale_after]
+                if (current - aware(row.seen_at)).total_seconds() <= stale_after]
 
     def forget(self, member: str) -> None:
         """``member`` stops cleanly: its row goes."""
@@ -97,7 +96,3 @@ class GroupMembers:
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
             conn.execute(delete(t).where(t.c.consumer_group == self.group, t.c.member == member))
 
-
-def _aware(when: datetime) -> datetime:
-    """SQLite gives back a time without its zone: kstore writes UTC."""
-    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)

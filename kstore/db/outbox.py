@@ -61,7 +61,7 @@ from kstore.records import Produced
 
 from .copy import copy_rows
 from .manyrows import execute_many
-from .writes import WRITES, now
+from .writes import WRITES, aware, now
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ class Outbox:
                 .where(s.c.consumer_group == self.group)).scalar_one()
             oldest = [conn.execute(select(o.c.created_at).where(o.c.consumer_group == self.group, o.c.shard == shard)
                                    .order_by(o.c.seq).limit(1)).scalar() for shard in range(self.shards)]
-        stamps = [_aware(stamp) for stamp in oldest if stamp is not None]
+        stamps = [aware(stamp) for stamp in oldest if stamp is not None]
         return int(total), min(stamps, default=None)
 
 
@@ -484,7 +484,3 @@ class Listener:
         except Exception as exc:
             log.debug("closing the LISTEN connection failed: %s", exc)
 
-
-def _aware(stamp: datetime) -> datetime:
-    """SQLite gives back a naive datetime for a time written in UTC."""
-    return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=timezone.utc)

@@ -29,3 +29,9 @@ def actor() -> tuple[str, str]:
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def aware(stamp: datetime) -> datetime:
+    """A time read back from the database, in UTC: SQLite gives back a naive datetime for a time
+    written in UTC."""
+    return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=timezone.utc)

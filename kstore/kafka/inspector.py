@@ -26,7 +26,7 @@ from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
 from .consumer import MIRROR_METADATA, TP, committed_metadata, log_bounds, offsets_for_times
-from .members import group_error
+from .members import group_error, view_of
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,10 @@ def settled_members(admin: Any, group: str) -> set[str] | None:
     None while it rebalances or if the brokers cannot say (a ``consumer``-protocol group is not
     described here). One request to the group's coordinator; a KafkaError is the caller's."""
     described: dict[str, Any] = admin.describe_groups([group]).get(group, {})
-    if described.get("error") is not None or described.get("group_state") != "Stable":
+    if described.get("error") is not None:
         return None
-    return {str(member.get("client_id")) for member in described.get("members", [])}
+    view = view_of(described)
+    return {m.client_id for m in view.members} if view.settled else None
 
 
 def _reason(exc: KafkaError) -> str:

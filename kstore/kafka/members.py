@@ -55,6 +55,11 @@ def described_members(admin: Any, group: str) -> GroupView:
     error = group_error(described.get("error"))
     if error is not None:
         raise error(described["error"])
+    return view_of(described)
+
+
+def view_of(described: dict[str, Any]) -> GroupView:
+    """A group's members and state from kafka-python's description of it."""
     members = []
     for member in described.get("members", []):
         metadata = member.get("member_metadata")

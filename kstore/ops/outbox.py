@@ -22,6 +22,7 @@ from kstore.db.migration import check_migrated
 from kstore.db.outbox import Outbox, ShardState, groups_with_outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
+from kstore.db.writes import aware
 from kstore.errors import ConfigurationError, DatabaseError
 from kstore.settings import Settings
 
@@ -84,12 +85,8 @@ def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> 
 
 
 def _status(state: ShardState, at: datetime) -> ShardStatus:
-    oldest = None if state.oldest is None else _aware(state.oldest)
+    oldest = None if state.oldest is None else aware(state.oldest)
     age = None if oldest is None else max(0.0, (at - oldest).total_seconds())
     return ShardStatus(state.shard, state.waiting, oldest, age, state.next_seq, state.published_seq, state.owner,
                        state.epoch, state.lease_left_s)
 
-
-def _aware(stamp: datetime) -> datetime:
-    """SQLite gives back a naive datetime for a time written in UTC."""
-    return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=timezone.utc)
