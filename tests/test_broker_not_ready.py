@@ -35,7 +35,7 @@ def test_offsets_set_and_show_right_after_a_broker_started_ask_again(pg_dsn: str
         finally:
             admin.close()
         settings = Settings(dsn=pg_dsn, bootstrap_servers=fresh.bootstrap_servers)
-        with caplog.at_level(logging.DEBUG, logger="kstore.kafka.inspector"):
+        with caplog.at_level(logging.DEBUG, logger="kstore.kafka.kafkapython.inspector"):
             moved = set_offsets(settings, "early", "fresh", to_earliest=True, execute=True, reason="test")
             shown = show_offsets(settings, "early")
     assert [(p.partition, p.to_offset, p.mirror) for p in moved] == [(0, 0, ""), (1, 0, "")]

@@ -13,10 +13,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from kstore import ConfigurationError, Settings
 from kstore import Message as KstoreMessage
-from kstore.kafka.backends import source_class
-from kstore.kafka.confluent import ConfluentSource, by_partition, group_protocol, messages_size, to_messages
-from kstore.kafka.consumer import RECORD_OVERHEAD, KafkaSource
-from kstore.kafka.rdconnect import librdkafka_config
+from kstore.kafka.clients import source_class
+from kstore.kafka.confluent.connect import librdkafka_config
+from kstore.kafka.confluent.consumer import ConfluentSource, by_partition, group_protocol, messages_size, to_messages
+from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.seam import RECORD_OVERHEAD
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
 
 from .test_cli import assert_one_clear_line, kstore
@@ -329,7 +330,7 @@ def test_librdkafka_refetches_a_partition_soon_after_its_queue_was_full_unless_t
         seen.update(properties)
         raise _Opened
 
-    monkeypatch.setattr("kstore.kafka.confluent.open_rd_consumer", opened)
+    monkeypatch.setattr("kstore.kafka.confluent.consumer.open_rd_consumer", opened)
     settings = Settings(kafka_client="confluent", kafka_options=options)
     with pytest.raises(_Opened):
         ConfluentSource(settings, "g", ["t"], "worker-1")

@@ -17,7 +17,7 @@ from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
 from kstore.engine import commands as kstore_cli
-from kstore.kafka.consumer import KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaSource
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import Recorder

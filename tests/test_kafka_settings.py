@@ -13,7 +13,7 @@ from kafka.net.sasl import SASL_MECHANISMS
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore import ConfigurationError, Settings
-from kstore.kafka.connect import client_config, load_token_provider
+from kstore.kafka.kafkapython.connect import client_config, load_token_provider
 from kstore.kafkaoptions import CONSUMER_OPTIONS, SASL_MECHANISM_NAMES, check_kafka_options
 
 SECRET = "pa55-w0rd-SECRET"

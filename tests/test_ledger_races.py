@@ -19,7 +19,7 @@ from kstore import Processor, Settings, migrate
 from kstore.db.store import Store, make_engine
 from kstore.engine.batches import Batches
 from kstore.engine.ownership import Backoff, Ledger
-from kstore.kafka.consumer import KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaSource
 
 TOPIC = "races"
 TP = (TOPIC, 0)

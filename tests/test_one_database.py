@@ -20,7 +20,7 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 
 from kstore.db.members import GroupMembers, Registered
 from kstore.engine.onedatabase import established_in_group, unknown_members
-from kstore.kafka.members import GroupMember
+from kstore.kafka.kafkapython.members import GroupMember
 
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 

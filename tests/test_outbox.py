@@ -22,7 +22,7 @@ from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
 from kstore.dev.broker import Cluster
-from kstore.kafka.inspector import settled_members
+from kstore.kafka.kafkapython.inspector import settled_members
 
 from .conftest import TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy

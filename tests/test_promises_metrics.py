@@ -99,7 +99,7 @@ def test_a_commit_in_doubt_found_landed_is_counted(
 MAX_BUFFERED = 1_000_000
 VALUE_BYTES = 10_000
 POLL_RECORDS = 50
-RECORD_OVERHEAD = 200  # kstore.kafka.consumer's estimate of a record's memory beside its key and value
+RECORD_OVERHEAD = 200  # kstore.kafka.seam's estimate of a record's memory beside its key and value
 
 
 def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kstore import Settings
-from kstore.kafka.confluent import ConfluentSource, messages_size, to_messages
+from kstore.kafka.confluent.consumer import ConfluentSource, messages_size, to_messages
 
 TPS = [("t", 0), ("t", 1), ("t", 2)]
 

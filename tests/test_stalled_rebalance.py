@@ -1,4 +1,5 @@
-"""kstore's workaround for a kafka-python 3 rebalance that stalls for good (kstore.kafka.consumer.StalledRebalance):
+"""kstore's workaround for a kafka-python 3 rebalance that stalls for good
+(kstore.kafka.kafkapython.consumer.StalledRebalance):
 a scripted coordinator and clock, each state the check must tell apart."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Any
 
 from kafka.structs import MemberState
 
-from kstore.kafka.consumer import STALLED_REBALANCE_S, StalledRebalance
+from kstore.kafka.kafkapython.consumer import STALLED_REBALANCE_S, StalledRebalance
 
 
 @dataclass

@@ -35,7 +35,7 @@ from kstore.errors import (
     ProcessorError,
     TooManyDeadLettersError,
 )
-from kstore.kafka.consumer import TP, KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaSource
 from kstore.processor import (
     NOT_THE_MESSAGE,
     Concurrency,
@@ -48,6 +48,7 @@ from kstore.processor import (
     run_handler,
 )
 from kstore.records import Produced, Record, timestamp_ms
+from kstore.records import TopicPartition as TP
 from kstore.retry import Failure, Retry
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics

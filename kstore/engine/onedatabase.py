@@ -47,8 +47,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.members import GroupMembers, Registered, stale_after_s
 from kstore.errors import BrokerError, ConfigurationError, KstoreError
-from kstore.kafka.consumer import KafkaSource
-from kstore.kafka.members import GroupMember
+from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.seam import GroupMember
 from kstore.settings import Settings
 
 log = logging.getLogger("kstore.engine.worker")

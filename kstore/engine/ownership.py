@@ -31,7 +31,8 @@ from sqlalchemy import Connection
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Claim, Position, Row, Store
 from kstore.errors import FencedError, InvalidOffsetError, KstoreError
-from kstore.kafka.consumer import TP, KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings, parse_start_policy
 from kstore.targets import Target, check_target, policy_offset
 

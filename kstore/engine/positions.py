@@ -24,7 +24,7 @@ import time
 from kstore.db.store import Position
 from kstore.db.writes import WRITES
 from kstore.errors import FencedError
-from kstore.kafka.consumer import TP
+from kstore.records import TopicPartition as TP
 from kstore.targets import policy_offset
 
 from .ownership import Ledger, _Plan

@@ -4,7 +4,7 @@ committed, to Kafka, exactly once for a ``read_committed`` reader, and per key i
 It runs in the worker (a thread of its own: :meth:`Relay.start`) and standalone (``kstore
 relay``: :meth:`Relay.run`). Each outbox shard (:mod:`kstore.db.outbox`) is published by one
 relay at a time: the one holding its lease in the database, whose transactional producer
-(:mod:`kstore.kafka.producer`) fenced every earlier one when it started. A shard is published
+(:mod:`kstore.kafka.kafkapython.producer`) fenced every earlier one when it started. A shard is published
 in order: rows after the shard's progress, ``seq`` ascending, a transaction at a time; the
 progress commits inside each Kafka transaction, so it is never ahead of or behind what was
 published.
@@ -41,10 +41,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka import rdproducer
-from kstore.kafka.inspector import settled_members
-from kstore.kafka.producer import Fenced, PublishFailed, ShardPublisher, open_progress_reader
-from kstore.kafka.rdproducer import RdShardPublisher
+from kstore.kafka.confluent import producer as rdproducer
+from kstore.kafka.confluent.producer import RdShardPublisher
+from kstore.kafka.kafkapython.inspector import settled_members
+from kstore.kafka.kafkapython.producer import ShardPublisher, open_progress_reader
+from kstore.kafka.seam import Fenced, PublishFailed
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 

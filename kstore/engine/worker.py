@@ -14,7 +14,7 @@ Threads, and who may call what:
   events it brings (revoked and lost partitions are dropped and flushed at once,
   assigned ones become pending). It never touches the database.
 - **kafka-python's IO thread**: runs the rebalance listener, which only pauses
-  and records (see :mod:`kstore.kafka.consumer`).
+  and records (see :mod:`kstore.kafka.kafkapython.consumer`).
 - **the deadline watchdog** (:mod:`kstore.db.deadline`): only cuts sockets.
 
 Locks: :attr:`KafkaSource.lock` guards the queues and the ledger's maps. It is
@@ -44,10 +44,11 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.backends import source_class
-from kstore.kafka.consumer import TP, KafkaSource
-from kstore.kafka.logreader import PartitionCounts
+from kstore.kafka.clients import source_class
+from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.kafkapython.logreader import PartitionCounts
 from kstore.processor import Processor, call_hook, call_setup, check_processor, declared_topics, produce_check
+from kstore.records import TopicPartition as TP
 from kstore.records import timestamp_ms
 from kstore.settings import Settings
 from kstore.targets import Target

@@ -3,7 +3,8 @@
 No worker is needed: the stored offsets come from ``kstore_offsets``, the log
 bounds and live owners from the brokers, and the age of the oldest message not
 yet committed from the record at the stored offset itself, fetched by a consumer
-that is assigned the partition (no group) and reads one record (:mod:`kstore.kafka.logreader`). That timestamp is
+that is assigned the partition (no group) and reads one record (:mod:`kstore.kafka.kafkapython.logreader`).
+That timestamp is
 cached per (topic, partition, offset), so a steady scrape of a partition whose
 offset has not moved asks the brokers only for the log bounds.
 
@@ -28,7 +29,7 @@ from kstore.db.outbox import Outbox, ShardState
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
-from kstore.kafka.logreader import LogReader
+from kstore.kafka.kafkapython.logreader import LogReader
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
@@ -103,7 +104,7 @@ class LagReader:
         rows, dead, shards = self._read_database(group)
         try:
             return self._read_brokers(group, rows, dead, shards)
-        except BrokerError:  # every error of the brokers' (kstore.kafka.logreader)
+        except BrokerError:  # every error of the brokers' (kstore.kafka.kafkapython.logreader)
             self._close_kafka()
             raise
 

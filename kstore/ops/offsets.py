@@ -23,8 +23,8 @@ from kstore.db.resets import move
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import HistoryEntry, Store, make_engine
 from kstore.errors import BrokerError, ConfigurationError, DatabaseError, InvalidOffsetError
-from kstore.kafka.consumer import TP
-from kstore.kafka.inspector import KafkaInspector
+from kstore.kafka.kafkapython.inspector import KafkaInspector
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST, Target, check_target
 

@@ -30,7 +30,7 @@ from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, wai
 from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.logreader import PartitionCounts
+from kstore.kafka.kafkapython.logreader import PartitionCounts
 from kstore.processor import (
     NOT_THE_MESSAGE,
     Outgoing,

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kstore.errors import BrokerError, DatabaseError, KstoreError
-from kstore.kafka.consumer import TP
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 
 from .lag import GroupReading, LagReader

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kstore.errors import ConfigurationError
-from kstore.kafka.topicadmin import create_missing, partition_counts
+from kstore.kafka.kafkapython.topicadmin import create_missing, partition_counts
 from kstore.processor import Processor, declared_topics
 from kstore.settings import Settings
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore import KstoreError, Settings, Worker
 from kstore.db.store import Store
-from kstore.kafka.consumer import KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaSource
 
 from .clock import SimClock, SimCondition
 from .db import Databases

@@ -1,38 +1,21 @@
 """A consumer group's live members, as Kafka's describe group gives them, in one plain shape.
 
 kafka-python's :class:`KafkaAdminClient` answers here; confluent-kafka's ``AdminClient`` answers in
-:mod:`kstore.kafka.confluent`. The worker's one-database guard (:mod:`kstore.engine.onedatabase`)
+:mod:`kstore.kafka.confluent.consumer`. The worker's one-database guard (:mod:`kstore.engine.onedatabase`)
 and ``kstore offsets show`` compare these members with the group's registry in the database.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
+from kstore.kafka.seam import GroupMember, GroupView
+
 _DB_TAG = b"kstore-db:"
-
-
-@dataclass(frozen=True)
-class GroupMember:
-    """A live member of a group: its member id, its client id, and the database an older kstore
-    worker told in its subscription (None from any other member)."""
-
-    member_id: str
-    client_id: str
-    told_database: str | None = None
-
-
-@dataclass(frozen=True)
-class GroupView:
-    """A group's live members, and whether it was settled (``Stable``: no rebalance under way)."""
-
-    members: tuple[GroupMember, ...]
-    settled: bool
 
 
 def member_database(user_data: bytes | str | None) -> str | None:

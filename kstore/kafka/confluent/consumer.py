@@ -1,6 +1,6 @@
 """The worker's Kafka side on confluent-kafka (librdkafka), behind the same seam as kafka-python's.
 
-:class:`ConfluentSource` is a :class:`~kstore.kafka.consumer.KafkaSource`: the queues, the lock,
+:class:`ConfluentSource` is a :class:`~kstore.kafka.kafkapython.consumer.KafkaSource`: the queues, the lock,
 the generations, ``take_batch``, ``requeue`` and the throttle are the same code; what talks to
 the client is librdkafka's. Selected by ``kafka_client="confluent"``.
 
@@ -111,12 +111,13 @@ from confluent_kafka.admin import AdminClient
 
 from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.seam import MIRROR_METADATA, RECORD_OVERHEAD, EventKind, GroupMember, GroupView
+from kstore.records import TopicPartition as TP
 
-from .consumer import MIRROR_METADATA, RECORD_OVERHEAD, TP, EventKind, KafkaSource
-from .members import GroupMember, GroupView
-from .rdconnect import broker_error, describe, librdkafka_config, open_rd_consumer
+from .connect import broker_error, describe, librdkafka_config, open_rd_consumer
 
-log = logging.getLogger("kstore.kafka.consumer")
+log = logging.getLogger("kstore.kafka.kafkapython.consumer")
 
 #: Where a newly assigned partition "is" until its claim seeks it: paused, never fetched from.
 PLACEHOLDER_OFFSET = 0
@@ -610,7 +611,7 @@ class _DebugLog:
 class _ProbeQuietLog:
     """The ``logger`` and ``error_cb`` a ConfluentSource gives librdkafka: its lines go to
     ``kstore.kafka.librdkafka`` and its client-wide errors (a broker down, all brokers down: it
-    retries by itself) to ``kstore.kafka.consumer`` as WARNINGs, both at DEBUG until ``probed``."""
+    retries by itself) to ``kstore.kafka.kafkapython.consumer`` as WARNINGs, both at DEBUG until ``probed``."""
 
     def __init__(self) -> None:
         self.probed = False

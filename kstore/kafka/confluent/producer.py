@@ -1,5 +1,5 @@
 """The outbox relay's publisher on librdkafka (confluent-kafka): the same contract as
-:class:`kstore.kafka.producer.ShardPublisher`, whose docstring says what a shard's transaction
+:class:`kstore.kafka.kafkapython.producer.ShardPublisher`, whose docstring says what a shard's transaction
 holds (its records and its progress mark) and how a zombie is fenced.
 
 Why a second one: kafka-python encodes, batches and compresses every record in Python, on the
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.kafkapython.producer import progress_of
+from kstore.kafka.seam import Fenced, PublishFailed, shard_id
 from kstore.records import Produced
-
-from .producer import Fenced, PublishFailed, progress_of, shard_id
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def available() -> bool:
 
 def rd_client_config(settings: Any) -> dict[str, Any]:
     """librdkafka's properties for the brokers and security settings of ``settings``
-    (:func:`kstore.kafka.rdconnect.librdkafka_config`): the user's ``kafka_options`` only where
+    (:func:`kstore.kafka.confluent.connect.librdkafka_config`): the user's ``kafka_options`` only where
     they are librdkafka's (``kafka_client = "confluent"``), and none that is the consumer's alone."""
-    from .rdconnect import librdkafka_config  # imports confluent-kafka, an optional dependency
+    from .connect import librdkafka_config  # imports confluent-kafka, an optional dependency
 
     if settings.kafka_client != "confluent" and settings.kafka_options:
         settings = dataclasses.replace(settings, kafka_options={})
@@ -102,11 +102,11 @@ class RdShardPublisher:
         log.debug("outbox producer %s: %s", self.ident, err)
 
     def progress(self, admin: Any) -> int:
-        """As :meth:`kstore.kafka.producer.ShardPublisher.progress` (the same marks)."""
+        """As :meth:`kstore.kafka.kafkapython.producer.ShardPublisher.progress` (the same marks)."""
         return progress_of(self.settings, admin, self.ident, self._mark)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
-        """As :meth:`kstore.kafka.producer.ShardPublisher.publish`."""
+        """As :meth:`kstore.kafka.kafkapython.producer.ShardPublisher.publish`."""
         assert confluent_kafka is not None
         producer = self._producer
         refused: list[tuple[int, str]] = []  # (seq, reason) of the records librdkafka could not deliver

@@ -1,4 +1,4 @@
-"""Which Kafka client the worker consumes with: kafka-python's :class:`~kstore.kafka.consumer.KafkaSource`
+"""Which Kafka client the worker consumes with: kafka-python's :class:`~kstore.kafka.kafkapython.consumer.KafkaSource`
 (the default) or confluent-kafka's :class:`~kstore.kafka.confluent.ConfluentSource` (``kafka_client``).
 
 confluent-kafka is an extra (``pip install 'kstore[confluent]'``): it is imported only when chosen.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from kstore.errors import ConfigurationError
 from kstore.settings import Settings
 
-from .consumer import KafkaSource
+from .kafkapython.consumer import KafkaSource
 
 
 def source_class(settings: Settings) -> type[KafkaSource]:
@@ -17,7 +17,7 @@ def source_class(settings: Settings) -> type[KafkaSource]:
     if settings.kafka_client != "confluent":
         return KafkaSource
     try:
-        from .confluent import ConfluentSource
+        from .confluent.consumer import ConfluentSource
     except ImportError as exc:
         raise ConfigurationError(f"kafka_client confluent needs confluent-kafka ({exc}): "
                                  "pip install 'kstore[confluent]'") from None

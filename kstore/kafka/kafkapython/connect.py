@@ -36,10 +36,9 @@ from kafka.errors import (
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.probe import probe
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
-
-from .probe import probe
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How the confluent-kafka backend connects: kstore's settings as librdkafka properties, and clear errors.
 
-The same settings as kafka-python's clients (:mod:`kstore.kafka.connect`), under librdkafka's
+The same settings as kafka-python's clients (:mod:`kstore.kafka.kafkapython.connect`), under librdkafka's
 names: ``security_protocol`` -> ``security.protocol``, ``sasl_mechanism`` -> ``sasl.mechanisms``,
 ``sasl_username``/``sasl_password`` -> ``sasl.username``/``sasl.password``, ``ssl_cafile`` ->
 ``ssl.ca.location``, ``ssl_certfile``/``ssl_keyfile``/``ssl_key_password`` ->
@@ -24,11 +24,10 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.kafkapython.connect import client_config, load_token_provider
+from kstore.kafka.probe import probe
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
-
-from .connect import client_config, load_token_provider
-from .probe import probe
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,8 @@ def broker_error(settings: Any, what: str, exc: BaseException) -> BrokerError:
                            f"{describe(exc)}")
     if isinstance(error, KafkaError) and error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
                                                           KafkaError._ALL_BROKERS_DOWN):
-        # Worded as kafka-python's probe words it (kstore.kafka.connect): one message per failure, whichever client.
+        # Worded as kafka-python's probe words it (kstore.kafka.kafkapython.connect): one message per
+        # failure, whichever client.
         return BrokerError(f"cannot reach Kafka at {where} within {settings.connect_timeout_s:g}s to {what} "
                            f"({describe(exc)}): check --bootstrap-servers and security_protocol "
                            f"({settings.security_protocol})")

@@ -22,10 +22,12 @@ from kafka import OffsetAndMetadata, TopicPartition
 from kafka.errors import BrokerResponseError, KafkaError, NoError, NotCoordinatorError
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.seam import MIRROR_METADATA, committed_metadata
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .consumer import MIRROR_METADATA, TP, committed_metadata, log_bounds, offsets_for_times
+from .consumer import log_bounds, offsets_for_times
 from .members import group_error, view_of
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,10 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from kstore.errors import BrokerError
+from kstore.kafka.seam import Fenced, PublishFailed, committed_metadata, shard_id
 from kstore.records import Produced
 
 from .connect import _open, client_config, open_admin
-from .consumer import committed_metadata
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +45,6 @@ log = logging.getLogger(__name__)
 #: transaction's markers are still being written): kafka-python's 100 ms would be paid on
 #: nearly every transaction, which is most of the latency from a batch's commit to a reader.
 RETRY_BACKOFF_MS = 10
-
-
-class Fenced(Exception):
-    """Another relay initialised this shard's transactional id: this producer is done."""
-
-
-class PublishFailed(Exception):
-    """A transaction did not commit (it was aborted, or its outcome is not known yet).
-
-    ``seq`` names the row the broker refused, when it was one row's fault (too large, an
-    unknown topic): the relay stops on it rather than skip it.
-    """
-
-    def __init__(self, reason: str, seq: int | None = None) -> None:
-        super().__init__(reason)
-        self.seq = seq
-
-
-def shard_id(group: str, shard: int) -> str:
-    """The shard's transactional id and progress group: stable, so a new owner fences the old."""
-    return f"kstore-outbox.{group}.{shard}"
 
 
 class ShardPublisher:

@@ -1,4 +1,4 @@
-"""The Kafka side of kstore (with :mod:`kstore.kafka.connect`, which makes its clients).
+"""The Kafka side of kstore (with :mod:`kstore.kafka.kafkapython.connect`, which makes its clients).
 
 :class:`KafkaSource` owns the consumer, the rebalance listener, per-partition
 queues of records already returned by ``poll()`` and the lock that makes
@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from kafka.errors import (
@@ -56,20 +56,17 @@ from kafka.errors import (
 from kafka.structs import MemberState
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.seam import MIRROR_METADATA, RECORD_OVERHEAD, EventKind, GroupView
 from kstore.records import Record, timestamp_ms
+from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 
 from .connect import open_admin, open_consumer
-from .members import GroupView, described_members
+from .members import described_members
 
-log = logging.getLogger(__name__)
-
-TP = tuple[str, int]
-EventKind = Literal["assigned", "revoked", "lost"]
+log = logging.getLogger("kstore.kafka.consumer")
 
 
-#: Bookkeeping bytes counted per queued record, besides its key and value.
-RECORD_OVERHEAD = 200
 
 _key_sizes = operator.attrgetter("serialized_key_size")
 _value_sizes = operator.attrgetter("serialized_value_size")
@@ -700,16 +697,6 @@ class KafkaSource:
         self.consumer.close(autocommit=False)
         if self._admin is not None:
             self._admin.close()
-
-
-#: The metadata of the offsets kstore mirrors to Kafka, so a reader can tell them apart.
-MIRROR_METADATA = "kstore-mirror"
-
-
-def committed_metadata(committed: Any) -> str:
-    """A committed offset's metadata as it was given: confluent-kafka (2.16) commits it with C's
-    terminating NUL, kafka-python without, and kstore reads what either wrote."""
-    return (getattr(committed, "metadata", None) or "").rstrip("\x00")
 
 
 def _mirrored(offsets: Any, response: Any) -> None:
