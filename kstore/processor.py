@@ -46,13 +46,13 @@ from kstore.errors import (
     ProcessorError,
     UndeclaredTopicError,
 )
+from kstore.partition import TopicPartition as TopicPartition  # re-exported: handlers' hooks name it
 from kstore.records import Message as Message  # re-exported: users import it from here
 from kstore.records import Produced
 from kstore.retry import Reject, Retry, RetryPolicy
 
 Format = Literal["bytes", "str", "json"]
 OnError = Literal["stop", "dead_letter"]
-TopicPartition = tuple[str, int]
 
 
 def to_ms(when: datetime | None) -> int | None:

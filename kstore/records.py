@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol, cast
 
-#: A partition by plain values, ``(topic, partition_id)``: what users pass and the tables key on.
-TopicPartition = tuple[str, int]
+from kstore.partition import TopicPartition as TopicPartition  # re-exported: the records' vocabulary
 
 
 class Record(Protocol):

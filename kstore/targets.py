@@ -9,8 +9,6 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-TopicPartition = tuple[str, int]
-
 
 class Position(enum.Enum):
     """The two ends of a partition's log."""

@@ -60,7 +60,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
 from kstore.errors import ConfigurationError, DatabaseError, FencedError
-from kstore.records import TopicPartition
+from kstore.partition import Position, TopicPartition
 from kstore.settings import Settings
 
 from . import dbapi, deadline, indoubt, resets
@@ -71,7 +71,6 @@ from .writes import WRITES, now
 log = logging.getLogger(__name__)
 
 #: What an offset commit writes for one partition: (expected next_offset, new next_offset, epoch).
-Position = tuple[int, int, int]
 
 #: The text a fenced one-round-trip commit fails with (inside PostgreSQL's "invalid input syntax
 #: for type integer" error, SQLSTATE 22P02, which quotes it whatever the server's language).

@@ -25,7 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore.db import dbapi, deadletters
 from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import database_state, first_line, transient
-from kstore.db.store import FencedCommit, Position, Row, Store, TransactionEnded
+from kstore.db.store import FencedCommit, Row, Store, TransactionEnded
 from kstore.db.writes import WRITES
 from kstore.errors import (
     BrokerError,
@@ -36,6 +36,7 @@ from kstore.errors import (
     TooManyDeadLettersError,
 )
 from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.partition import Position
 from kstore.processor import (
     NOT_THE_MESSAGE,
     Concurrency,
@@ -729,7 +730,7 @@ class Batches:
         ends = {tp: record.offset for tp, (record, _) in cut.items()}
         self.source.requeue([r for r in taken.records if not _before(r, ends)], taken.generations)
         records = [r for r in decoded.records if _before(r, ends)]
-        positions = {tp: (start, ends.get(tp, end), epoch) for tp, (start, end, epoch) in taken.positions.items()}
+        positions = {tp: pos._replace(next=ends.get(tp, pos.next)) for tp, pos in taken.positions.items()}
         return (_Batch(records, taken.generations, positions),
                 _Decoded([m for m in decoded.msgs if _before(m, ends)], records, []))
 

@@ -29,9 +29,10 @@ from datetime import datetime
 from sqlalchemy import Connection
 
 from kstore.db.sqlerrors import first_line
-from kstore.db.store import Claim, Position, Row, Store
+from kstore.db.store import Claim, Row, Store
 from kstore.errors import FencedError, InvalidOffsetError, KstoreError
 from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.partition import Position
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings, parse_start_policy
 from kstore.targets import Target, check_target, policy_offset
@@ -313,7 +314,7 @@ class Ledger:
         compare-and-set's expectation: the commit matches only if the row still has it.
         """
         owned = self.owned
-        return {tp: (owned[tp].committed, end, owned[tp].epoch) for tp, end in ends.items()}
+        return {tp: Position(owned[tp].committed, end, owned[tp].epoch) for tp, end in ends.items()}
 
     def committed(self, positions: Mapping[TP, Position]) -> None:
         """Note committed positions, for partitions still held at the batch's epoch and position."""
@@ -327,8 +328,8 @@ class Ledger:
         """Of fenced partitions, those this worker has not itself moved since the batch began."""
         with self.source.lock:
             owned = self.owned
-            return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp][2]
-                    and owned[tp].committed == positions[tp][0]]
+            return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp].epoch
+                    and owned[tp].committed == positions[tp].expected]
 
     def dropped(self, positions: Mapping[TP, Position]) -> set[TP]:
         """Of a batch's partitions, those this worker stopped delivering since it was taken

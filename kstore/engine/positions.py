@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import time
 
-from kstore.db.store import Position
 from kstore.db.writes import WRITES
 from kstore.errors import FencedError
+from kstore.partition import Position
 from kstore.records import TopicPartition as TP
 from kstore.targets import policy_offset
 
@@ -49,7 +49,7 @@ def advance(ledger: Ledger) -> list[TP]:
     source, store = ledger.source, ledger.store
     with source.lock:
         committed = {tp: o.committed for tp, o in ledger.owned.items()}
-        positions: dict[TP, Position] = {tp: (committed[tp], end, ledger.owned[tp].epoch)
+        positions: dict[TP, Position] = {tp: Position(committed[tp], end, ledger.owned[tp].epoch)
                                          for tp, end in source.skipped(committed).items()}
     if not positions:
         return []
@@ -59,7 +59,7 @@ def advance(ledger: Ledger) -> list[TP]:
     if unmatched:
         rows = store.rows(ledger.group, partitions=unmatched)
         moved = sorted(tp for tp in unmatched if tp not in rows
-                       or (rows[tp].epoch, rows[tp].next_offset) != (positions[tp][2], positions[tp][1]))
+                       or (rows[tp].epoch, rows[tp].next_offset) != (positions[tp].epoch, positions[tp].next))
         positions = {tp: pos for tp, pos in positions.items() if tp not in moved}
     ledger.committed(positions)
     log.debug("moved past transaction markers: %s", ", ".join(

@@ -26,9 +26,10 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from kstore.partition import TopicPartition as TP
+
 log = logging.getLogger(__name__)
 
-TP = tuple[str, int]
 
 LAG_MESSAGES = "kstore_lag_messages"
 LAG_SECONDS = "kstore_lag_seconds"
