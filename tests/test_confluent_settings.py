@@ -16,7 +16,7 @@ from kstore import Message as KstoreMessage
 from kstore.kafka.clients import source_class
 from kstore.kafka.confluent.connect import librdkafka_config
 from kstore.kafka.confluent.consumer import ConfluentSource, by_partition, group_protocol, messages_size, to_messages
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 from kstore.kafka.seam import RECORD_OVERHEAD
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
 
@@ -139,7 +139,7 @@ def test_kafka_python_refuses_an_incremental_protocol_with_one_line(sqlite_dsn: 
 
 
 def test_the_worker_builds_the_source_of_its_client() -> None:
-    assert source_class(Settings()) is KafkaSource
+    assert source_class(Settings()) is KafkaPythonSource
     assert source_class(Settings(kafka_client="confluent")) is ConfluentSource
 
 
@@ -249,10 +249,10 @@ def test_a_fetch_sets_error_messages_apart_and_queues_the_rest() -> None:
     """An error librdkafka hands over among the records is noted, never queued as a record."""
     source = _source(_ScriptedConsumer(0))
     seen: list[Any] = []
-    source._fetch_error = lambda msg, error: seen.append((msg.partition(), error.code()))  # type: ignore[method-assign]
+    source._fetch_error = lambda msg, error: seen.append((msg.partition(), error.code())) or []  # type: ignore[method-assign,func-returns-value]
     error = KafkaError(KafkaError._AUTO_OFFSET_RESET, "offset out of range")
     source.consumer.script = [_message(None, b"a", 0, 5), _message(None, None, 1, 7, error), _message(None, b"b", 0, 6)]
-    fetched = dict(source._fetch(200, None))
+    fetched = dict(source.fetch(200, 1000).records)
     assert {tp: [r.offset for r in records] for tp, records in fetched.items()} == {("t", 0): [5, 6]}
     assert seen == [(1, KafkaError._AUTO_OFFSET_RESET)]
 
@@ -286,8 +286,9 @@ class _ScriptedConsumer:
 def _source(consumer: _ScriptedConsumer) -> ConfluentSource:
     source = ConfluentSource.__new__(ConfluentSource)
     source.settings = Settings(max_poll_records=1000)
-    source.lock = threading.RLock()
+    source._wishes_lock, source._state_lock = threading.Lock(), threading.Lock()
     source._want_seek, source._want_paused, source._topic = {}, {}, None
+    source._assigned, source._paused, source._highwaters = set(), set(), {}
     source.consumer = consumer  # type: ignore[assignment]
     source.member_id = "member-1"  # joined: the fetch does not ask librdkafka for it
     return source
@@ -300,7 +301,7 @@ def test_a_fetch_hands_over_what_librdkafka_holds_without_waiting_for_a_full_pol
     or the timeout passed: at a steady rate every message waited up to the poll timeout.) With
     nothing there, it waits the poll timeout, once, for the first message."""
     source = _source(consumer := _ScriptedConsumer(waiting))
-    fetched = [r for _, records in source._fetch(200, None) for r in records]
+    fetched = [r for _, records in source.fetch(200, 1000).records for r in records]
     assert len(fetched) == min(waiting, 1000)
     assert consumer.waited_s == (0.2 if waiting == 0 else 0.0)
 
@@ -311,7 +312,7 @@ def test_a_fetch_never_takes_more_than_max_poll_records_whatever_room_the_queues
     more room than max_poll_records still takes at most max_poll_records, the most the queues may
     exceed max_buffered_bytes by."""
     source = _source(_ScriptedConsumer(5000))
-    fetched = [r for _, records in source._fetch(200, room) for r in records]
+    fetched = [r for _, records in source.fetch(200, room).records for r in records]  # type: ignore[arg-type]
     assert len(fetched) == min(room or 1000, 1000)
 
 

@@ -17,7 +17,8 @@ from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
 from kstore.engine import commands as kstore_cli
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.engine.partitions import Owned, Partitions
+from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import Recorder
@@ -166,16 +167,18 @@ def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: s
     """Defect 7: kafka-python 3 raises on seek/pause/resume of an unassigned partition; Kafka can
     revoke one on its IO thread just before the worker acts on it, and the worker exited."""
     topic = new_topic(1)
-    source = KafkaSource(Settings(bootstrap_servers=kafka), "unassigned", [topic], "w-test")
+    settings = Settings(bootstrap_servers=kafka)
+    source = KafkaPythonSource(settings, "unassigned", [topic], "w-test")
+    partitions = Partitions(settings, source)
     try:
         assert source.consumer.assignment() == set()  # it never joined: nothing is assigned to it
         with pytest.raises(ValueError, match="Unassigned partition"):  # what kafka-python does on its own
             source.consumer.seek(TopicPartition(topic, 0), 5)
-        with caplog.at_level(logging.DEBUG, logger="kstore"), source.lock:
-            source.own((topic, 0), 5)  # seek + resume: not assigned to this consumer
-            assert source.generation((topic, 0)) is not None  # owned all the same, until Kafka says otherwise
-            source.disown([(topic, 0)], pause=True)
-        assert source.generation((topic, 0)) is None
+        with caplog.at_level(logging.DEBUG, logger="kstore"):
+            partitions.own((topic, 0), Owned(1, 5), 5)  # seek + resume: not assigned to this consumer
+            assert partitions.generation((topic, 0)) is not None  # owned all the same, until Kafka says otherwise
+            partitions.disown([(topic, 0)])  # released: paused
+        assert partitions.generation((topic, 0)) is None
         for doing in ("seeking", "resuming", "pausing"):
             assert f"{topic}[0] is no longer assigned: not {doing} it" in caplog.text, caplog.text
     finally:
@@ -204,9 +207,9 @@ def test_batches_linger_only_while_draining_a_backlog(sqlite_dsn: str, kafka: st
     try:
         def queue(n: int) -> None:
             produce(topic, [f"v{i}" for i in range(n)])
-            want = w.source.queued() + n
+            want = w.partitions.queued() + n
             deadline = time.monotonic() + 60
-            while w.source.queued() < want:
+            while w.partitions.queued() < want:
                 w.fetch_once()
                 w.step() if w.ledger.pending else None
                 assert time.monotonic() < deadline, "records never queued"

@@ -1,5 +1,5 @@
 """Races between the worker's threads, replayed deterministically: the real Ledger,
-KafkaSource and Store (on SQLite), a stub consumer, and the interleaving forced by
+KafkaPythonSource, Partitions and Store (on SQLite), a stub consumer, and the interleaving forced by
 running the fetch thread's part inside a read of the main thread's."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from kstore import Processor, Settings, migrate
 from kstore.db.store import Store, make_engine
 from kstore.engine.batches import Batches
 from kstore.engine.ownership import Backoff, Ledger
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.engine.partitions import Owned, Partitions
+from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 
 TOPIC = "races"
 TP = (TOPIC, 0)
@@ -39,7 +40,7 @@ class Rec:
 
 
 class StubConsumer:
-    """What KafkaSource and Ledger call, with kafka-python 3's refusals for unassigned partitions."""
+    """What KafkaPythonSource and Ledger call, with kafka-python 3's refusals for unassigned partitions."""
 
     def __init__(self) -> None:
         self.assigned: set[tuple[str, int]] = set()
@@ -79,7 +80,7 @@ class StubConsumer:
         pass
 
 
-class StubSource(KafkaSource):
+class StubSource(KafkaPythonSource):
     def _connect(self) -> Any:
         return StubConsumer()
 
@@ -90,7 +91,7 @@ def parts(tmp_path: Path) -> tuple[Store, StubSource, Ledger]:
     migrate(settings)
     store = Store(make_engine(settings), settings)
     source = StubSource(settings, "g", [TOPIC], "me")
-    ledger = Ledger(settings, "g", "me", store, source)
+    ledger = Ledger(settings, "g", "me", store, source, Partitions(settings, source))
     source.consumer.assigned.add(TP)
     ledger.pending.add(TP)
     assert ledger.claim_pending() == [TP]
@@ -104,11 +105,11 @@ def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_rec
     partition and assigns it again. The old code placed it anyway, in a new queue whose
     generation restarted at 1, so the in-flight batch's requeue matched and offsets 0..4 sat
     at the head of a queue sought to 100: delivered and committed, they undid the reset."""
-    store, source, ledger = parts
-    with source.lock:
-        source._enqueue(source._queues[TP], [Rec(TOPIC, 0, o) for o in range(10)])
-        records, _ends, _counts = source.take_batch(5)
-        generations = {TP: source.generation(TP) or 0}
+    store, _source, ledger = parts
+    with ledger.lock:
+        ledger.partitions._enqueue(ledger.partitions._queues[TP], [Rec(TOPIC, 0, o) for o in range(10)])
+        records, _ends, _counts = ledger.partitions.take_batch(5)
+        generations = {TP: ledger.partitions.generation(TP) or 0}
     store.reset("g", TP, 100, expected_epoch=None, reason="operator")
 
     read_rows = store.rows
@@ -117,16 +118,16 @@ def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_rec
         rows = read_rows(*args, **kwargs)
         # The fetch thread's turn, between the read and the decision: revoked, then assigned again.
         ledger.drop([TP])
-        with source.lock:
+        with ledger.lock:
             ledger.pending.add(TP)
         return rows
 
     store.rows = rows_then_rebalance  # type: ignore[method-assign]
     ledger.recheck([TP])
-    source.requeue(records, generations)
+    ledger.partitions.requeue(records, generations)
 
-    with source.lock:
-        queued, _, _ = source.take_batch(100)
+    with ledger.lock:
+        queued, _, _ = ledger.partitions.take_batch(100)
     stale = [r.offset for r in queued if r.offset < 100]
     assert not stale, f"records from before the reset would be delivered after it: {stale}"
     assert TP in ledger.pending, "the partition must be claimed again, not placed by the recheck"
@@ -135,13 +136,13 @@ def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_rec
 def test_generations_are_never_reused_for_a_partition(parts: tuple[Store, StubSource, Ledger]) -> None:
     """The invariant behind the fix: a queue made after a flush never shares a generation with
     one before it, even when the partition was dropped and owned again in between."""
-    _store, source, ledger = parts
-    seen = [source.generation(TP)]
+    _store, _source, ledger = parts
+    seen = [ledger.partitions.generation(TP)]
     for offset in range(5):
         ledger.drop([TP])
-        with source.lock:
-            source.own(TP, offset)
-        seen.append(source.generation(TP))
+        with ledger.lock:
+            ledger.partitions.own(TP, Owned(1, offset), offset)
+        seen.append(ledger.partitions.generation(TP))
     assert len(set(seen)) == len(seen), seen
 
 
@@ -163,7 +164,7 @@ def test_an_operators_reset_fenced_by_another_claim_while_adopted_drops_the_part
 
     store.rows = rows_then_claimed_elsewhere  # type: ignore[method-assign]
     adopted, _dropped = ledger.recheck([TP])
-    assert adopted == [] and TP not in ledger.owned and source.generation(TP) is None
+    assert adopted == [] and TP not in ledger.owned and ledger.partitions.generation(TP) is None
     assert TP in ledger.fenced_at, "a partition Kafka still assigns here must be claimed again later"
 
 
@@ -177,10 +178,10 @@ def test_a_fenced_partition_whose_row_cannot_be_read_now_stays_owned(parts: tupl
         raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
 
     batches = Batches(Processor(), ledger.settings, "g", store, source, ledger, Backoff(0.5, 10), recheck)
-    with source.lock:
+    with ledger.lock:
         positions = ledger.positions({TP: 5})
     batches._on_fenced({TP}, positions)
-    assert TP in ledger.owned and source.generation(TP) is not None
+    assert TP in ledger.owned and ledger.partitions.generation(TP) is not None
     assert not batches.db_backoff.ready(), "the database error must hold off the next attempt"
 
 
@@ -191,7 +192,7 @@ def test_an_operators_reset_below_the_log_start_adopts_a_time_start_policy_at_it
     migrate(settings)
     store = Store(make_engine(settings), settings)
     source = StubSource(settings, "g", [TOPIC], "me")
-    ledger = Ledger(settings, "g", "me", store, source)
+    ledger = Ledger(settings, "g", "me", store, source, Partitions(settings, source))
     source.consumer.assigned.add(TP)
     ledger.pending.add(TP)
     ledger.claim_pending()

@@ -7,7 +7,6 @@ broker-level path (a real out-of-range fetch) is in test_position_resets.py."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import pytest
@@ -15,7 +14,8 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.db.store import Store, make_engine
-from kstore.engine.ownership import Ledger, Owned
+from kstore.engine.ownership import Ledger
+from kstore.engine.partitions import Owned, Partitions
 from kstore.engine.positions import relocate
 
 TP = ("t", 0)
@@ -23,33 +23,31 @@ GROUP = "g"
 
 
 class Source:
-    """The parts of KafkaSource that relocate() uses; records what was done to the partition."""
+    """The parts of a ConsumerSource that relocate() uses; records what was done to the partition."""
 
     def __init__(self, bounds: tuple[int, int], unfetchable: dict[Any, tuple[int, str | None]]) -> None:
-        self.lock = threading.RLock()
         self.bounds = bounds
-        self._unfetchable = dict(unfetchable)
+        self.unfetchable = dict(unfetchable)
         self.placed: dict[Any, int] = {}
         self.paused: set[Any] = set()
 
-    def unfetchable(self) -> dict[Any, tuple[int, str | None]]:
-        return dict(self._unfetchable)
-
-    def has_records(self, tp: Any) -> bool:
-        return False
+    @staticmethod
+    def size_of(records: Any) -> int:
+        return 0
 
     def log_bounds(self, tps: list[Any]) -> dict[Any, tuple[int, int]]:
         return {tp: self.bounds for tp in tps}
 
-    def own(self, tp: Any, offset: int) -> None:
-        self._unfetchable.pop(tp, None)
+    def seek(self, tp: Any, offset: int) -> None:
         self.placed[tp] = offset
 
-    def disown(self, tps: list[Any], pause: bool = False) -> None:
-        for tp in tps:
-            self._unfetchable.pop(tp, None)
-            if pause:
-                self.paused.add(tp)
+    def resume(self, tps: list[Any]) -> None:
+        self.paused.difference_update(tps)
+
+    def pause(self, tps: list[Any]) -> None:
+        self.paused.update(tps)
+
+    release = pause
 
 
 def ledger_at(dsn: str, source: Source, committed: int) -> tuple[Ledger, int]:
@@ -59,8 +57,11 @@ def ledger_at(dsn: str, source: Source, committed: int) -> tuple[Ledger, int]:
     with store.claiming(GROUP, [TP], "me") as (conn, claims):
         epoch = claims[TP].epoch
         store.start_at(conn, GROUP, TP, committed, epoch, "test start", None)
-    ledger = Ledger(settings, GROUP, "me", store, source)  # type: ignore[arg-type]
-    ledger.owned[TP] = Owned(epoch, committed)
+    partitions = Partitions(settings, source)  # type: ignore[arg-type]
+    ledger = Ledger(settings, GROUP, "me", store, source, partitions)  # type: ignore[arg-type]
+    partitions.own(TP, Owned(epoch, committed), committed)
+    partitions._unfetchable.update(source.unfetchable)
+    source.placed.clear()
     return ledger, epoch
 
 
@@ -122,4 +123,4 @@ def test_nothing_moves_before_what_was_fetched_is_committed(sqlite_dsn: str) -> 
     source = Source((150, 200), {TP: (100, None)})
     ledger, epoch = ledger_at(sqlite_dsn, source, 90)
     assert relocate(ledger) == []
-    assert not source.placed and row(sqlite_dsn) == (90, epoch) and source.unfetchable() == {TP: (100, None)}
+    assert not source.placed and row(sqlite_dsn) == (90, epoch) and ledger.partitions.unfetchable() == {TP: (100, None)}

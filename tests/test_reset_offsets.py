@@ -75,7 +75,7 @@ def test_reset_flushes_queued_messages_the_origin_bug(pg_dsn: str, kafka: str, n
     w, t = start(pg_dsn, kafka, topic, gate, max_batch_size=5, max_poll_records=100)
     assert gate.entered.wait(30), "first batch never arrived"
     assert gate.delivered == [0, 1, 2, 3, 4]
-    assert w.source.queued() > 0, "the test needs messages queued in kstore when it resets"
+    assert w.partitions.queued() > 0, "the test needs messages queued in kstore when it resets"
 
     assert w.reset_offsets({(topic, 0): 50}) == {(topic, 0): 50}
     assert w.held_offsets == {(topic, 0): 50}
@@ -234,28 +234,28 @@ class PollRacer:
     kstore must drop, as fetched under the old generation, and seek the partition back to the
     reset's target: the client's position has moved past them). :meth:`reset_mid_poll` makes the
     next poll wait, in the poller's thread after kstore noted the generation, until a reset from the
-    test's thread has landed. (Wrapped at kstore's ``_fetch``, the same moment for either backend:
+    test's thread has landed. (Wrapped at the client's ``fetch``, the same moment for either client:
     confluent-kafka's consumer methods cannot be replaced.)"""
 
     def __init__(self, w: Worker, tp: TopicPartitionKey) -> None:
         self.w, self.tp = w, tp
         self.raced: list[int] = []  # records returned by each poll a reset landed in
         self._armed, self._lingering = threading.Event(), threading.Event()
-        self._real_poll = w.source._fetch
-        w.source._fetch = self._poll  # type: ignore[method-assign]
+        self._real_poll = w.source.fetch
+        w.source.fetch = self._poll  # type: ignore[method-assign]
 
     def _poll(self, *args: Any, **kwargs: Any) -> Any:
-        before = self.w.source.generation(self.tp)  # kstore noted the generation just before this call
+        before = self.w.partitions.generation(self.tp)  # kstore noted the generation just before this call
         if self._armed.is_set():
             self._armed.clear()
             self._lingering.set()
             deadline = time.monotonic() + 5
-            while self.w.source.generation(self.tp) == before and time.monotonic() < deadline:
+            while self.w.partitions.generation(self.tp) == before and time.monotonic() < deadline:
                 time.sleep(0.001)
-        records = list(self._real_poll(*args, **kwargs))
-        if records and self.w.source.generation(self.tp) != before:
-            self.raced.append(sum(len(r) for _tp, r in records))
-        return records
+        fetched = self._real_poll(*args, **kwargs)
+        if fetched.records and self.w.partitions.generation(self.tp) != before:
+            self.raced.append(sum(len(r) for _tp, r in fetched.records))
+        return fetched
 
     def reset_mid_poll(self, target: int) -> None:
         self._lingering.clear()
@@ -276,7 +276,7 @@ def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, ne
     try:
         wait_until(lambda: w.held_offsets.get(tp) == 100, 30, what="drained")
         source = w.source
-        real_poll = source._fetch  # the client's poll, once kstore noted the generations
+        real_poll = source.fetch  # the client's poll, once kstore noted the generations
         injected: list[dict[TopicPartitionKey, int]] = []
 
         def poll_with_reset(*args: Any, **kwargs: Any) -> Any:
@@ -285,7 +285,7 @@ def test_reset_landing_while_poll_runs_loses_nothing(pg_dsn: str, kafka: str, ne
             return real_poll(*args, **kwargs)
 
         gate.delivered.clear()
-        source._fetch = poll_with_reset  # type: ignore[method-assign]
+        source.fetch = poll_with_reset  # type: ignore[method-assign]
         wait_until(lambda: injected and w.held_offsets.get(tp) == 100, 30, what="replayed from 40")
     finally:
         stop(w, t)

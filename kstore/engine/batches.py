@@ -35,7 +35,7 @@ from kstore.errors import (
     ProcessorError,
     TooManyDeadLettersError,
 )
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.seam import ConsumerSource
 from kstore.partition import Position
 from kstore.processor import (
     NOT_THE_MESSAGE,
@@ -134,7 +134,7 @@ class Batches:
         settings: Settings,
         group: str,
         store: Store,
-        source: KafkaSource,
+        source: ConsumerSource,
         ledger: Ledger,
         db_backoff: Backoff,
         recheck: Callable[[list[TP]], None],
@@ -158,6 +158,7 @@ class Batches:
         self.settings = settings
         self.group = group
         self.store, self.source, self.ledger = store, source, ledger
+        self.partitions = ledger.partitions
         #: Shared with the worker's claims and checks: one database, one backoff.
         self.db_backoff = db_backoff
         #: A topic the processor produces to is missing: batches wait for it, as for the database.
@@ -190,7 +191,7 @@ class Batches:
         #: A commit whose outcome is unknown: nothing else is processed until it is settled.
         self.in_doubt: _InDoubt | None = None
         #: The records of the last batch taken (read by the metrics' lag, from another thread, under the
-        #: source's lock); once committed they lie below the stored offsets and the lag ignores them.
+        #: partitions' lock); once committed they lie below the stored offsets and the lag ignores them.
         self.in_flight: Sequence[Record] = ()
         #: When the batch in flight sent its offsets UPDATE (the commit's duration starts there).
         self._commit_started = 0.0
@@ -215,8 +216,8 @@ class Batches:
         size = self.failures.batch_size(self.settings.max_batch_size)
         # Linger only while draining a backlog (the last batch was at least half full): there it
         # keeps transactions large; a steady stream's small batches go at once, never delayed.
-        if self._draining and self.settings.batch_linger_ms and 0 < self.source.queued() < size:
-            self.source.wait_for(size, self.settings.batch_linger_ms / 1000)
+        if self._draining and self.settings.batch_linger_ms and 0 < self.partitions.queued() < size:
+            self.partitions.wait_for(size, self.settings.batch_linger_ms / 1000)
         taken = self._take(size)
         if taken is None:
             return False
@@ -250,21 +251,21 @@ class Batches:
 
     def _take(self, size: int) -> _Batch | None:
         """The next batch, with what it needs to commit (positions) or to be put back (generations)."""
-        source, ledger = self.source, self.ledger
-        with source.lock:
+        partitions, ledger = self.partitions, self.ledger
+        with partitions.lock:
             self.failures.retain(ledger.owned)
-            records, ends, counts = source.take_batch(size, self.failures.focus(source.has_records))
+            records, ends, counts = partitions.take_batch(size, self.failures.focus(partitions.has_records))
             if not records:
                 return None
             # Under the lock that took them from the queues: a scrape sees them in one place or the other.
             self.in_flight = records
-            generations = {tp: source.generation(tp) or 0 for tp in ends}
+            generations = {tp: partitions.generation(tp) or 0 for tp in ends}
             positions = ledger.positions(ends)
         return _Batch(records, generations, positions, counts)
 
     def _requeue(self, taken: _Batch) -> None:
         """Messages of a batch that did not commit go back in front of their queues."""
-        self.source.requeue(taken.records, taken.generations)
+        self.partitions.requeue(taken.records, taken.generations)
 
     def _committed(self, taken: _Batch) -> None:
         self._db_failed = None
@@ -728,7 +729,7 @@ class Batches:
                 f"processor {type(self.processor).__name__} cannot deserialize {record.topic}[{record.partition}] "
                 f"offset {record.offset}: {error}; its offset was not committed (on_error=stop)") from error.__cause__
         ends = {tp: record.offset for tp, (record, _) in cut.items()}
-        self.source.requeue([r for r in taken.records if not _before(r, ends)], taken.generations)
+        self.partitions.requeue([r for r in taken.records if not _before(r, ends)], taken.generations)
         records = [r for r in decoded.records if _before(r, ends)]
         positions = {tp: pos._replace(next=ends.get(tp, pos.next)) for tp, pos in taken.positions.items()}
         return (_Batch(records, taken.generations, positions),
@@ -746,7 +747,7 @@ class Batches:
         """
         self.metrics.fenced()
         lost = self.ledger.still_ours(fenced, positions)
-        with self.source.lock:
+        with self.partitions.lock:
             # Dropped by a rebalance while the batch ran (librdkafka tells a woken zombie at once that
             # its session expired): nothing to re-read, but the fence is said all the same.
             gone = [tp for tp in fenced if tp not in self.ledger.owned and tp not in self.ledger.held]

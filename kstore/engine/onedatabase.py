@@ -47,8 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.members import GroupMembers, Registered, stale_after_s
 from kstore.errors import BrokerError, ConfigurationError, KstoreError
-from kstore.kafka.kafkapython.consumer import KafkaSource
-from kstore.kafka.seam import GroupMember
+from kstore.kafka.seam import ConsumerSource, GroupMember
 from kstore.settings import Settings
 
 log = logging.getLogger("kstore.engine.worker")
@@ -98,7 +97,7 @@ class OneDatabase:
     for the next one.
     """
 
-    def __init__(self, settings: Settings, group: str, member: str, registry: GroupMembers, source: KafkaSource,
+    def __init__(self, settings: Settings, group: str, member: str, registry: GroupMembers, source: ConsumerSource,
                  database_id: str, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.settings, self.group, self.member = settings, group, member

@@ -3,13 +3,12 @@
 The ledger behind the worker: claiming assigned partitions, placing each at its
 stored offset (or the start policy), holding back a partition whose stored offset
 lies past the log end, adopting an operator's reset, dropping a partition another
-worker claimed, and ``reset_offsets``. Every change of position happens under
-:attr:`KafkaSource.lock`, together with the flush and seek of the partition's queue.
+worker claimed, and ``reset_offsets``. The state itself is
+:class:`~kstore.engine.partitions.Partitions`' (owned, held, pending, the queues), and every change
+of position happens under its lock, together with the flush and seek of the partition's queue.
 
-Invariants:
+Invariants (besides those of :mod:`kstore.engine.partitions`):
 
-- ``owned``, ``held`` and ``pending`` are disjoint. A partition is delivered
-  (has a queue in the source) exactly while it is in ``owned``.
 - ``owned[tp].committed`` is the ``next_offset`` stored for ``tp`` under
   ``owned[tp].epoch``: set from the row when claimed or reset, moved only by a
   commit this worker saw land. A batch's commit expects it (compare-and-set).
@@ -21,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,22 +30,15 @@ from sqlalchemy import Connection
 
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Claim, Row, Store
+from kstore.engine.partitions import Owned, Partitions
 from kstore.errors import FencedError, InvalidOffsetError, KstoreError
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.seam import ConsumerSource
 from kstore.partition import Position
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings, parse_start_policy
 from kstore.targets import Target, check_target, policy_offset
 
 log = logging.getLogger("kstore.engine.worker")
-
-
-@dataclass
-class Owned:
-    """A partition this worker delivers: the epoch it holds and the offset stored for it."""
-
-    epoch: int
-    committed: int
 
 
 @dataclass(frozen=True)
@@ -70,21 +63,25 @@ def fmt(tps: Iterable[TP]) -> str:
 class Ledger:
     """Owned, held and pending partitions of one worker."""
 
-    def __init__(self, settings: Settings, group: str, worker_id: str, store: Store, source: KafkaSource) -> None:
+    def __init__(self, settings: Settings, group: str, worker_id: str, store: Store, source: ConsumerSource,
+                 partitions: Partitions) -> None:
         self.settings = settings
         self.group = group
         self.worker_id = worker_id
         self.store = store
         self.source = source
+        self.partitions = partitions
         self.policy = parse_start_policy(settings.start_from)
-        self.owned: dict[TP, Owned] = {}
-        #: Claimed but not delivered: stored offset past the log end; waits for an operator.
-        self.held: dict[TP, int] = {}
-        #: Assigned by Kafka, not yet claimed.
-        self.pending: set[TP] = set()
-        #: Dropped because another worker claimed them, and when. If Kafka still assigns one
-        #: to this worker a session timeout later, that claimer was a zombie: claim it again.
-        self.fenced_at: dict[TP, float] = {}
+        # The partitions' state, by the names the ledger's decisions read (the same objects).
+        self.owned = partitions.owned
+        self.held = partitions.held
+        self.pending = partitions.pending
+        self.fenced_at = partitions.fenced_at
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The partitions' lock: every change of position is made under it."""
+        return self.partitions.lock
 
     # -- claiming ---------------------------------------------------------------
 
@@ -97,7 +94,7 @@ class Ledger:
         committed, so no record is delivered under a claim that may not have landed.
         """
         assigned = self.source.assignment()
-        with self.source.lock:
+        with self.lock:
             # Claim what Kafka assigns now. The rest stays pending, not discarded: a
             # partition leaves pending only by its revoke event (a momentarily empty
             # assignment mid-rebalance must not make the worker forget a partition).
@@ -112,7 +109,7 @@ class Ledger:
             plans = {tp: self._plan(tp, claims[tp], bounds[tp], times.get(tp)) for tp in tps}
             for tp, plan in plans.items():
                 self._persist(conn, tp, plan)
-        with self.source.lock:
+        with self.lock:
             # Revoked while the claim ran: the fetcher thread already dropped it from pending.
             tps = [tp for tp in tps if tp in self.pending]
             for tp in tps:
@@ -152,15 +149,11 @@ class Ledger:
         if plan.offset is None:
             assert plan.stored is not None
             log.error("%s[%d]: %s", tp[0], tp[1], plan.why)
-            self.held[tp] = plan.epoch
-            self.owned.pop(tp, None)
-            self.source.disown([tp], pause=True)
+            self.partitions.hold(tp, plan.epoch)
             return
         if plan.lost:
             log.warning("%s[%d]: %s; %s; starting at %d", tp[0], tp[1], plan.why, plan.lost, plan.offset)
-        self.held.pop(tp, None)
-        self.owned[tp] = Owned(plan.epoch, plan.offset)
-        self.source.own(tp, plan.offset)
+        self.partitions.own(tp, Owned(plan.epoch, plan.offset), plan.offset)
 
     def _policy_times(self, tps: list[TP]) -> dict[TP, int | None]:
         """For a ``start_from`` time: the first offset at or after it, per partition."""
@@ -177,20 +170,20 @@ class Ledger:
     def drop(self, tps: Iterable[TP], pause: bool = False) -> list[TP]:
         """Forget partitions (revoked, lost, or claimed elsewhere); returns those that were delivered."""
         tps = list(tps)
-        with self.source.lock:
+        with self.lock:
             self.pending.difference_update(tps)
             if not pause:  # revoked by Kafka: nothing to claim again later
                 for tp in tps:
                     self.fenced_at.pop(tp, None)
-            dropped = [tp for tp in tps if self.owned.pop(tp, None) is not None]
+            dropped = [tp for tp in tps if tp in self.owned]
             for tp in tps:
                 self.held.pop(tp, None)
-            self.source.disown(tps, pause=pause)
+            self.partitions.disown(tps)
         return dropped
 
     def stale(self) -> list[TP]:
         """Partitions whose stored epoch is no longer ours (one query): an admin reset or another owner."""
-        with self.source.lock:
+        with self.lock:
             ours = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
         rows = self.store.rows(self.group, partitions=ours)
         return [tp for tp, epoch in ours.items() if tp in rows and rows[tp].epoch != epoch]
@@ -210,7 +203,7 @@ class Ledger:
         bounds = self.source.log_bounds(list(mine)) if mine else {}
         times = self._policy_times(list(mine)) if mine else {}
         adopted: list[TP] = []
-        with self.source.lock:
+        with self.lock:
             others = [tp for tp in tps if tp not in mine and (tp in self.owned or tp in self.held)]
             self.fenced_at.update({tp: time.monotonic() for tp in others})
             for tp, row in mine.items():
@@ -259,7 +252,7 @@ class Ledger:
         if not due:
             return []
         assigned = self.source.assignment()
-        with self.source.lock:
+        with self.lock:
             orphans = [tp for tp in due if tp in assigned and tp not in self.owned and tp not in self.held]
             self.pending.update(orphans)
             for tp in due:
@@ -270,7 +263,7 @@ class Ledger:
 
     def reset(self, targets: Mapping[TP, Target], strict: bool, reason: str) -> dict[TP, int]:
         """Move held or owned partitions to targets, persisting each with an epoch bump. See Worker.reset_offsets."""
-        with self.source.lock:
+        with self.lock:
             epochs = {tp: o.epoch for tp, o in self.owned.items()} | dict(self.held)
             foreign = [tp for tp in targets if tp not in epochs]
             if foreign:
@@ -318,7 +311,7 @@ class Ledger:
 
     def committed(self, positions: Mapping[TP, Position]) -> None:
         """Note committed positions, for partitions still held at the batch's epoch and position."""
-        with self.source.lock:
+        with self.lock:
             for tp, (start, nxt, epoch) in positions.items():
                 owned = self.owned.get(tp)
                 if owned is not None and owned.epoch == epoch and owned.committed == start:
@@ -326,7 +319,7 @@ class Ledger:
 
     def still_ours(self, tps: Iterable[TP], positions: Mapping[TP, Position]) -> list[TP]:
         """Of fenced partitions, those this worker has not itself moved since the batch began."""
-        with self.source.lock:
+        with self.lock:
             owned = self.owned
             return [tp for tp in tps if tp in owned and owned[tp].epoch == positions[tp].epoch
                     and owned[tp].committed == positions[tp].expected]
@@ -335,12 +328,12 @@ class Ledger:
         """Of a batch's partitions, those this worker stopped delivering since it was taken
         (revoked, lost or fenced): the batch must not commit them, whether or not another worker
         has claimed them yet. Checked just before the batch's offsets are written."""
-        with self.source.lock:
+        with self.lock:
             owned = self.owned
             return {tp for tp in positions if tp not in owned}
 
     def offsets(self) -> dict[TP, int]:
-        with self.source.lock:
+        with self.lock:
             return {tp: o.committed for tp, o in self.owned.items()}
 
 

@@ -46,11 +46,11 @@ def advance(ledger: Ledger) -> list[TP]:
     otherwise it is returned, for :meth:`Ledger.recheck`. Raises SQLAlchemyError if the
     database fails: nothing is noted, and the next call settles it the same way.
     """
-    source, store = ledger.source, ledger.store
-    with source.lock:
+    partitions, store = ledger.partitions, ledger.store
+    with ledger.lock:
         committed = {tp: o.committed for tp, o in ledger.owned.items()}
         positions: dict[TP, Position] = {tp: Position(committed[tp], end, ledger.owned[tp].epoch)
-                                         for tp, end in source.skipped(committed).items()}
+                                         for tp, end in partitions.skipped(committed).items()}
     if not positions:
         return []
     with store.engine.connect() as conn, conn.execution_options(**WRITES).begin():
@@ -76,19 +76,19 @@ def relocate(ledger: Ledger) -> list[tuple[TP, str]]:
     holds are processed, and what was lost is exactly what lies between that position and
     the log start. Raises SQLAlchemyError, BrokerError or CommitInDoubtError (retried).
     """
-    source = ledger.source
-    with source.lock:
-        found = {tp: seen for tp, seen in source.unfetchable().items()
-                 if tp in ledger.owned and not source.has_records(tp) and ledger.owned[tp].committed == seen[0]}
+    partitions = ledger.partitions
+    with ledger.lock:
+        found = {tp: seen for tp, seen in partitions.unfetchable().items()
+                 if tp in ledger.owned and not partitions.has_records(tp) and ledger.owned[tp].committed == seen[0]}
     if not found:
         return []
-    bounds = source.log_bounds(list(found))
+    bounds = ledger.source.log_bounds(list(found))
     times = ledger._policy_times(list(found))
     done: list[tuple[TP, str]] = []
-    with source.lock:
+    with ledger.lock:
         for tp, (offset, truncated) in found.items():
             owned = ledger.owned.get(tp)
-            if owned is None or owned.committed != offset or source.unfetchable().get(tp) != (offset, truncated):
+            if owned is None or owned.committed != offset or partitions.unfetchable().get(tp) != (offset, truncated):
                 continue  # revoked, fenced or placed meanwhile
             reason = _place(ledger, tp, owned.epoch, offset, truncated, bounds[tp], times.get(tp))
             if reason is not None:
@@ -103,7 +103,7 @@ def _place(ledger: Ledger, tp: TP, epoch: int, offset: int, truncated: str | Non
     if truncated is None and start <= offset <= end:
         log.warning("%s[%d]: offset %d was out of range, but the log holds it now (%d..%d): fetching it again",
                     tp[0], tp[1], offset, start, end)
-        ledger.source.own(tp, offset)
+        ledger.partitions.place(tp, offset)
         return None
     if truncated is not None or offset > end:
         what = truncated or f"offset {offset} is past the log end {end}"

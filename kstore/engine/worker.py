@@ -44,9 +44,9 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.clients import source_class
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.kafka.clients import SourceFactory, source_class
 from kstore.kafka.kafkapython.logreader import PartitionCounts
+from kstore.kafka.seam import ConsumerSource, EventKind
 from kstore.processor import Processor, call_hook, call_setup, check_processor, declared_topics, produce_check
 from kstore.records import TopicPartition as TP
 from kstore.records import timestamp_ms
@@ -59,6 +59,7 @@ from . import positions
 from .batches import Batches
 from .onedatabase import OneDatabase
 from .ownership import Backoff, Ledger, fmt
+from .partitions import Partitions
 from .relay import Relay, member_name
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,11 @@ def tune_collector() -> None:
 class Worker:
     """Runs one :class:`Processor` against Kafka and a database, exactly once."""
 
-    #: Builds the Kafka side; a test (or a simulation) may give a KafkaSource subclass. None: the
-    #: one of ``settings.kafka_client`` (kafka-python's, or confluent-kafka's).
-    source_factory: type[KafkaSource] | None = None
+    #: Makes the Kafka client; a test (or the simulation) may give its own. None: the one of
+    #: ``settings.kafka_client`` (confluent-kafka's or kafka-python's).
+    source_factory: SourceFactory | None = None
+    #: Makes the partitions' state object (tests and the simulation give it their own lock).
+    partitions_factory: Callable[[Settings, ConsumerSource], Partitions] | None = None
 
     def __init__(self, processor: Processor, settings: Settings | None = None) -> None:
         check_processor(processor)
@@ -126,14 +129,18 @@ class Worker:
         self._next_epoch_check = 0.0
         self._store: Store | None = None
         self._batches: Batches | None = None
-        self._source: KafkaSource | None = None
+        self._source: ConsumerSource | None = None
         self._ledger: Ledger | None = None
         self._outbox: Outbox | None = None
         #: One pipeline, one database (see kstore.engine.onedatabase); None for a source that cannot
         #: describe its group (a test double).
         self._guard: OneDatabase | None = None
         self._guard_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
-        self._partitions: PartitionCounts | None = None
+        self._topic_partitions: PartitionCounts | None = None
+        #: Every partition's state: owned, held, pending, the queues of fetched records (connect() makes it).
+        self._state: Partitions | None = None
+        #: The client's callbacks run on the fetch thread: a revoke is applied inside them (_on_rebalance).
+        self._apply_at_once = False
         #: Publishes what the processor produced (a thread of its own), unless settings.relay is off.
         self.relay: Relay | None = None
         #: Produced records waiting to be published, as last read, and when to read it again.
@@ -153,7 +160,7 @@ class Worker:
             return
         engine = make_engine(self.settings)
         store = Store(engine, self.settings)
-        source: KafkaSource | None = None
+        source: ConsumerSource | None = None
         partitions = PartitionCounts(self.settings)
         try:
             store.check_reachable()
@@ -173,10 +180,12 @@ class Worker:
             engine.dispose()
             raise
         self._store, self._source = store, source
-        self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source)
+        self._state = (self.partitions_factory or Partitions)(self.settings, source)
+        self._apply_at_once = source.callbacks_may_lock
+        self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source, self._state)
         self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
         self._ensure_shards(self._outbox)
-        self._partitions = partitions
+        self._topic_partitions = partitions
         if self.settings.relay:
             self.relay = Relay(self.settings, self.group, engine, self.metrics, member=self.worker_id)
         self._batches = Batches(self.processor, self.settings, self.group, store, source, self._ledger,
@@ -259,7 +268,7 @@ class Worker:
         # Under the group's lock: workers that start together run their setup() one at a time.
         call_setup(self.processor, self.store.engine, self.group)
         self._register()
-        self.source.subscribe()
+        self.source.subscribe(self._on_rebalance)
         self._started_at = time.monotonic()
         port = self.settings.metrics_port
         if port is not None and self._http is None:
@@ -276,18 +285,20 @@ class Worker:
                 self.fetch_once()
         except BaseException as exc:  # handed to the main thread, which raises it
             self._fetch_error = exc
-            self.source.wake()
+            self.partitions.wake()
 
     def fetch_once(self) -> None:
         """One turn of the fetcher thread: poll Kafka once, then act on the rebalance events it brought."""
-        source, s = self.source, self.settings
+        source, partitions, s = self.source, self.partitions, self.settings
         # Decode at most two batches ahead of processing: the rest waits in
         # kafka-python's buffers, undecoded. Decoding far ahead only costs CPU
         # (and, under one GIL, processing time) for records that wait longer.
         limit = 2 * max(s.max_batch_size, s.max_poll_records)
-        room = source.room(limit, s.poll_timeout_ms / 1000)
+        room = partitions.room(limit, s.poll_timeout_ms / 1000)
         # Even with no room, poll (for one record): rebalances happen inside poll().
-        source.poll(s.poll_timeout_ms if room else 0, max_records=max(room, 1))
+        before = partitions.generations()
+        fetched = source.fetch(s.poll_timeout_ms if room else 0, max(room, 1))
+        partitions.queue_fetched(before, fetched)
         self._last_poll = time.monotonic()
         if s.mirror_offsets:
             source.flush_mirror()
@@ -343,7 +354,7 @@ class Worker:
         return self._outbox_backlog > self.settings.outbox_max_pending
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
-        source, ledger, batches = self.source, self.ledger, self.batches
+        partitions, ledger, batches = self.partitions, self.ledger, self.batches
         committed = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
@@ -358,17 +369,17 @@ class Worker:
             elif idle_timeout is not None and time.monotonic() - last_activity > idle_timeout:
                 return
             ready = batches.ready()
-            if source.queued() and ready:
+            if partitions.queued() and ready:
                 continue
             # Nothing to do now: sleep until records arrive or the group changes (or a retry
             # is due). While a retry waits, sleep even with records queued: never spin.
-            source.wait(IDLE_WAIT_S, unless_queued=ready)
+            partitions.wait(IDLE_WAIT_S, unless_queued=ready)
 
     def request_stop(self) -> None:
         """Finish the batch in flight, commit it, leave the group. Safe from any thread or signal handler."""
         self._stop.set()
-        if self._source is not None:
-            threading.Thread(target=self._source.wake, daemon=True).start()  # no lock in a signal handler
+        if self._state is not None:
+            threading.Thread(target=self._state.wake, daemon=True).start()  # no lock in a signal handler
 
     def close(self) -> None:
         """Call the processor's teardown, leave the group and close the database pool."""
@@ -382,8 +393,8 @@ class Worker:
             close_loop(self.processor)  # an async processor's event loop, after its teardown
             if self.relay is not None:
                 self.relay.close()
-            if self._partitions is not None:
-                self._partitions.close()
+            if self._topic_partitions is not None:
+                self._topic_partitions.close()
             if self._guard is not None:
                 self._guard.forget()
             if http is not None:
@@ -428,7 +439,7 @@ class Worker:
                            f"(outbox_max_pending={self.settings.outbox_max_pending})")
         if not self._assigned_once or not source.group_stable():
             return False, "not a stable member of the Kafka group yet"
-        with source.lock:
+        with ledger.lock:
             pending = sorted(ledger.pending)
         if pending:
             return False, f"claiming {fmt(pending)}"
@@ -437,12 +448,12 @@ class Worker:
     def _lags(self) -> list[PartitionLag]:
         """Per owned partition: high watermark minus stored offset, and the age of the oldest
         message not yet committed (in the batch taken, else at the queue's head). No broker call."""
-        source, ledger, batches = self._source, self._ledger, self._batches
-        if source is None or ledger is None or batches is None:
+        state, ledger, batches = self._state, self._ledger, self._batches
+        if state is None or ledger is None or batches is None:
             return []
         offsets = ledger.offsets()
-        with source.lock:  # the queues' heads and the batch taken from them, at one moment
-            heads, taken = source.heads(), batches.in_flight
+        with state.lock:  # the queues' heads and the batch taken from them, at one moment
+            heads, taken = state.heads(), batches.in_flight
         in_flight: dict[TP, int | None] = {}
         for record in taken:
             tp = (record.topic, record.partition)
@@ -461,10 +472,10 @@ class Worker:
         return lags
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
-        source, ledger = self._source, self._ledger
-        if source is None or ledger is None:
+        state, ledger = self._state, self._ledger
+        if state is None or ledger is None:
             return {}
-        records, size, paused = source.buffered()
+        records, size, paused = state.buffered()
         return {
             "kstore_partitions_owned": ("Partitions this worker has claimed and delivers.", len(ledger.offsets())),
             "kstore_buffered_records": ("Records fetched and waiting in kstore's queues.", records),
@@ -491,9 +502,14 @@ class Worker:
     # The parts connect() builds; each raises a clear error before it was called.
 
     @property
-    def source(self) -> KafkaSource:
-        """The Kafka side: consumer, per-partition queues, the partition lock."""
+    def source(self) -> ConsumerSource:
+        """The Kafka client: fetches, reports rebalances, seeks, pauses and resumes."""
         return _connected(self._source)
+
+    @property
+    def partitions(self) -> Partitions:
+        """Every partition's state: owned, held, pending, the queues of fetched records, the lock."""
+        return _connected(self._state)
 
     @property
     def store(self) -> Store:
@@ -518,11 +534,11 @@ class Worker:
         Revoked and lost partitions are flushed at once, so no record of theirs
         is delivered after; the processor hears of it on the main thread.
         """
-        source, ledger = self.source, self.ledger
-        events = source.take_events()
+        partitions, ledger = self.partitions, self.ledger
+        events = partitions.take_events()
         if not events:
             return
-        with source.lock:
+        with partitions.lock:
             for kind, tps in events:
                 if kind == "assigned":
                     self.metrics.rebalanced()
@@ -534,12 +550,24 @@ class Worker:
                     if dropped:
                         log.info("%s %s", kind, fmt(dropped))
                         self._revoked_notices.append(dropped)
-            source.changed.notify_all()
+            partitions.changed.notify_all()
         if self.relay is not None:
             self.relay.group_changed()
 
+    def _on_rebalance(self, kind: EventKind, tps: list[TP]) -> None:
+        """A client's rebalance callback (on its own thread): post the event. Where the callbacks run
+        on the fetch thread itself (librdkafka's, inside consume()), a revoke or a loss is applied
+        there and then, not when consume() returns: a batch in flight sees the partition gone before
+        it commits (and rolls back) instead of committing into the new owner's fence."""
+        partitions = self._state
+        if partitions is None:
+            return
+        partitions.post(kind, tps)
+        if kind != "assigned" and self._apply_at_once:
+            self._apply_events()
+
     def _notify_revoked(self) -> None:
-        with self.source.lock:
+        with self.partitions.lock:
             notices, self._revoked_notices = self._revoked_notices, []
         for tps in notices:
             call_hook(self.processor, "on_revoked", tps)

@@ -1,21 +1,27 @@
-"""Which Kafka client the worker consumes with: kafka-python's :class:`~kstore.kafka.kafkapython.consumer.KafkaSource`
-(the default) or confluent-kafka's :class:`~kstore.kafka.confluent.ConfluentSource` (``kafka_client``).
+"""The Kafka client the settings choose, imported only then: confluent-kafka (librdkafka) or
+kafka-python, each a peer implementation of :mod:`kstore.kafka.seam`'s protocols.
 
-confluent-kafka is an extra (``pip install 'kstore[confluent]'``): it is imported only when chosen.
+A client that is not installed is one line naming its extra.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from kstore.errors import ConfigurationError
 from kstore.settings import Settings
 
-from .kafkapython.consumer import KafkaSource
+from .seam import ConsumerSource
+
+#: What makes the worker's consumer: ``(settings, group, topics, worker id)``.
+SourceFactory = Callable[[Settings, str, Sequence[str], str], ConsumerSource]
 
 
-def source_class(settings: Settings) -> type[KafkaSource]:
-    """The :class:`KafkaSource` of ``settings.kafka_client``: kafka-python's, or confluent-kafka's."""
+def source_class(settings: Settings) -> SourceFactory:
+    """The worker's consumer on ``settings.kafka_client``."""
     if settings.kafka_client != "confluent":
-        return KafkaSource
+        from .kafkapython.consumer import KafkaPythonSource
+        return KafkaPythonSource
     try:
         from .confluent.consumer import ConfluentSource
     except ImportError as exc:

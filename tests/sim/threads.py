@@ -108,20 +108,20 @@ class Threads:
     def _caller(self, name: str) -> None:
         """A reset_offsets armed for the worker runs now, half the time, if the main thread holds no lock."""
         m = self._live(name)
-        source = None if m is None else m.source
+        partitions = None if m is None else m.partitions
         if (m is None or m.armed_reset is None or self._nested or self._running.get(name) != MAIN
-                or source is None or source.lock._is_owned() or self.rng.random() < 0.5):
+                or partitions is None or partitions.lock._is_owned() or self.rng.random() < 0.5):
             return
         (index, fraction), m.armed_reset = m.armed_reset, None
         with self._nesting():
             m.world.reset_turn(m, index, fraction, nested=True)
 
     def _fetcher_or_io(self, m: Member, where: str) -> None:
-        source = m.source
-        if source is None or m.consumer is None:
+        partitions = m.partitions
+        if partitions is None or m.consumer is None:
             return
         with self._nesting():
-            if source.lock._is_owned() or self.rng.random() < 0.5:
+            if partitions.lock._is_owned() or self.rng.random() < 0.5:
                 if m.consumer.io_step():
                     self.trace.append(f"  {m.name}: its IO thread ran a rebalance before {where}")
             else:

@@ -19,7 +19,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore import KstoreError, Settings, Worker
 from kstore.db.store import Store
-from kstore.kafka.kafkapython.consumer import KafkaSource
+from kstore.engine.partitions import Partitions
+from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 
 from .clock import SimClock, SimCondition
 from .db import Databases
@@ -82,6 +83,10 @@ class Member:
         return self.worker._source
 
     @property
+    def partitions(self) -> Any:
+        return self.worker._state
+
+    @property
     def ledger(self) -> Any:
         return self.worker._ledger
 
@@ -119,6 +124,7 @@ class World:
         op_settings = Settings(dsn=self.db.dsn)
         self.operator = Store(self.db.make_engine(op_settings), op_settings)
         self.source_class = _source_class(self)
+        self.partitions_class = _partitions_class(self)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -223,6 +229,7 @@ class World:
         processor = SimProcessor()
         worker = Worker(processor, settings)
         worker.source_factory = self.source_class
+        worker.partitions_factory = self.partitions_class
         m = Member(name, slot, self, worker)
         processor.member = m
         self.members[name] = m
@@ -457,40 +464,49 @@ class World:
         self.db.close()
 
 
-def _source_class(world: World) -> type[KafkaSource]:
-    """A KafkaSource on the simulated cluster: its consumer is a SimConsumer, its waits never block,
-    and the epochs of each batch taken are noted (the delivery checks need them)."""
+def _source_class(world: World) -> type[KafkaPythonSource]:
+    """kafka-python's client on the simulated cluster: its consumer is a SimConsumer."""
 
-    class SimSource(KafkaSource):
+    class SimSource(KafkaPythonSource):
         describes_group = False  # one simulated database: nothing to guard, and no admin client to ask
 
         def current_member_id(self) -> str | None:
             return self.settings.client_id
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.lock = PreemptingLock(world.threads, self.settings.client_id or "?")  # type: ignore[assignment]
-            self.changed = SimCondition(self.lock, world.clock)  # type: ignore[assignment]
-
         def _connect(self) -> Any:
             return world.new_consumer(self.settings.client_id or "?")
 
-        def poll(self, *args: Any, **kwargs: Any) -> int:
-            queued = super().poll(*args, **kwargs)
+    return SimSource
+
+
+def _partitions_class(world: World) -> type[Partitions]:
+    """The partitions' state with the simulation's lock (its waits never block), which notes the
+    epochs of each batch taken (the delivery checks need them) and lets the main thread run between
+    queueing a fetch and applying its rebalance events."""
+
+    class SimPartitions(Partitions):
+        def __init__(self, settings: Settings, source: Any) -> None:
+            super().__init__(settings, source)
+            self.lock = PreemptingLock(world.threads, settings.client_id or "?")  # type: ignore[assignment]
+            self.changed = SimCondition(self.lock, world.clock)  # type: ignore[assignment]
+
+        def queue_fetched(self, *args: Any, **kwargs: Any) -> int:
+            queued = super().queue_fetched(*args, **kwargs)
             # The fetcher queued what poll() returned and has not yet applied the rebalance events.
-            world.threads.in_poll(self.consumer, "after queueing, before applying the rebalance events")
+            world.threads.in_poll(self.source.consumer, "after queueing, before applying the rebalance events")
             return queued
 
         def take_batch(self, *args: Any, **kwargs: Any) -> Any:
             records, ends, counts = super().take_batch(*args, **kwargs)
             world.note_take(self.settings.client_id or "?", sorted(ends))
+            self.check()
             return records, ends, counts
 
-    return SimSource
+    return SimPartitions
 
 
 def _ledger_state(m: Member) -> str:
-    ledger, source = m.ledger, m.source
+    ledger, source = m.ledger, m.partitions
     if ledger is None or source is None:
         return "not connected"
     owned = {f"{t}[{p}]": (o.epoch, o.committed) for (t, p), o in sorted(ledger.owned.items())}

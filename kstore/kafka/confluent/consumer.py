@@ -1,21 +1,23 @@
-"""The worker's Kafka side on confluent-kafka (librdkafka), behind the same seam as kafka-python's.
+"""The worker's consumer on confluent-kafka (librdkafka): :class:`ConfluentSource`, a
+:class:`~kstore.kafka.seam.ConsumerSource` (``kafka_client="confluent"``, the default).
 
-:class:`ConfluentSource` is a :class:`~kstore.kafka.kafkapython.consumer.KafkaSource`: the queues, the lock,
-the generations, ``take_batch``, ``requeue`` and the throttle are the same code; what talks to
-the client is librdkafka's. Selected by ``kafka_client="confluent"``.
+It fetches, reports rebalances and seeks, pauses and resumes when the engine says; the queues of
+fetched records and every partition's state are the engine's (:mod:`kstore.engine.partitions`).
 
 Threading (librdkafka is not kafka-python):
 
 - **Only the fetch thread calls the consumer.** ``consume()`` also runs
   the rebalance callbacks, on the thread that calls it (kafka-python runs them on its IO
-  thread): they pause, assign and record an event, and take no lock of kstore's.
+  thread): they pause, assign and post the event to the engine. As nothing waits on the consumer
+  while holding the engine's lock, the engine may apply a revoke or a loss right there, inside the
+  callback (``callbacks_may_lock``): a batch in flight then sees its partition gone before it commits.
 - **The main thread never calls the consumer while it consumes.** Many of confluent-kafka's
   calls (``assignment``, ``pause``, ``resume``, ``memberid``) wait for librdkafka's own threads
   while holding Python's GIL; with the fetch thread inside ``consume()`` about to run a
   rebalance callback (which needs the GIL), that was seen to hang the worker for good. So what
-  the main thread decides (own, disown, a reset, the throttle) changes kstore's queues at once,
-  under the lock, and leaves the consumer's part (seek, pause, resume) as a wish that the fetch
-  thread carries out before its next ``consume()``. Nothing is delivered early meanwhile: a
+  the engine decides (own, disown, a reset, the throttle) changes its queues at once, under its
+  lock, and leaves the consumer's part (seek, pause, resume) as a wish that the fetch thread
+  carries out before its next ``consume()``. Nothing is delivered early meanwhile: a
   partition whose queue changed while a ``consume()`` ran has that round's records dropped (the
   generations, as with kafka-python), and one with no queue has all of them dropped.
   ``assignment()`` and ``group_stable()`` answer from what the callbacks recorded.
@@ -102,18 +104,28 @@ import functools
 import itertools
 import logging
 import operator
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kstore import records
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.kafkapython.consumer import KafkaSource
-from kstore.kafka.seam import MIRROR_METADATA, RECORD_OVERHEAD, EventKind, GroupMember, GroupView
+from kstore.kafka.seam import (
+    MIRROR_METADATA,
+    RECORD_OVERHEAD,
+    EventKind,
+    Fetched,
+    GroupMember,
+    GroupView,
+    OnRebalance,
+    Refused,
+)
 from kstore.records import TopicPartition as TP
+from kstore.settings import Settings
 
 from .connect import broker_error, describe, librdkafka_config, open_rd_consumer
 
@@ -195,32 +207,54 @@ def messages_size(queued: Sequence[records.Message]) -> int:
     return RECORD_OVERHEAD * len(queued) + payload
 
 
-class ConfluentSource(KafkaSource):
-    """:class:`KafkaSource` on confluent-kafka (librdkafka); see the module's docstring."""
+class ConfluentSource:
+    """The worker's consumer on confluent-kafka (librdkafka), a
+    :class:`~kstore.kafka.seam.ConsumerSource`; see the module's docstring."""
 
     consumer: Consumer
-    queues_messages = True
+    queues_messages: ClassVar[bool] = True
+    describes_group: ClassVar[bool] = True
+    #: The callbacks run inside consume(), on the fetch thread, and the main thread never calls the
+    #: consumer: the engine applies a revoke there and then (see the module's docstring).
+    callbacks_may_lock: ClassVar[bool] = True
 
     @staticmethod
     def size_of(records: Sequence[Any]) -> int:
         return messages_size(records)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        #: What the fetch thread is to do to the consumer before its next consume() (lock held):
-        #: the offset to seek each partition to, and whether to pause (True) or resume it.
+    def __init__(self, settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self.group = group
+        self.topics = list(topics)
+        #: Rebalances seen so far (each assignment, even of no partition; on the incremental protocols
+        #: each revoke too), and this member's id in the group as of the last: set by the callbacks,
+        #: read by the one-database guard.
+        self.joins = 0
+        self.member_id: str | None = None
+        self._admin: Any = None
+        self._post: OnRebalance | None = None
+        #: What the fetch thread is to do to the consumer before its next consume() (under
+        #: _wishes_lock): the offset to seek each partition to, and whether to pause (True) or resume it.
         self._want_seek: dict[TP, int] = {}
         self._want_paused: dict[TP, bool] = {}
-        #: The assignment, as the rebalance callbacks made it (under _events_lock).
+        self._wishes_lock = threading.Lock()
+        #: The partitions the fetch thread last paused (a partition placed again keeps its pause).
+        self._paused: set[TP] = set()
+        #: The assignment, as the rebalance callbacks made it (under _state_lock).
         self._assigned: set[TP] = set()
+        self._state_lock = threading.Lock()
         #: cooperative or consumer: the callbacks name only the partitions added or taken away (set in _connect).
         self._incremental = False
         self._joined = False
-        #: Each owned partition's last known high watermark (see _note_highwaters).
+        #: Each assigned partition's last known high watermark (see _note_highwaters).
         self._highwaters: dict[TP, int] = {}
+        #: Offsets committed to the database, to mirror to Kafka (``mirror_offsets``) on the fetch thread.
+        self._mirror: dict[TP, int] = {}
         #: librdkafka's own lines and client-wide errors, quiet (DEBUG) until the broker probe
         #: has answered: an unreachable broker is then one clear line, not librdkafka's retries.
         self._client_log = _ProbeQuietLog()
-        super().__init__(*args, **kwargs)
+        self.consumer = self._connect()
         #: Every record's topic when only one is subscribed (records are then grouped by partition number).
         self._topic = self.topics[0] if len(self.topics) == 1 else None
 
@@ -271,7 +305,8 @@ class ConfluentSource(KafkaSource):
                 f"unknown topic(s) {', '.join(missing)} at {self.settings.bootstrap_servers}: create them first"
             )
 
-    def subscribe(self) -> None:
+    def subscribe(self, on_rebalance: OnRebalance) -> None:
+        self._post = on_rebalance
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
 
@@ -294,13 +329,13 @@ class ConfluentSource(KafkaSource):
             consumer.pause(placed)
         added = {(tp.topic, tp.partition) for tp in assigned}
         self._note_join(consumer.memberid())
-        with self._events_lock:
+        with self._state_lock:
             first = not self._joined
             self._assigned = self._assigned | added if self._incremental else added
             self._joined = True
         if added or first or not self._incremental:
             # (An incremental rebalance that adds nothing here ends with an empty call: not news.)
-            self._push_event("assigned", assigned)
+            self._report("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         if self._incremental:  # the group changed, though nothing may be added here (eager: on_assign follows)
@@ -319,7 +354,7 @@ class ConfluentSource(KafkaSource):
             consumer.unassign()
 
     def _lose(self, kind: EventKind, tps: list[TopicPartition]) -> None:
-        with self._events_lock:
+        with self._state_lock:
             if self._incremental:
                 # Only those named go; the rest stay assigned and delivered. A revoke leaves the
                 # member in the group (the rebalance goes on); a loss means it was not any more.
@@ -329,13 +364,22 @@ class ConfluentSource(KafkaSource):
             else:
                 self._assigned.clear()  # eager: every partition goes, whichever were named
                 self._joined = False
-        self._push_event(kind, tps)
+        self._report(kind, tps)
+
+    def _note_join(self, member_id: str | None) -> None:
+        """A rebalance reached this member (in a callback): count it, note the member id."""
+        with self._state_lock:
+            self.joins += 1
+            self.member_id = member_id or None
+
+    def _report(self, kind: EventKind, tps: list[TopicPartition]) -> None:
+        if self._post is not None:
+            self._post(kind, [(tp.topic, tp.partition) for tp in tps])
 
     # -- fetching ---------------------------------------------------------------------
 
-    def _fetch(self, timeout_ms: int, max_records: int | None) -> Iterable[tuple[TP, Sequence[Any]]]:
-        with self.lock:
-            self._carry_out()
+    def fetch(self, timeout_ms: int, max_records: int) -> Fetched:
+        self._carry_out()
         # Never more than max_poll_records: kafka-python's polls are bounded by its fetch sizes too,
         # but consume() hands over whatever librdkafka has prefetched (up to 64 MB by default), and
         # one poll's records are what the queues may exceed max_buffered_bytes by.
@@ -356,6 +400,7 @@ class ConfluentSource(KafkaSource):
             # Known once joined, before any assignment: with `consumer` a member given no partition
             # is never called back, and the one-database guard must still tell itself apart.
             self.member_id = self.consumer.memberid() or None
+        refused: list[Refused] = []
         if any(map(_is_error, map(Message.error, messages))):
             good = []
             for msg in messages:
@@ -363,69 +408,57 @@ class ConfluentSource(KafkaSource):
                 if error is None:
                     good.append(msg)
                 else:
-                    self._fetch_error(msg, error)
+                    refused.extend(self._fetch_error(msg, error))
             messages = good
-        return by_partition(to_messages(messages, self._topic), self._topic).items()
+        self._note_highwaters()
+        return Fetched(list(by_partition(to_messages(messages, self._topic), self._topic).items()), refused)
 
-    def _fetch_error(self, msg: Message, error: KafkaError) -> None:
+    def _fetch_error(self, msg: Message, error: KafkaError) -> list[Refused]:
         """An error librdkafka handed over with the records: a partition it cannot fetch, or news."""
         if error.fatal():
             raise BrokerError(f"the Kafka client failed for good: {error.str()}")
         topic, partition = msg.topic(), msg.partition()
         if error.code() != KafkaError._AUTO_OFFSET_RESET or topic is None or partition is None:
             log.warning("Kafka: %s", error.str())
-            return
+            return []
         text = str(error.str())
         truncated = (f"the log was truncated below this worker's position ({text}; an unclean leader election?)"
                      if "truncat" in text.lower() else None)
-        self._cannot_fetch_at((topic, partition), msg.offset(), truncated)
+        offset = msg.offset()
+        return [Refused((topic, partition), offset if offset is not None and offset >= 0 else None, truncated)]
 
-    def _cannot_fetch_at(self, tp: TP, offset: int | None, truncated: str | None) -> None:
-        """librdkafka stopped fetching ``tp`` at ``offset``: pause it, and note it for the worker if owned."""
-        with self.lock:
-            self._pause([tp])
-            q = self._queues.get(tp)
-            if q is None:
-                log.debug("%s[%d] cannot be fetched but is not delivered here: left paused", *tp)
-                return
-            if offset is not None and offset >= 0 and offset != q.next_fetch:
-                # Not where kstore reads from (a seek overtook the fetch): read from there.
-                self._seek(tp, q.next_fetch)
-                if not self._throttled:
-                    self._resume([tp])
-                return
-            self._unfetchable[tp] = (q.next_fetch, truncated)
-
-    def _note_skipped(self, before: Mapping[TP, int]) -> None:
-        """librdkafka's position (past the last record returned, transaction markers and aborted
-        records included) beyond the last queued record: remember it. Lock held; no broker call."""
-        self._note_highwaters()
-        tps = [tp for tp, q in self._queues.items() if before.get(tp) == q.generation]
+    def positions(self, tps: Sequence[TP]) -> dict[TP, int]:
+        """librdkafka's positions (past the last record returned, transaction markers and aborted
+        records included). Fetch thread; no broker call."""
         if not tps:
-            return
-        for ktp in self.consumer.position([TopicPartition(*tp) for tp in tps]):
-            q = self._queues.get((ktp.topic, ktp.partition))
-            if q is not None and ktp.offset > q.next_fetch:
-                q.next_fetch = ktp.offset
+            return {}
+        return {(ktp.topic, ktp.partition): ktp.offset
+                for ktp in self.consumer.position([TopicPartition(*tp) for tp in tps]) if ktp.offset >= 0}
 
     def _note_highwaters(self) -> None:
-        """The high watermark each owned partition's last fetch reported (librdkafka's cache, no
-        broker call), kept for :meth:`heads`, which other threads call. Fetch thread, lock held."""
-        for tp in self._queues:
+        """The high watermark each assigned partition's last fetch reported (librdkafka's cache, no
+        broker call), kept for :meth:`highwater`, which other threads call. Fetch thread."""
+        assigned = self.assignment()
+        for tp in assigned:
             try:
                 found = self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
             except KafkaException:
                 continue
             if found is not None and found[1] >= 0:
                 self._highwaters[tp] = int(found[1])
-        for tp in [tp for tp in self._highwaters if tp not in self._queues]:
+        for tp in [tp for tp in self._highwaters if tp not in assigned]:
             del self._highwaters[tp]
 
-    def _highwater(self, tp: TP) -> int | None:
+    def highwater(self, tp: TP) -> int | None:
         return self._highwaters.get(tp)
 
+    def mirror(self, offsets: Mapping[TP, int]) -> None:
+        """Queue committed offsets for :meth:`flush_mirror` (any thread)."""
+        with self._wishes_lock:
+            self._mirror.update(offsets)
+
     def flush_mirror(self) -> None:
-        with self.lock:
+        with self._wishes_lock:
             offsets, self._mirror = self._mirror, {}
         if not offsets:
             return
@@ -440,47 +473,59 @@ class ConfluentSource(KafkaSource):
 
     def group_stable(self) -> bool:
         """Assigned partitions (possibly none) and not revoked since, as the callbacks saw it."""
-        with self._events_lock:
+        with self._state_lock:
             return self._joined
 
     # -- ownership and position -----------------------------------------------------
 
-    # The consumer's part of own, disown, a reset and the throttle: wishes (lock held), carried
-    # out by the fetch thread (see the module's docstring). The last wish for a partition wins.
+    # The engine's seek, pause and resume: wishes (any thread), carried out by the fetch thread
+    # before its next consume() (see the module's docstring). The last wish for a partition wins.
 
-    def _seek(self, tp: TP, offset: int) -> None:
-        self._want_seek[tp] = offset
+    def seek(self, tp: TP, offset: int) -> None:
+        with self._wishes_lock:
+            self._want_seek[tp] = offset
 
-    def _pause(self, tps: Iterable[TP]) -> None:
-        self._want_paused.update(dict.fromkeys(tps, True))
+    def pause(self, tps: Sequence[TP]) -> None:
+        with self._wishes_lock:
+            self._want_paused.update(dict.fromkeys(tps, True))
 
-    def _resume(self, tps: Iterable[TP]) -> None:
-        self._want_paused.update(dict.fromkeys(tps, False))
+    def resume(self, tps: Sequence[TP]) -> None:
+        with self._wishes_lock:
+            self._want_paused.update(dict.fromkeys(tps, False))
+
+    def release(self, tps: Sequence[TP]) -> None:
+        """No seek or resume wished before a partition was dropped may start fetching it again
+        before its next claim: forget them, and pause it."""
+        with self._wishes_lock:
+            for tp in tps:
+                self._want_seek.pop(tp, None)
+            self._want_paused.update(dict.fromkeys(tps, True))
 
     def _carry_out(self) -> None:
-        """On the fetch thread, before consume(): seek, pause and resume as wished. Lock held.
+        """On the fetch thread, before consume(): seek, pause and resume as wished, for partitions
+        still assigned. Under the wishes' lock, so a wish made meanwhile waits for these calls."""
+        with self._wishes_lock:
+            seeks, self._want_seek = self._want_seek, {}
+            wanted, self._want_paused = self._want_paused, {}
+            if not seeks and not wanted:
+                return
+            assigned = self.assignment()
+            for tp, offset in seeks.items():
+                if tp in assigned:
+                    self._place(tp, offset, seeks)
+            pause = [tp for tp, paused in wanted.items() if paused and tp in assigned]
+            resume = [tp for tp, paused in wanted.items() if not paused and tp in assigned]
+            if pause:
+                self._quietly(self.consumer.pause, [TopicPartition(*tp) for tp in pause], "pausing")
+                self._paused.update(pause)
+            if resume:
+                self._quietly(self.consumer.resume, [TopicPartition(*tp) for tp in resume], "resuming")
+                self._paused.difference_update(resume)
+            self._paused &= assigned
 
-        Only partitions still assigned; a seek or a resume only for a partition kstore delivers
-        (one wished before a revoke must not start fetching it again before its new claim)."""
-        seeks, self._want_seek = self._want_seek, {}
-        wanted, self._want_paused = self._want_paused, {}
-        if not seeks and not wanted:
-            return
-        assigned = self.assignment()
-        for tp, offset in seeks.items():
-            if tp in assigned and tp in self._queues:
-                self._place(tp, offset)
-        pause = [TopicPartition(*tp) for tp, paused in wanted.items() if paused and tp in assigned]
-        resume = [TopicPartition(*tp) for tp, paused in wanted.items()
-                  if not paused and tp in assigned and tp in self._queues]
-        if pause:
-            self._quietly(self.consumer.pause, pause, "pausing")
-        if resume:
-            self._quietly(self.consumer.resume, resume, "resuming")
-
-    def _place(self, tp: TP, offset: int) -> None:
+    def _place(self, tp: TP, offset: int, seeks: Mapping[TP, int]) -> None:
         """Seek; where librdkafka stopped the partition's fetcher (it refuses a seek then), assign
-        afresh. Fetch thread, lock held."""
+        afresh (``seeks``: the other partitions' offsets sought in the same round). Fetch thread."""
         try:
             self.consumer.seek(TopicPartition(tp[0], tp[1], offset))
         except KafkaException as exc:
@@ -490,30 +535,29 @@ class ConfluentSource(KafkaSource):
             if self._incremental:
                 self._reassign_one(tp, offset)
             else:
-                self._reassign()
+                self._reassign(seeks)
 
     def _reassign_one(self, tp: TP, offset: int) -> None:
         """Incremental protocols: take ``tp`` out of the assignment and put it back at ``offset``
-        (``assign()`` would replace the whole assignment). Fetch thread, lock held."""
+        (``assign()`` would replace the whole assignment). Fetch thread."""
         log.info("placing %s[%d] again at %d (librdkafka stopped fetching it)", tp[0], tp[1], offset)
         ktp = TopicPartition(tp[0], tp[1], offset)
         self.consumer.incremental_unassign([TopicPartition(tp[0], tp[1])])
         self.consumer.incremental_assign([ktp])
-        if tp in self._unfetchable or self._throttled:
+        if tp in self._paused:
             self._quietly(self.consumer.pause, [ktp], "pausing")
 
-    def _reassign(self) -> None:
-        """Assign the whole assignment again at kstore's positions (owned: the next offset to
-        queue; others: the placeholder), keeping paused what is not delivered. Fetch thread, lock held."""
-        current = self.assignment()
+    def _reassign(self, seeks: Mapping[TP, int]) -> None:
+        """Assign the whole assignment again where each partition is read (sought now, else
+        librdkafka's position, else the placeholder), keeping paused what was. Fetch thread."""
+        current = sorted(self.assignment())
         if not current:
             return
-        placed = [TopicPartition(t, p, q.next_fetch if (q := self._queues.get((t, p))) else PLACEHOLDER_OFFSET)
-                  for t, p in sorted(current)]
+        known = self.positions(current)
+        placed = [TopicPartition(t, p, seeks.get((t, p), known.get((t, p), PLACEHOLDER_OFFSET))) for t, p in current]
         log.info("placing %d partition(s) again (librdkafka stopped fetching one)", len(placed))
         self.consumer.assign(placed)
-        idle = [TopicPartition(*tp) for tp in current
-                if tp not in self._queues or tp in self._unfetchable or self._throttled]
+        idle = [TopicPartition(*tp) for tp in current if tp in self._paused]
         if idle:
             self._quietly(self.consumer.pause, idle, "pausing")
 
@@ -525,7 +569,7 @@ class ConfluentSource(KafkaSource):
             log.debug("not %s %d partition(s): %s", doing, len(ktps), describe(exc))
 
     def assignment(self) -> set[TP]:
-        with self._events_lock:
+        with self._state_lock:
             return set(self._assigned)
 
     def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
