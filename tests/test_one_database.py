@@ -180,6 +180,8 @@ def test_a_restarted_worker_of_the_pipeline_is_not_refused_while_a_stray_is(pg_d
     first = set(produce(topic, [f"a{i}" for i in range(10)]))
     staying, leaving = workers(pg_dsn, topic, group), workers(pg_dsn, topic, group)
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the pipeline's first messages")
+    for worker in (staying, leaving):  # both established (each claimed a partition), whoever joined first
+        worker.wait_for_log("claimed ")
     assert leaving.kill() != 0  # a crash: its registry row stays until it goes stale
     # Its replacement and a stray on another database join at the same moment.
     restarted, stray = gated(workers, tmp_path / "gate", (pg_dsn, topic, group, {}), (sqlite_dsn, topic, group, {}))
