@@ -53,10 +53,10 @@ _postgresql_tls_server = factories.postgresql_proc(
 #: to run every test that touches PostgreSQL through kstore on the other driver.
 PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
 
-#: The worker's Kafka client: confluent-kafka (the default), or `KSTORE_TEST_KAFKA_CLIENT=kafka-python` to
-#: run the tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``)
-#: on the other client. The tests' own producers, admin clients and readers are kafka-python's.
-KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "confluent")
+#: The worker's Kafka client: kafka-python (the default), or `KSTORE_TEST_KAFKA_CLIENT=confluent` to run the
+#: tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``) on the
+#: other client. The tests' own producers, admin clients and readers are kafka-python's.
+KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "kafka-python")
 # And every `kstore` command the tests run, and every Settings.from_env() in them.
 os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
 
@@ -113,10 +113,41 @@ def pytest_report_header() -> str:
     return ", ".join(f"{d} {version(d)}" for d in ("sqlalchemy", "psycopg2-binary", "psycopg", "kafka-python"))
 
 
-#: The rebalance protocols the tests' workers can use on KAFKA_CLIENT (the ``rebalance_protocol``
-#: fixture): eager only on kafka-python; eager, cooperative (cooperative-sticky) and consumer
-#: (KIP-848) on confluent-kafka.
-REBALANCE_PROTOCOLS = ("eager",) if KAFKA_CLIENT == "kafka-python" else ("eager", "cooperative", "consumer")
+#: Both Kafka clients: a test marked ``contract`` (what the seam between the engine and a client
+#: promises) runs on each of them; any other test on KAFKA_CLIENT.
+CLIENTS = ("confluent", "kafka-python")
+
+
+def rebalance_protocols(client: str) -> tuple[str, ...]:
+    """The rebalance protocols a worker can use on ``client`` (the ``rebalance_protocol`` fixture):
+    eager only on kafka-python; eager, cooperative (cooperative-sticky) and consumer (KIP-848) on
+    confluent-kafka."""
+    return ("eager",) if client == "kafka-python" else ("eager", "cooperative", "consumer")
+
+
+#: The rebalance protocols of KAFKA_CLIENT.
+REBALANCE_PROTOCOLS = rebalance_protocols(KAFKA_CLIENT)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A ``contract`` test runs on each client (``kafka_client``), and a test that takes
+    ``rebalance_protocol`` on each protocol of each client it runs on."""
+    clients = CLIENTS if metafunc.definition.get_closest_marker("contract") is not None else (KAFKA_CLIENT,)
+    if "rebalance_protocol" in metafunc.fixturenames:
+        pairs = [(c, p) for c in clients for p in rebalance_protocols(c)]
+        metafunc.parametrize(("kafka_client", "rebalance_protocol"), pairs, indirect=["kafka_client"],
+                             ids=[f"{c}-{p}" if len(clients) > 1 else p for c, p in pairs])
+    elif len(clients) > 1 and "kafka_client" in metafunc.fixturenames:
+        metafunc.parametrize("kafka_client", clients, indirect=True)
+
+
+@pytest.fixture
+def kafka_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The Kafka client of this test's workers: each client for a ``contract`` test, else
+    KAFKA_CLIENT. Also every ``kstore`` command and ``Settings.from_env()`` of the test."""
+    client = str(getattr(request, "param", KAFKA_CLIENT))
+    monkeypatch.setenv("KSTORE_KAFKA_CLIENT", client)
+    return client
 
 #: Broker settings for tests: topics exist only when a test creates them. Groups on the consumer
 #: protocol (KIP-848) take their session timeout and heartbeat from the broker: the tests' 6 s and
@@ -128,11 +159,6 @@ BROKER_CONFIG = {"auto.create.topics.enable": "false",
 TEST_SESSION_TIMEOUT_MS = 6000
 
 
-@pytest.fixture(params=REBALANCE_PROTOCOLS)
-def rebalance_protocol(request: pytest.FixtureRequest) -> str:
-    """Each rebalance protocol the tests' Kafka client offers (see REBALANCE_PROTOCOLS); give it to
-    a worker as ``env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}``."""
-    return str(request.param)
 
 
 @pytest.fixture(scope="session")
@@ -287,7 +313,7 @@ def sqlite_dsn(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]]:
+def workers(tmp_path: Path, kafka: str, kafka_client: str) -> Iterator[Callable[..., WorkerProcess]]:
     """Start ``kstore worker`` subprocesses; each is killed at the end of the test if still running."""
     started: list[WorkerProcess] = []
 
@@ -298,7 +324,7 @@ def workers(tmp_path: Path, kafka: str) -> Iterator[Callable[..., WorkerProcess]
             "KSTORE_SESSION_TIMEOUT_MS": str(TEST_SESSION_TIMEOUT_MS),
             "KSTORE_HEARTBEAT_INTERVAL_MS": "1000",
             "KSTORE_TEST_WORKER_NAME": name,
-            "KSTORE_KAFKA_CLIENT": KAFKA_CLIENT,
+            "KSTORE_KAFKA_CLIENT": kafka_client,
             **(env or {}),
         }
         cli = ["--log-level", "DEBUG", "worker", processor, "--dsn", dsn, "--group", group, "--topic", topic,

@@ -16,6 +16,10 @@ import pytest
 
 from .test_cli import assert_one_clear_line, kstore
 
+#: What the seam between the engine and a Kafka client promises: on each client.
+pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
+
+
 #: The issue's bound: well under the 30 s a client waits for a broker that does not answer.
 FAST_S = 5.0
 

@@ -54,14 +54,15 @@ class BackgroundProducer:
         return self.sent
 
 
+@pytest.mark.contract
 def test_rebalance_one_two_three_and_back_to_one(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
                                                  rebalance_protocol: str) -> None:
     """6 partitions, messages produced throughout, 1 -> 2 -> 3 -> 1 workers, on each rebalance
     protocol: every effect exactly once, and no worker commits a partition before its claim. With
     the incremental ones (cooperative, consumer) a worker gives up only the partitions that move."""
     topic = new_topic(partitions=6)
-    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
-    group = f"reb-{rebalance_protocol}"
+    # A group of its own: under pytest-xdist the other clients' and protocols' runs may be in flight.
+    group = f"reb-{topic}"
     producer = BackgroundProducer(produce, topic)
     env = {"KSTORE_TEST_BATCH_SLEEP": "0.02", "KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
     w1 = workers(pg_dsn, topic, group, env=env)
@@ -174,7 +175,7 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
     incremental rebalance protocol, where the next worker gets the dead one's partitions only once
     its session has timed out."""
     topic = new_topic(partitions=2)
-    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
+    # A group of its own: under pytest-xdist the other clients' and protocols' runs may be in flight.
     group = f"crash-{protocol}-{int(per_message)}"
     sent = set(produce(topic, (f"v{i}" for i in range(400))))
     hang = tmp_path / "hang"
@@ -237,13 +238,14 @@ def transaction_status(dsn: str, xid: int) -> str:
         engine.dispose()
 
 
+@pytest.mark.contract
 def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, workers: Any,
                                      tmp_path: Path, rebalance_protocol: str) -> None:
     """A worker paused mid-batch loses its partitions; when it wakes, its commit is fenced (on each
     rebalance protocol)."""
     topic = new_topic(partitions=2)
-    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
-    group = f"zombie-{rebalance_protocol}"
+    # A group of its own: under pytest-xdist the other clients' and protocols' runs may be in flight.
+    group = f"zombie-{topic}"
     sent = set(produce(topic, (f"v{i}" for i in range(300))))
     hang = tmp_path / "hang"
     protocol = {"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol}
@@ -279,6 +281,7 @@ def test_sigstopped_zombie_is_fenced(pg_dsn: str, new_topic: Any, produce: Any, 
     assert_claimed_before_committed(zombie.log)
 
 
+@pytest.mark.contract
 def test_a_partition_fenced_by_a_zombies_late_claim_is_claimed_again_a_session_timeout_later(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, rebalance_protocol: str) -> None:
     """A zombie that wakes and claims a partition Kafka has given to a live worker fences that
@@ -287,8 +290,8 @@ def test_a_partition_fenced_by_a_zombies_late_claim_is_claimed_again_a_session_t
     assigned it, claims it again once a session timeout has passed, and carries on exactly once.
     The zombie's claim is made here by the test, as the zombie's claim transaction makes it."""
     topic = new_topic(partitions=2)
-    # A group of its own per protocol: under pytest-xdist the other protocols' runs may be in flight.
-    group = f"orphan-{rebalance_protocol}"
+    # A group of its own: under pytest-xdist the other clients' and protocols' runs may be in flight.
+    group = f"orphan-{topic}"
     producer = BackgroundProducer(produce, topic, batch=5, interval=0.1)
     w = workers(pg_dsn, topic, group, env={"KSTORE_REBALANCE_PROTOCOL": rebalance_protocol})
     w.wait_for_log(rf"claimed {topic}\[0\]@\d+, {topic}\[1\]@")

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from kafka import KafkaConsumer
 from kafka.coordinator.assignors.abstract import ConsumerProtocolAssignment, ConsumerProtocolSubscription
@@ -33,10 +34,12 @@ def show(dsn: str, group: str, kafka: str) -> dict[int, Any]:
     return {row["partition"]: row for row in json.loads(r.stdout)}
 
 
+@pytest.mark.contract
 def test_a_worker_on_another_database_is_refused_and_not_named_owner(kafka: str, pg_dsn: str, sqlite_dsn: str,
                                                                     new_topic: Any, produce: Any,
                                                                     workers: Any) -> None:
-    topic, group = new_topic(2), "one-db"
+    topic = new_topic(2)
+    group = f"one-db-{topic}"
     first = set(produce(topic, [f"a{i}" for i in range(10)]))
     # A pipeline once ran on SQLite (its offsets are there), then moved to PostgreSQL.
     old = workers(sqlite_dsn, topic, group)
@@ -128,12 +131,14 @@ def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str]) -> Ite
         consumer.close(autocommit=False)
 
 
+@pytest.mark.contract
 def test_workers_that_join_together_on_two_databases_both_refuse(kafka: str, pg_dsn: str, sqlite_dsn: str,
                                                                  new_topic: Any, produce: Any,
                                                                  workers: Any) -> None:
     """Neither has claimed anything when each sees the other: neither goes on (refusing one side only
     would have to guess which database the pipeline is meant for)."""
-    topic, group = new_topic(2), "one-db-together"
+    topic = new_topic(2)
+    group = f"one-db-together-{topic}"
     produce(topic, [f"a{i}" for i in range(10)])
     with group_leader(kafka, topic, group, [pg_dsn, sqlite_dsn]):
         on_pg = workers(pg_dsn, topic, group)
@@ -149,10 +154,12 @@ def test_workers_that_join_together_on_two_databases_both_refuse(kafka: str, pg_
         assert not stored_offsets(dsn, group)
 
 
+@pytest.mark.contract
 def test_a_worker_with_its_own_client_id_is_judged_by_its_member_id(pg_dsn: str, sqlite_dsn: str, new_topic: Any,
                                                                     produce: Any, workers: Any) -> None:
     """With ``client_id`` set, every worker has the same client id: the registry knows them by member id."""
-    topic, group, named = new_topic(2), "one-db-client-id", {"KSTORE_CLIENT_ID": "billing"}
+    topic, named = new_topic(2), {"KSTORE_CLIENT_ID": "billing"}
+    group = f"one-db-client-id-{topic}"
     first = set(produce(topic, [f"a{i}" for i in range(10)]))
     main = workers(pg_dsn, topic, group, env=named)
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the first worker's messages")
@@ -173,10 +180,12 @@ def test_a_worker_with_its_own_client_id_is_judged_by_its_member_id(pg_dsn: str,
     assert not effects(sqlite_dsn) and not stored_offsets(sqlite_dsn, group)
 
 
+@pytest.mark.contract
 def test_a_restarted_worker_of_the_pipeline_is_not_refused_while_a_stray_is(pg_dsn: str, sqlite_dsn: str,
                                                                             new_topic: Any, produce: Any,
                                                                             workers: Any, tmp_path: Path) -> None:
-    topic, group = new_topic(2), "one-db-restart"
+    topic = new_topic(2)
+    group = f"one-db-restart-{topic}"
     first = set(produce(topic, [f"a{i}" for i in range(10)]))
     staying, leaving = workers(pg_dsn, topic, group), workers(pg_dsn, topic, group)
     wait_until(lambda: len(effects(pg_dsn)) >= len(first), 60, what="the pipeline's first messages")

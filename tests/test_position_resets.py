@@ -11,23 +11,31 @@ produced and deleted past its position."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
 
-from .conftest import KAFKA_CLIENT
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .test_metrics import port_of, scrape, total
+
+#: What the seam between the engine and a Kafka client promises: on each client.
+pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
 
 #: Long enough that a stopped worker keeps its partitions for the whole test.
 SESSION_TIMEOUT_MS = 45_000
 #: The longest a fetch waits at the broker: one in flight when the worker stops is answered (empty) soon.
 FETCH_MAX_WAIT_MS = 100
 #: Its option's name in the worker's Kafka client.
-FETCH_MAX_WAIT = "fetch.wait.max.ms" if KAFKA_CLIENT == "confluent" else "fetch_max_wait_ms"
+
+
+def fetch_max_wait() -> str:
+    """The option by the test's client's name (the ``kafka_client`` fixture sets it in the environment)."""
+    return "fetch.wait.max.ms" if os.environ["KSTORE_KAFKA_CLIENT"] == "confluent" else "fetch_max_wait_ms"
 
 
 def history(dsn: str, group: str) -> list[tuple[int, int | None, int | None, int, str]]:
@@ -60,7 +68,7 @@ def test_records_deleted_past_the_position_are_reported_and_the_worker_carries_o
     sent = set(produce(topic, [f"a{i}" for i in range(100)], partition=0))
     sent |= set(produce(topic, [f"b{i}" for i in range(100)], partition=1))
     w = workers(pg_dsn, topic, group, args=["--metrics-port", "0", "--kafka-option",
-                                            f"{FETCH_MAX_WAIT}={FETCH_MAX_WAIT_MS}"],
+                                            f"{fetch_max_wait()}={FETCH_MAX_WAIT_MS}"],
                 env={"KSTORE_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS), "KSTORE_HEARTBEAT_INTERVAL_MS": "3000"})
     port = port_of(w)
     wait_until(lambda: stored_offsets(pg_dsn, group) == {(topic, 0): 100, (topic, 1): 100}, 60,

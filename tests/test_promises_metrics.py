@@ -102,6 +102,7 @@ POLL_RECORDS = 50
 RECORD_OVERHEAD = 200  # kstore.kafka.seam's estimate of a record's memory beside its key and value
 
 
+@pytest.mark.contract
 def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     pg_dsn: str, new_topic: Callable[..., str], produce: Callable[..., Any], workers: Callable[..., Any],
 ) -> None:
@@ -110,7 +111,7 @@ def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     (The record limit, twice the batch size, is set far above, so the bytes are what binds.)"""
     topic = new_topic(partitions=1)
     sent = produce(topic, (b"x" * VALUE_BYTES for _ in range(1500)), partition=0)
-    w = workers(pg_dsn, topic, "metrics-buffered", args=["--metrics-port", "0", "--max-batch-size", "1000"],
+    w = workers(pg_dsn, topic, f"metrics-buffered-{topic}", args=["--metrics-port", "0", "--max-batch-size", "1000"],
                 env={"KSTORE_MAX_BUFFERED_BYTES": str(MAX_BUFFERED), "KSTORE_MAX_POLL_RECORDS": str(POLL_RECORDS),
                      "KSTORE_TEST_BATCH_SLEEP": "0.3"})
     port = port_of(w)
@@ -136,6 +137,6 @@ def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     assert max(seen_records) <= (MAX_BUFFERED + one_fetch) // VALUE_BYTES
     assert w.terminate() == 0
     counts = effects(pg_dsn)
-    stored = stored_offsets(pg_dsn, "metrics-buffered")[(topic, 0)]
+    stored = stored_offsets(pg_dsn, f"metrics-buffered-{topic}")[(topic, 0)]
     assert stored > 0
     assert_exactly_once(counts, {m for m in sent if m[2] < stored})

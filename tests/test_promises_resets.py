@@ -13,9 +13,14 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from .harness import REPO_DIR, effects, stored_offsets, wait_until
+
+#: What the seam between the engine and a Kafka client promises: on each client.
+pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
+
 
 TRIALS = 6
 NOTICED = r"^(\S+ \S+) INFO kstore\.\S+: \S+ was reset to 9 by an operator"
@@ -29,13 +34,13 @@ def test_an_online_reset_of_an_idle_partition_is_picked_up_within_seconds(
 ) -> None:
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(10)), partition=0)
-    w = workers(pg_dsn, topic, "pickup")
-    wait_until(lambda: stored_offsets(pg_dsn, "pickup") == {(topic, 0): 10}, 60, what="offset 10 stored")
+    w = workers(pg_dsn, topic, f"pickup-{topic}")
+    wait_until(lambda: stored_offsets(pg_dsn, f"pickup-{topic}") == {(topic, 0): 10}, 60, what="offset 10 stored")
     noticed, replayed = [], []
     for trial in range(TRIALS):
         seen = len(re.findall(NOTICED, w.log, re.M))
-        r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", "pickup", "--topic", topic,
-                            "--partition", "0", "--to-offset", "9", "--execute", "--dsn", pg_dsn,
+        r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", f"pickup-{topic}",
+                            "--topic", topic, "--partition", "0", "--to-offset", "9", "--execute", "--dsn", pg_dsn,
                             "--bootstrap-servers", kafka, "--reason", f"pick-up trial {trial}"],
                            cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -49,7 +54,7 @@ def test_an_online_reset_of_an_idle_partition_is_picked_up_within_seconds(
         wait_until(lambda trial=trial: effects(pg_dsn)[(topic, 0, 9)] == trial + 2, 30, interval=0.02,
                    what="the replay")
         replayed.append(time.time() - applied)  # at most: the wait started after the command returned
-        wait_until(lambda: stored_offsets(pg_dsn, "pickup") == {(topic, 0): 10}, 30, what="offset 10 again")
+        wait_until(lambda: stored_offsets(pg_dsn, f"pickup-{topic}") == {(topic, 0): 10}, 30, what="offset 10 again")
         time.sleep(0.37 * (trial % 3))  # spread the resets over the worker's check period
     assert w.terminate() == 0
     print(f"reset noticed after {', '.join(f'{s:.2f}' for s in noticed)} s (median {statistics.median(noticed):.2f}); "

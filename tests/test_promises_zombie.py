@@ -15,6 +15,10 @@ import sqlalchemy as sa
 
 from .harness import assert_exactly_once, effects, wait_until
 
+#: What the seam between the engine and a Kafka client promises: on each client.
+pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
+
+
 #: Longer than the Kafka session timeout of the tests' workers (6 s): the new owner is assigned
 #: the partition while the zombie's transaction still holds the row.
 ZOMBIE_IDLE_TIMEOUT_MS = 12_000
@@ -38,13 +42,13 @@ def test_the_idle_in_transaction_timeout_ends_a_sigstopped_zombies_transaction(
     topic = new_topic(partitions=1)
     sent = set(produce(topic, (f"v{i}" for i in range(10)), partition=0))
     hang = tmp_path / "hang"
-    zombie = workers(pg_dsn, topic, "zombie-lock", "promise_processors:LocksItsOffsetRow", env={
+    zombie = workers(pg_dsn, topic, f"zombie-lock-{topic}", "promise_processors:LocksItsOffsetRow", env={
         "KSTORE_TEST_HANG_AT": "0", "KSTORE_TEST_HANG_FILE": str(hang),
         "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": str(ZOMBIE_IDLE_TIMEOUT_MS)})
     wait_until(hang.exists, 180, interval=0.02, what="the zombie inside its batch, holding the row")
     zombie.pause()
     try:
-        owner = workers(pg_dsn, topic, "zombie-lock", "promise_processors:LocksItsOffsetRow",
+        owner = workers(pg_dsn, topic, f"zombie-lock-{topic}", "promise_processors:LocksItsOffsetRow",
                         env={"KSTORE_CLAIM_LOCK_TIMEOUT_MS": "2000"})
         owner.wait_for_log(r"assigned \S+; claiming before any delivery", timeout=120)
         owner.wait_for_log(r"claimed \S+\[0\]@0", timeout=60)

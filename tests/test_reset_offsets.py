@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -14,9 +15,12 @@ import sqlalchemy as sa
 
 from kstore import EARLIEST, LATEST, InvalidOffsetError, Message, Processor, Settings, Worker
 
-from .conftest import KAFKA_CLIENT
 from .harness import assert_exactly_once, effects, stored_offsets, wait_until
 from .processors import effects as effects_table
+
+#: What the seam between the engine and a Kafka client promises: on each client.
+pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
+
 
 
 class Gate(Processor):
@@ -42,9 +46,16 @@ class Gate(Processor):
             self.release.wait(30)
 
 
+def group_of(topic: str) -> str:
+    return f"resets-{topic}"
+
+
 def start(dsn: str, kafka: str, topic: str, proc: Processor, **kw: Any) -> tuple[Worker, threading.Thread]:
+    """A worker in a thread, on the test's Kafka client (the ``kafka_client`` fixture sets it in the
+    environment), in a group of the topic's own (the clients' runs of a test may overlap)."""
     settings = Settings(dsn=dsn, bootstrap_servers=kafka, topics=(topic,), session_timeout_ms=6000,
-                        heartbeat_interval_ms=1000, kafka_client=KAFKA_CLIENT, **kw)
+                        heartbeat_interval_ms=1000, kafka_client=os.environ["KSTORE_KAFKA_CLIENT"],
+                        group=group_of(topic), **kw)
     w = Worker(proc, settings)
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
@@ -79,10 +90,10 @@ def test_reset_flushes_queued_messages_the_origin_bug(pg_dsn: str, kafka: str, n
 
     assert w.reset_offsets({(topic, 0): 50}) == {(topic, 0): 50}
     assert w.held_offsets == {(topic, 0): 50}
-    assert stored_offsets(pg_dsn, "resets") == {(topic, 0): 50}
+    assert stored_offsets(pg_dsn, group_of(topic)) == {(topic, 0): 50}
 
     gate.release.set()  # the in-flight batch (0-4) now tries to commit under the old epoch
-    wait_until(lambda: stored_offsets(pg_dsn, "resets")[(topic, 0)] == 100, 30, what="offset 100 stored")
+    wait_until(lambda: stored_offsets(pg_dsn, group_of(topic))[(topic, 0)] == 100, 30, what="offset 100 stored")
     stop(w, t)
 
     assert gate.delivered[5] == 50, f"after the reset the next delivery must be 50, got {gate.delivered[5:10]}"
@@ -107,7 +118,7 @@ def test_reset_from_inside_the_handler(pg_dsn: str, kafka: str, new_topic: Any, 
     proc = SelfReset()
     w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=10, max_poll_records=60)
     proc.worker = w
-    wait_until(lambda: stored_offsets(pg_dsn, "resets").get((topic, 0)) == 60, 30)
+    wait_until(lambda: stored_offsets(pg_dsn, group_of(topic)).get((topic, 0)) == 60, 30)
     stop(w, t)
     assert proc.delivered == list(range(10)) + list(range(30, 60))
     assert_exactly_once(effects(pg_dsn), {(topic, 0, o) for o in range(30, 60)})
@@ -158,7 +169,7 @@ def test_reset_targets_offset_datetime_earliest_latest(pg_dsn: str, kafka: str, 
         with pytest.raises(InvalidOffsetError, match="past the log end"):
             w.reset_offsets({tp: 10_000}, strict=True)
         assert w.held_offsets == {tp: 41}
-        assert stored_offsets(pg_dsn, "resets") == {tp: 41}
+        assert stored_offsets(pg_dsn, group_of(topic)) == {tp: 41}
     finally:
         stop(w, t)
     reasons = [h[2] for h in history(pg_dsn)]
@@ -183,7 +194,7 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
 
     proc = Slow()
     proc.batches = []  # type: ignore[attr-defined]
-    w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=20, max_poll_records=50, **SHORT_FETCH_WAIT)
+    w, t = start(pg_dsn, kafka, topic, proc, max_batch_size=20, max_poll_records=50, **short_fetch_wait())
     rng = random.Random(7)
     targets: list[int] = []
     try:
@@ -225,7 +236,8 @@ def test_resets_racing_with_polls_lose_nothing(pg_dsn: str, kafka: str, new_topi
 #: librdkafka keeps a fetch waiting at the broker (fetch.wait.max.ms, 500 ms by default) once it has
 #: fetched to the log end, and fetches from a new position only after it answered: longer than the
 #: poll that a reset lands in. Shorter here, so that each such poll can return records.
-SHORT_FETCH_WAIT: dict[str, Any] = {"kafka_options": {"fetch.wait.max.ms": 50}} if KAFKA_CLIENT == "confluent" else {}
+def short_fetch_wait() -> dict[str, Any]:
+    return {"kafka_options": {"fetch.wait.max.ms": 50}} if os.environ["KSTORE_KAFKA_CLIENT"] == "confluent" else {}
 
 
 class PollRacer:

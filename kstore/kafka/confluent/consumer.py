@@ -129,7 +129,7 @@ from kstore.settings import Settings
 
 from .connect import broker_error, describe, librdkafka_config, open_rd_consumer
 
-log = logging.getLogger("kstore.kafka.kafkapython.consumer")
+log = logging.getLogger("kstore.kafka.consumer")
 
 #: Where a newly assigned partition "is" until its claim seeks it: paused, never fetched from.
 PLACEHOLDER_OFFSET = 0
@@ -604,6 +604,9 @@ class ConfluentSource:
             described = self._admin.describe_consumer_groups(
                 [self.group], request_timeout=self.settings.connect_timeout_s)[self.group].result()
         except KafkaException as exc:
+            # An admin handle made before a broker restarted was seen never to answer again (every
+            # describe timed out): the next attempt makes a new one.
+            self._admin = None
             raise broker_error(self.settings, f"describe group {self.group!r}", exc) from None
         return GroupView(tuple(GroupMember(m.member_id, m.client_id) for m in described.members),
                          described.state == ConsumerGroupState.STABLE)
