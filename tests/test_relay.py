@@ -17,7 +17,8 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
-from kstore.engine.relay import Relay, RelayStuck, publisher_class, share
+from kstore.engine.relay import Relay, RelayStuck, share
+from kstore.kafka.clients import publisher_class
 from kstore.records import Produced
 
 from .harness import read_committed, wait_until

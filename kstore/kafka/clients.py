@@ -1,24 +1,99 @@
-"""Which Kafka client the worker consumes with: kafka-python's :class:`~kstore.kafka.kafkapython.consumer.KafkaSource`
-(the default) or confluent-kafka's :class:`~kstore.kafka.confluent.ConfluentSource` (``kafka_client``).
+"""Which Kafka client kstore uses, from the settings: the worker's consumer (``kafka_client``), the
+relay's publisher (``relay_client``), and the operator's tools (``kafka_client`` when installed,
+else the other installed client).
 
-confluent-kafka is an extra (``pip install 'kstore[confluent]'``): it is imported only when chosen.
+The client libraries are extras (``pip install 'kstore[confluent]'``, ``'kstore[kafka-python]'``):
+each is imported here only when chosen, so importing kstore imports neither, and a client that is
+not installed is one line naming its extra (:class:`~kstore.errors.ConfigurationError`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+from typing import TYPE_CHECKING, Any
+
 from kstore.errors import ConfigurationError
 from kstore.settings import Settings
 
-from .kafkapython.consumer import KafkaSource
+from .seam import AdminReader, PartitionCounts, PublisherFactory
+
+if TYPE_CHECKING:
+    from .kafkapython.consumer import KafkaSource
+
+log = logging.getLogger(__name__)
+
+#: Each client kstore runs on: the module it needs, and the extra that installs it.
+CLIENTS = {"confluent": "confluent_kafka", "kafka-python": "kafka"}
+
+
+def installed(client: str) -> bool:
+    """Whether ``client``'s library can be imported here."""
+    try:
+        return importlib.util.find_spec(CLIENTS[client]) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules (made unimportable)
+        return False
+
+
+def require(client: str, setting: str = "kafka_client") -> None:
+    """Raise the one-line ConfigurationError naming the extra if ``client``'s library is not installed."""
+    if not installed(client):
+        raise ConfigurationError(f"{setting} {client} needs {client.replace('confluent', 'confluent-kafka')}: "
+                                 f"pip install 'kstore[{client}]'")
+
+
+def tools_client(settings: Settings) -> str:
+    """The client the operator's tools use: ``kafka_client`` if installed, else the other installed one."""
+    if installed(settings.kafka_client):
+        return settings.kafka_client
+    other = next((c for c in CLIENTS if c != settings.kafka_client and installed(c)), None)
+    if other is None:
+        require(settings.kafka_client)
+    log.debug("kafka_client %s is not installed: the operator's tools use %s", settings.kafka_client, other)
+    return str(other)
 
 
 def source_class(settings: Settings) -> type[KafkaSource]:
-    """The :class:`KafkaSource` of ``settings.kafka_client``: kafka-python's, or confluent-kafka's."""
-    if settings.kafka_client != "confluent":
-        return KafkaSource
-    try:
+    """The worker's consumer for ``settings.kafka_client``: kafka-python's, or confluent-kafka's."""
+    require(settings.kafka_client)
+    if settings.kafka_client == "confluent":
         from .confluent.consumer import ConfluentSource
-    except ImportError as exc:
-        raise ConfigurationError(f"kafka_client confluent needs confluent-kafka ({exc}): "
-                                 "pip install 'kstore[confluent]'") from None
-    return ConfluentSource
+
+        return ConfluentSource
+    from .kafkapython.consumer import KafkaSource
+
+    return KafkaSource
+
+
+def publisher_class(client: str) -> PublisherFactory:
+    """The outbox relay's shard publisher for setting ``relay_client``."""
+    require(client, "relay_client")
+    if client == "confluent":
+        from .confluent.producer import ConfluentShardPublisher
+
+        return ConfluentShardPublisher
+    from .kafkapython.producer import KafkaPythonShardPublisher
+
+    return KafkaPythonShardPublisher
+
+
+def admin_reader(settings: Settings, client: str | None = None, *, request_timeout_s: float | None = None,
+                 patience_s: float | None = None) -> AdminReader:
+    """The brokers' answers for the operator's tools (and the relay's progress, with ``client``
+    its ``relay_client``): on ``client``, or :func:`tools_client`'s. Opens no connection yet."""
+    client = client or tools_client(settings)
+    require(client, "relay_client" if client != settings.kafka_client else "kafka_client")
+    options: dict[str, Any] = {"request_timeout_s": request_timeout_s, "patience_s": patience_s}
+    if client == "confluent":
+        from .confluent.admin import ConfluentAdmin
+
+        return ConfluentAdmin(settings, **options)
+    from .kafkapython.admin import KafkaPythonAdmin
+
+    return KafkaPythonAdmin(settings, **options)
+
+
+def partition_counts(settings: Settings) -> PartitionCounts:
+    """Topics' partition counts for checking what a processor produces, on the operator's tools' client:
+    a question the brokers do not answer is not asked again (the record goes on; see :class:`PartitionCounts`)."""
+    return PartitionCounts(settings, lambda: admin_reader(settings, patience_s=0))
