@@ -136,10 +136,14 @@ class KafkaPythonAdmin:
     def _describe(self, group: str) -> GroupView:
         described: dict[str, Any] = self._admin_client().describe_groups([group]).get(group, {})
         # kafka-python gives a group's own error (its coordinator still loading, say) as text in the
-        # answer, not raised: it is raised here, to be asked again when transient.
+        # answer, not raised: a transient one is raised here, to be asked again. Any other (no such
+        # group) leaves a group with no live member.
         error = group_error(described.get("error"))
-        if error is not None:
+        if error is not None and error.retriable:
             raise error(described["error"])
+        if error is not None:
+            log.debug("describing group %r: %s", group, described["error"])
+            return GroupView((), False)
         return view_of(described)
 
     def committed(self, group: str) -> dict[TP, Committed]:
