@@ -40,8 +40,9 @@ def test_offsets_set_and_show_right_after_a_broker_started_ask_again(pg_dsn: str
             shown = show_offsets(settings, "early")
     assert [(p.partition, p.to_offset, p.mirror) for p in moved] == [(0, 0, ""), (1, 0, "")]
     assert [(s.partition, s.next_offset, s.owner) for s in shown] == [(0, 0, None), (1, 0, None)]
-    assert ("cannot read the committed offsets of group 'early' yet (COORDINATOR_NOT_AVAILABLE): asking again"
-            in caplog.text), caplog.text
+    if KAFKA_CLIENT == "kafka-python":  # librdkafka waits for the coordinator itself, within the request
+        assert ("cannot read the committed offsets of group 'early' yet (COORDINATOR_NOT_AVAILABLE): asking again"
+                in caplog.text), caplog.text
 
 
 def test_a_coordinator_that_stays_unavailable_is_one_line_and_exit_2(pg_dsn: str, kafka: str, new_topic: Any,

@@ -47,9 +47,11 @@ _T = TypeVar("_T")
 CREATED_WAIT_S = 30.0
 #: Each request's timeout when none is given: librdkafka's own default for admin requests.
 REQUEST_TIMEOUT_S = 30.0
-#: Errors librdkafka raises for brokers that are away or slow: asked again, as transient.
-_AWAY = (KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._WAIT_COORD,
-         KafkaError._NOENT)
+#: Answers asked again, as transient, besides those librdkafka marks retriable: brokers away or slow, a
+#: group coordinator not there yet, a transaction's offsets not settled yet.
+_TRANSIENT = (KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._WAIT_COORD,
+              KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+              KafkaError.NOT_COORDINATOR, KafkaError.UNSTABLE_OFFSET_COMMIT)
 
 
 class ConfluentAdmin:
@@ -82,7 +84,9 @@ class ConfluentAdmin:
                       "enable.auto.commit": False, "enable.auto.offset.store": False,
                       "auto.offset.reset": "earliest", "allow.auto.create.topics": False,
                       "isolation.level": DEFAULT_ISOLATION_LEVEL,
-                      "fetch.max.bytes": 65536, "max.partition.fetch.bytes": 16384, "logger": _DebugLog()}
+                      # Small fetches, a little read ahead: one record of each partition is all it reads.
+                      "max.partition.fetch.bytes": 16384, "queued.min.messages": 1,
+                      "queued.max.messages.kbytes": 1024, "fetch.wait.max.ms": 100, "logger": _DebugLog()}
             self._consumer = _made(lambda: Consumer(config))
         return self._consumer
 
@@ -167,9 +171,11 @@ class ConfluentAdmin:
 
     def committed(self, group: str) -> dict[TP, Committed]:
         def ask() -> dict[TP, Committed]:
+            # Stable offsets only: while a transaction that commits offsets for the group is open, the
+            # brokers answer UNSTABLE_OFFSET_COMMIT (asked again) rather than an offset it may still change.
             request = [ConsumerGroupTopicPartitions(group)]
             found = self._wait(self._admin_client().list_consumer_group_offsets(
-                request, request_timeout=self._timeout)[group])
+                request, require_stable=True, request_timeout=self._timeout)[group])
             return {(k.topic, k.partition): Committed(k.offset, committed_metadata(k))
                     for k in found.topic_partitions or () if k.offset >= 0}
         return self._ask(f"read the committed offsets of group {group!r}", ask)
@@ -284,7 +290,7 @@ def _failure(exc: Exception) -> Failure | None:
     # The brokers' name for an error they answered (COORDINATOR_NOT_AVAILABLE), librdkafka's sentence
     # for its own (the brokers away).
     reason = error.name() if error.code() >= 0 else describe(exc)
-    return Failure(reason, bool(error.retriable() or error.code() in _AWAY))
+    return Failure(reason, bool(error.retriable() or error.code() in _TRANSIENT))
 
 
 class _DebugLog:
