@@ -524,7 +524,7 @@ class Relay:
     def _reader(self) -> GroupReader:
         """The relay's :class:`GroupReader` (callers hold ``_admin_lock``)."""
         if self._admin is None:
-            self._admin = admin_reader(self.settings, self.settings.relay_client)
+            self._admin = admin_reader(self.settings, relay=True)
         return self._admin
 
     def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:

@@ -77,12 +77,15 @@ def publisher_class(client: str) -> PublisherFactory:
     return KafkaPythonShardPublisher
 
 
-def admin_reader(settings: Settings, client: str | None = None, *, request_timeout_s: float | None = None,
+def admin_reader(settings: Settings, *, relay: bool = False, request_timeout_s: float | None = None,
                  patience_s: float | None = None) -> AdminReader:
-    """The brokers' answers for the operator's tools (and the relay's progress, with ``client``
-    its ``relay_client``): on ``client``, or :func:`tools_client`'s. Opens no connection yet."""
-    client = client or tools_client(settings)
-    require(client, "relay_client" if client != settings.kafka_client else "kafka_client")
+    """The brokers' answers for the operator's tools, on :func:`tools_client`'s client; with ``relay``,
+    for the relay (its shards' progress, its group's members), on ``relay_client``. Opens no connection yet."""
+    if relay:
+        client = settings.relay_client
+        require(client, "relay_client")
+    else:
+        client = tools_client(settings)
     options: dict[str, Any] = {"request_timeout_s": request_timeout_s, "patience_s": patience_s}
     if client == "confluent":
         from .confluent.admin import ConfluentAdmin
