@@ -23,14 +23,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Each client kstore runs on: the module it needs, and the extra that installs it.
-CLIENTS = {"confluent": "confluent_kafka", "kafka-python": "kafka"}
+#: Each client kstore runs on (its name in the settings, and the extra that installs it): the module it
+#: imports, and the distribution that module comes in.
+CLIENTS = {"confluent": ("confluent_kafka", "confluent-kafka"), "kafka-python": ("kafka", "kafka-python")}
 
 
 def installed(client: str) -> bool:
     """Whether ``client``'s library can be imported here."""
     try:
-        return importlib.util.find_spec(CLIENTS[client]) is not None
+        return importlib.util.find_spec(CLIENTS[client][0]) is not None
     except (ImportError, ValueError):  # a module set to None in sys.modules (made unimportable)
         return False
 
@@ -38,8 +39,7 @@ def installed(client: str) -> bool:
 def require(client: str, setting: str = "kafka_client") -> None:
     """Raise the one-line ConfigurationError naming the extra if ``client``'s library is not installed."""
     if not installed(client):
-        raise ConfigurationError(f"{setting} {client} needs {client.replace('confluent', 'confluent-kafka')}: "
-                                 f"pip install 'kstore[{client}]'")
+        raise ConfigurationError(f"{setting} {client} needs {CLIENTS[client][1]}: pip install 'kstore[{client}]'")
 
 
 def tools_client(settings: Settings) -> str:
