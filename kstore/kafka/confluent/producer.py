@@ -140,9 +140,13 @@ class ConfluentShardPublisher:
         if producer is not None:
             # librdkafka has no close: what is queued is dropped with the handle (an open
             # transaction is aborted by the next owner's init_transactions, or by the broker).
-            producer.purge()
-            producer.flush(0)
+            # A fenced producer's flush raises its fatal error again: it is done either way.
             self._producer = None
+            try:
+                producer.purge()
+                producer.flush(0)
+            except Exception as exc:
+                log.debug("closing %s's producer: %s", self.ident, exc)
 
 
 def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any) -> None:
