@@ -522,9 +522,10 @@ class Relay:
         self._mark(state, due=True)
 
     def _reader(self) -> GroupReader:
-        """The relay's :class:`GroupReader` (callers hold ``_admin_lock``)."""
+        """The relay's :class:`GroupReader` (callers hold ``_admin_lock``). It does not ask again after a
+        "not now": the shard backs off and tries again (and the group is described again) by itself."""
         if self._admin is None:
-            self._admin = admin_reader(self.settings, relay=True)
+            self._admin = admin_reader(self.settings, relay=True, patience_s=0)
         return self._admin
 
     def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:

@@ -138,6 +138,11 @@ class AdminReader(GroupReader, Protocol):
     next question opens them again.
     """
 
+    def connect(self) -> None:
+        """Open the clients now, so that a mistake in the connection settings (TLS, SASL, an address
+        where no broker listens) is named before any other answer is read."""
+        ...
+
     def partitions(self, topic: str) -> list[int]:
         """The topic's partitions, sorted; none for a topic the cluster does not have."""
         ...

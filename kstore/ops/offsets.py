@@ -82,6 +82,7 @@ def _connections(settings: Settings) -> Iterator[tuple[Store, AdminReader]]:
         check_migrated(engine, settings)
         kafka = admin_reader(settings)
         try:
+            kafka.connect()
             yield store, kafka
         finally:
             kafka.close()

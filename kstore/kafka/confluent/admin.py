@@ -97,6 +97,9 @@ class ConfluentAdmin:
         except concurrent.futures.TimeoutError:
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no answer in time")) from None
 
+    def connect(self) -> None:
+        self._admin_client()
+
     # -- partitions -------------------------------------------------------------------------------
 
     def partitions(self, topic: str) -> list[int]:

@@ -83,6 +83,10 @@ class KafkaPythonAdmin:
             self._admin.close()
             self._admin = None
 
+    def connect(self) -> None:
+        self._reader()
+        self._admin_client()
+
     # -- partitions -------------------------------------------------------------------------------
 
     def partitions(self, topic: str) -> list[int]:
