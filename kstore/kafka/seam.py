@@ -101,13 +101,23 @@ def shard_id(group: str, shard: int) -> str:
     return f"kstore-outbox.{group}.{shard}"
 
 
+def progress_metadata(mark: str, seq: int) -> str:
+    """The metadata of a shard's progress mark (``mark``: ``"<incarnation>/"``), committed with ``seq``
+    as its offset. Committed with a NUL at its end: confluent-kafka (2.x) adds one itself, and
+    kafka-python is given it, because confluent-kafka reads a committed offset's metadata up to a
+    NUL, past its end when there is none (seen: ``<incarnation>/13`` read as ``<incarnation>/135 V``)."""
+    return f"{mark}{seq}"
+
+
 def highest_mark(committed: Mapping[TP, Committed], mark: str) -> int:
-    """The highest ``seq`` among a shard's progress marks of this incarnation (``mark``:
-    ``"<incarnation>/"``; a committed offset's metadata is ``<incarnation>/<seq>``); 0 when there is none."""
-    marks = [int(seq) for c in committed.values()
-             for db, _, seq in [c.metadata.rpartition("/")]
-             if f"{db}/" == mark and seq.isdigit()]
-    return max(marks, default=0)
+    """The highest ``seq`` among a shard's progress marks of this incarnation (``mark``); 0 when there is none.
+
+    A mark counts only when its metadata is exactly ``<incarnation>/<seq>`` with ``seq`` its offset:
+    metadata read past its end (see :func:`progress_metadata`) counts for nothing, so a mark is never
+    read as further than it is (which would skip rows), at worst not at all (the database's mark
+    stands in).
+    """
+    return max((c.offset for c in committed.values() if c.metadata == f"{mark}{c.offset}"), default=0)
 
 
 class GroupReader(Protocol):

@@ -179,7 +179,7 @@ class ConfluentAdmin:
             request = [ConsumerGroupTopicPartitions(group)]
             found = self._wait(self._admin_client().list_consumer_group_offsets(
                 request, require_stable=True, request_timeout=self._timeout)[group])
-            return {(k.topic, k.partition): Committed(k.offset, committed_metadata(k))
+            return {(k.topic, k.partition): Committed(k.offset, _metadata(k))
                     for k in found.topic_partitions or () if k.offset >= 0}
         return self._ask(f"read the committed offsets of group {group!r}", ask)
 
@@ -263,6 +263,15 @@ class ConfluentAdmin:
                 consumer.close()
             except Exception:  # closing after an outage: nothing to save
                 log.debug("closing a Kafka client failed", exc_info=True)
+
+
+def _metadata(committed: TopicPartition) -> str:
+    """A committed offset's metadata; confluent-kafka reads one that does not end in a NUL past its end
+    (see :func:`kstore.kafka.seam.progress_metadata`), which may not even decode: then none."""
+    try:
+        return committed_metadata(committed)
+    except UnicodeDecodeError:
+        return ""
 
 
 def _assigned(assignment: Any) -> tuple[TP, ...]:

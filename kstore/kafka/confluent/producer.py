@@ -19,7 +19,7 @@ from typing import Any
 import confluent_kafka
 
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_of, shard_id
+from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -94,7 +94,7 @@ class ConfluentShardPublisher:
             producer.begin_transaction()
             self._send(rows, refused)
             last = rows[-1][0]
-            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, f"{self._mark}{last}")
+            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, progress_metadata(self._mark, last))
             producer.send_offsets_to_transaction([mark], self._group_meta, timeout_s)
             producer.commit_transaction(timeout_s)
         except confluent_kafka.KafkaException as exc:

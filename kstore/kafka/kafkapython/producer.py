@@ -34,7 +34,7 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from kstore.errors import BrokerError
-from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_of, shard_id
+from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
 from kstore.records import Produced
 from kstore.settings import Settings
 
@@ -101,7 +101,9 @@ class KafkaPythonShardPublisher:
             # The progress mark goes while the records are on their way (its round trips overlap
             # theirs): partition 0 of the first record's topic, which exists, with the seq as offset.
             last = rows[-1][0]
-            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, f"{self._mark}{last}", -1)}
+            # Ended by a NUL, as confluent-kafka's are (see progress_metadata): a reader on either client reads it.
+            metadata = progress_metadata(self._mark, last) + "\x00"
+            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, metadata, -1)}
             self._bounded("send the progress mark", lambda tm: tm.send_offsets_to_transaction(offsets, self.ident),
                           lambda: producer.send_offsets_to_transaction(offsets, self.ident), timeout_s)
             producer.flush(timeout=timeout_s)
