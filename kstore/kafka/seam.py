@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
@@ -48,7 +48,8 @@ class GroupMember:
     member_id: str
     client_id: str
     told_database: str | None = None
-    assigned: tuple[TP, ...] = ()
+    #: Not part of who the member is (equality, hashing): it moves with every rebalance.
+    assigned: tuple[TP, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
