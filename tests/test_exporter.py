@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kstore import Settings
 from kstore.ops.lag import LagReader
 
+from .conftest import KAFKA_CLIENT
 from .faultproxy import FaultProxy
 from .harness import TESTS_DIR, WorkerProcess, stored_offsets, wait_until
 
@@ -149,7 +150,7 @@ def test_an_unchanged_offset_is_not_fetched_again(pg_dsn: str, kafka: str, new_t
             fetched.append(dict(offsets))
             return super()._fetch_timestamps(offsets)
 
-    reader = Counting(Settings(dsn=pg_dsn, bootstrap_servers=kafka))
+    reader = Counting(Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT))
     try:
         first, second = reader.read(group), reader.read(group)
         assert fetched == [{(topic, 0): 3}], "the second reading used the cached timestamp"

@@ -18,6 +18,7 @@ from kafka import TopicPartition
 from kstore import ConfigurationError, Settings
 from kstore.ops.offsets import set_offsets, show_offsets
 
+from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, effects, stored_offsets, wait_until
 from .test_cli import assert_one_clear_line
 
@@ -64,7 +65,8 @@ def test_show_reports_lag_epoch_and_live_owner(pg_dsn: str, kafka: str, new_topi
     assert w.terminate() == 0
 
     produce(topic, (f"x{i}" for i in range(25)), partition=0)
-    status = {(s.topic, s.partition): s for s in show_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "shown")}
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
+    status = {(s.topic, s.partition): s for s in show_offsets(settings, "shown")}
     assert (status[(topic, 0)].lag, status[(topic, 1)].lag) == (25, 0)
     assert status[(topic, 0)].owner is None, "no live worker after SIGTERM"
     table = kstore("offsets", "show", "--group", "shown", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
@@ -97,7 +99,8 @@ def test_dry_run_changes_nothing_execute_applies_and_records(pg_dsn: str, kafka:
         assert_one_clear_line(refused, "give a reason for the reset (--reason)")
     assert stored_offsets(pg_dsn, "alpha") == {(topic, 0): 50, (topic, 1): 50}
     with pytest.raises(ConfigurationError, match=r"give a reason for the reset"):
-        set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), "alpha", topic, to_offset=10, execute=True)
+        set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT), "alpha", topic,
+                    to_offset=10, execute=True)
 
     done = kstore(*base, "--partition", "0", "--to-offset", "10", "--reason", "replay the tail", "--execute")
     assert done.returncode == 0, done.stderr
@@ -126,7 +129,7 @@ def test_to_datetime_lands_on_first_offset_at_or_after(pg_dsn: str, kafka: str, 
     between = datetime.now(timezone.utc)
     time.sleep(0.05)
     produce(topic, (f"b{i}" for i in range(30)))
-    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
     plan = set_offsets(settings, "timed", topic, to_datetime=between, execute=True, reason="test")
     assert [(p.partition, p.from_offset, p.to_offset) for p in plan] == [(0, None, 30)]
     assert stored_offsets(pg_dsn, "timed") == {(topic, 0): 30}
@@ -183,7 +186,7 @@ def test_recreated_topic_is_held_until_an_operator_decides(pg_dsn: str, kafka: s
     topic = new_topic(partitions=2)
     produce(topic, (f"v{i}" for i in range(20)), partition=0)
     produce(topic, (f"v{i}" for i in range(20)), partition=1)
-    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
     set_offsets(settings, "held", topic, to_offset=20, execute=True, reason="test")
     engine = sa.create_engine(pg_dsn)
     with engine.begin() as conn:  # as if the topic had been deleted and recreated with fewer records
@@ -208,7 +211,7 @@ def test_retention_gap_warns_and_applies_start_policy(pg_dsn: str, kafka: str, a
                                                       produce: Any, workers: Any) -> None:
     topic = new_topic(partitions=1)
     produce(topic, (f"v{i}" for i in range(50)))
-    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
     set_offsets(settings, "gap", topic, to_offset=10, execute=True, reason="test")
     admin.delete_records({TopicPartition(topic, 0): 30})  # retention removed 0..29
     w = workers(pg_dsn, topic, "gap")
@@ -225,7 +228,7 @@ def test_show_of_a_group_with_no_stored_offsets_names_the_groups_that_have(pg_ds
     """A typo in --group: one line naming the groups that do have stored offsets, exit 2 (not an
     empty table and exit 0), from `offsets show` and `top` alike."""
     topic = new_topic(partitions=1)
-    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
     with pytest.raises(ConfigurationError, match="no group has any yet"):
         show_offsets(settings, "orders")
     for group in ("payments", "orders"):

@@ -21,10 +21,12 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
+from kstore import Settings
 from kstore.dev.broker import Cluster
-from kstore.kafka.kafkapython.inspector import settled_members
+from kstore.engine.relay import settled_members
+from kstore.kafka.clients import admin_reader
 
-from .conftest import TEST_SESSION_TIMEOUT_MS
+from .conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy
 from .harness import TESTS_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
 from .outbox_processors import check_outputs, metadata
@@ -119,11 +121,11 @@ def test_a_gone_workers_shards_are_taken_once_it_left_the_group_not_when_its_lea
     w1.wait_for_log(r"outbox relay \S+ publishes shard 1 of group 'booker'", timeout=90)
     w2 = workers(pg_dsn, source, "booker", BOOKER, env=env)
     # Both in the group, settled: w1's leaving is a rebalance that w2 sees.
-    admin = KafkaAdminClient(bootstrap_servers=kafka)
+    reader = admin_reader(Settings(bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT))
     try:
-        wait_until(lambda: len(settled_members(admin, "booker") or ()) == 2, 90, what="two settled members")
+        wait_until(lambda: len(settled_members(reader, "booker") or ()) == 2, 90, what="two settled members")
     finally:
-        admin.close()
+        reader.close()
     {"stopped": w1.terminate, "killed": w1.kill, "paused": w1.pause}[how]()
     sent += produce(source, keyed_values(200, keys=10, start=200))
     # Well under the lease: only a relay that took the shards early publishes the second half in time.

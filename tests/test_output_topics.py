@@ -293,7 +293,7 @@ def test_a_replay_stops_at_an_undeclared_or_missing_topic_and_fails_no_letter(
     the letter's failure (it stays dead, its attempts unchanged), and what was replayed before stays."""
     ids = dead_letter(pg_dsn, 4, value=lambda i: "stray" if i == 2 else f"ok-{i}")
     new_topic(partitions=1, name=REPLAY_OUT)
-    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka, kafka_client=KAFKA_CLIENT)
     with pytest.raises(UndeclaredTopicError, match="before it this command replayed 2, failed 0"):
         replay_matching(settings, Replayed(), "g")
     letters = {r.id: (r.status, r.attempts) for r in rows(pg_dsn, "SELECT id, status, attempts FROM "

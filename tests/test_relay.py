@@ -17,7 +17,9 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
-from kstore.engine.relay import Relay, RelayStuck, publisher_class, share
+from kstore.engine.relay import Relay, RelayStuck, share
+from kstore.kafka.clients import publisher_class
+from kstore.kafka.seam import Committed, highest_mark
 from kstore.records import Produced
 
 from .harness import read_committed, wait_until
@@ -288,3 +290,14 @@ def test_shards_made_anew_in_the_same_database_publish_from_their_first_record(
     drain(again)
     assert values(kafka, out)[40:] == [f"after{i}".encode() for i in range(5)]
     again.close()
+
+
+def test_a_progress_mark_read_past_its_end_counts_for_nothing() -> None:
+    """confluent-kafka reads a committed offset's metadata that has no NUL at its end past that end: such
+    a mark must never read as further than it is (rows would be skipped), so only a mark whose metadata
+    is exactly its incarnation and its own offset counts."""
+    committed = {("a", 0): Committed(13, "inc/13"), ("b", 0): Committed(15, "inc/135 V"),
+                 ("c", 0): Committed(40, "inc/4000"), ("d", 0): Committed(20, "old/20"),
+                 ("e", 0): Committed(9, "inc/9")}
+    assert highest_mark(committed, "inc/") == 13
+    assert highest_mark({}, "inc/") == 0

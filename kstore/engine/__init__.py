@@ -12,9 +12,10 @@
   with the database's registry of its workers before any claim.
 - :mod:`~kstore.engine.commands`: ``kstore worker``, which wires SIGTERM/SIGINT to ``request_stop``.
 
-May import the database side (:mod:`kstore.db`), the Kafka side (:mod:`kstore.kafka`), what a
-worker reports (:mod:`kstore.telemetry`), :mod:`kstore.processor` and the shared vocabulary
-(settings, errors, targets, retry, records). Never the operator's tools (:mod:`kstore.ops`),
+May import the database side (:mod:`kstore.db`), the Kafka side through its seam only
+(:mod:`kstore.kafka.seam`, :mod:`kstore.kafka.clients`, :mod:`kstore.kafka.probe`: never a client's
+subpackage or library), what a worker reports (:mod:`kstore.telemetry`), :mod:`kstore.processor`
+and the shared vocabulary (settings, errors, targets, retry, records). Never the operator's tools (:mod:`kstore.ops`),
 the CLI, :mod:`kstore.testing` or :mod:`kstore.dev` (pyproject.toml's import contracts hold it).
 
 Invariants:

@@ -4,7 +4,8 @@ committed, to Kafka, exactly once for a ``read_committed`` reader, and per key i
 It runs in the worker (a thread of its own: :meth:`Relay.start`) and standalone (``kstore
 relay``: :meth:`Relay.run`). Each outbox shard (:mod:`kstore.db.outbox`) is published by one
 relay at a time: the one holding its lease in the database, whose transactional producer
-(:mod:`kstore.kafka.kafkapython.producer`) fenced every earlier one when it started. A shard is published
+(a :class:`~kstore.kafka.seam.ShardPublisher`, on the client ``relay_client`` names) fenced every
+earlier one when it started. A shard is published
 in order: rows after the shard's progress, ``seq`` ascending, a transaction at a time; the
 progress commits inside each Kafka transaction, so it is never ahead of or behind what was
 published.
@@ -33,19 +34,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
-from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.confluent import producer as rdproducer
-from kstore.kafka.confluent.producer import RdShardPublisher
-from kstore.kafka.kafkapython.inspector import settled_members
-from kstore.kafka.kafkapython.producer import ShardPublisher, open_progress_reader
-from kstore.kafka.seam import Fenced, PublishFailed
+from kstore.errors import BrokerError
+from kstore.kafka.clients import admin_reader, publisher_class
+from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, ShardPublisher
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 
@@ -76,7 +73,7 @@ class _Shard:
 
     shard: int
     epoch: int
-    publisher: ShardPublisher | RdShardPublisher | None = None
+    publisher: ShardPublisher | None = None
     #: The highest seq known published (read from Kafka when the publisher was made).
     published: int = 0
     #: The highest seq marked published in the database, and when.
@@ -132,7 +129,8 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._publisher_class = publisher_class(settings.relay_client)
-        self._admin: Any = None
+        #: The shards' progress and the group's members, asked on the relay's client (made when first needed).
+        self._admin: GroupReader | None = None
         self._admin_lock = threading.Lock()
         self._listener: Listener | None = None
         self._next_heartbeat = 0.0
@@ -364,9 +362,7 @@ class Relay:
             with self._admin_lock:
                 if self._stop.is_set():  # the relay is closing its admin client
                     return None
-                if self._admin is None:
-                    self._admin = open_progress_reader(self.settings)
-                live = settled_members(self._admin, self.group)
+                live = settled_members(self._reader(), self.group)
             if live is not None or time.monotonic() > deadline:
                 return live
             self._stop.wait(SETTLE_RECHECK_S)
@@ -514,9 +510,7 @@ class Relay:
                                           self.settings.outbox_max_record_bytes, incarnation)
         try:
             with self._admin_lock:
-                if self._admin is None:
-                    self._admin = open_progress_reader(self.settings)
-                in_kafka = publisher.progress(self._admin)
+                in_kafka = publisher.progress(self._reader())
         except BaseException:
             publisher.close()
             raise
@@ -526,6 +520,13 @@ class Relay:
         # Published before, not marked (the last owner stopped in between): clean up now. (Should
         # this fail, the shard publishes on after its backoff, and marks with its next transaction.)
         self._mark(state, due=True)
+
+    def _reader(self) -> GroupReader:
+        """The relay's :class:`GroupReader` (callers hold ``_admin_lock``). It does not ask again after a
+        "not now": the shard backs off and tries again (and the group is described again) by itself."""
+        if self._admin is None:
+            self._admin = admin_reader(self.settings, relay=True, patience_s=0)
+        return self._admin
 
     def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:
         """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S). Said once per
@@ -615,13 +616,15 @@ def share(shards: int, counts: dict[str, int], me: str) -> int:
     return 0
 
 
-def publisher_class(client: str) -> type[ShardPublisher] | type[RdShardPublisher]:
-    """The shards' publisher for setting ``relay_client``."""
-    if client != "confluent":
-        return ShardPublisher
-    if not rdproducer.available():
-        raise ConfigurationError("relay_client=confluent needs confluent-kafka: pip install 'kstore[confluent]'")
-    return RdShardPublisher
+def settled_members(reader: GroupReader, group: str) -> set[str] | None:
+    """The client ids of a group's members once it is settled (``Stable``), or None while it
+    rebalances or if the brokers cannot say."""
+    try:
+        view = reader.group_view(group)
+    except BrokerError as exc:
+        log.debug("describing group %r failed: %s", group, exc)
+        return None
+    return {m.client_id for m in view.members} if view.settled else None
 
 
 def _close_publisher(state: _Shard) -> None:

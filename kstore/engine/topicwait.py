@@ -4,7 +4,7 @@ A topic the processor produces to that the cluster does not have (not created ye
 while the worker runs) is an outage, like a database that does not answer: the batch is rolled
 back and put back, nothing is dead-lettered, and it is tried again after a backoff. Whether the
 topic exists again is asked of the brokers at most every ``topic_recheck_s`` (see
-:class:`kstore.kafka.kafkapython.logreader.PartitionCounts`), so the backoff only spaces the attempts.
+:class:`kstore.kafka.seam.PartitionCounts`), so the backoff only spaces the attempts.
 """
 
 from __future__ import annotations

@@ -10,15 +10,16 @@ Threads, and who may call what:
 - **main thread** (:meth:`Worker.step`): claims, epoch checks, resets, batches,
   every database statement, every processor hook. Nothing else touches the
   database or the processor.
-- **fetch thread** (:meth:`Worker.fetch_once`): ``poll()`` and the rebalance
+- **fetch thread** (:meth:`Worker.fetch_once`): the client's fetch and the rebalance
   events it brings (revoked and lost partitions are dropped and flushed at once,
   assigned ones become pending). It never touches the database.
-- **kafka-python's IO thread**: runs the rebalance listener, which only pauses
-  and records (see :mod:`kstore.kafka.kafkapython.consumer`).
+- **the client's callback thread** (kafka-python's IO thread; librdkafka's callbacks run on the
+  fetch thread, inside ``consume()``): only pauses and posts events to
+  :class:`~kstore.engine.partitions.Partitions`.
 - **the deadline watchdog** (:mod:`kstore.db.deadline`): only cuts sockets.
 
-Locks: :attr:`KafkaSource.lock` guards the queues and the ledger's maps. It is
-held across local consumer calls (seek, pause, resume) and, in
+Locks: :attr:`Partitions.lock <kstore.engine.partitions.Partitions.lock>` guards every partition's
+state (the queues and the ledger's maps). It is held across the client's local calls (seek, pause, resume) and, in
 ``reset_offsets``, across the store write of the new position (so a partition is
 never fetched, delivered and reset at once). It is never held across ``poll()``,
 a batch's transaction, a claim or a read of the log bounds: those read state
@@ -44,9 +45,8 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.clients import SourceFactory, source_class
-from kstore.kafka.kafkapython.logreader import PartitionCounts
-from kstore.kafka.seam import ConsumerSource, EventKind
+from kstore.kafka.clients import SourceFactory, partition_counts, source_class
+from kstore.kafka.seam import ConsumerSource, EventKind, PartitionCounts
 from kstore.processor import Processor, call_hook, call_setup, check_processor, declared_topics, produce_check
 from kstore.records import TopicPartition as TP
 from kstore.records import timestamp_ms
@@ -161,7 +161,7 @@ class Worker:
         engine = make_engine(self.settings)
         store = Store(engine, self.settings)
         source: ConsumerSource | None = None
-        partitions = PartitionCounts(self.settings)
+        partitions = partition_counts(self.settings)
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)

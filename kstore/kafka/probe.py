@@ -13,9 +13,14 @@ is made kstore opens one connection itself, with the same TLS context, and asks:
    text closes the connection: that is confirmed with a second, TLS connection.
 3. With SASL: does the broker enable the mechanism (SaslHandshake), and does it
    accept the credentials (PLAIN, SCRAM, OAUTHBEARER, through kafka-python's own
-   mechanism classes)? kafka-python retries a refused login until its timeout too,
+   mechanism classes, when kafka-python is installed: without it, the client checks the
+   credentials)? kafka-python retries a refused login until its timeout too,
    as the broker closes the connection right after refusing. Without SASL: does it
    answer a Metadata request (a SASL listener closes the connection instead)?
+
+``config`` is what the probe takes besides the settings: the TLS context (``ssl_context``), a
+token provider (``sasl_oauth_token_provider``), a proxy (``proxy_url``, ``socks5_proxy``: no probe);
+:func:`kstore.kafka.security.probe_config` makes it without a client library.
 
 Before that, the connection itself: a refused one or a name that does not resolve, at every
 bootstrap address, is tried again briefly (:data:`ABSENT_TRIES`, a broker restarting is back by
@@ -36,8 +41,6 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-
-from kafka.net.sasl import get_sasl_mechanism
 
 from kstore.errors import BrokerError
 
@@ -154,8 +157,10 @@ def _sasl(stream: socket.socket, host: str, where: str, settings: Any, config: M
                           f"on this listener; it enables: {', '.join(enabled) or 'none'}")
     if error != 0 or mechanism_name not in _AUTHENTICATED_HERE:
         return
+    mechanism = _mechanism(mechanism_name, host, settings, config)
+    if mechanism is None:
+        return
     version = 1 if 1 in versions.get(_SASL_AUTHENTICATE, range(0, 2)) else 0
-    mechanism = get_sasl_mechanism(mechanism_name)(host=host, **config)
     while not mechanism.is_done():
         body = _round_trip(stream, _request(_SASL_AUTHENTICATE, version, _bytes(mechanism.auth_bytes())))
         code, message, answer = _sasl_authenticate(body)
@@ -164,6 +169,30 @@ def _sasl(stream: socket.socket, host: str, where: str, settings: Any, config: M
             raise BrokerError(f"Kafka at {where} refused SASL {mechanism_name} authentication{who}: "
                               f"{message or f'error {code}'}")
         mechanism.receive(answer)
+
+
+def _mechanism(name: str, host: str, settings: Any, config: Mapping[str, Any]) -> Any:
+    """kafka-python's implementation of a SASL mechanism, set up with the credentials; None without
+    kafka-python (the SCRAM exchange is not written again here: the client checks the credentials)."""
+    try:
+        from kafka.net.sasl import get_sasl_mechanism
+        from kafka.net.sasl.oauth import AbstractTokenProvider
+    except ImportError:
+        log.debug("probe: kafka-python is not installed, so the SASL %s credentials are left to the client", name)
+        return None
+    sasl: dict[str, Any] = {"sasl_mechanism": name, "sasl_plain_username": settings.sasl_username,
+                            "sasl_plain_password": settings.sasl_password}
+    given: Any = config.get("sasl_oauth_token_provider")
+    if given is not None and not isinstance(given, AbstractTokenProvider):
+
+        class _Provider(AbstractTokenProvider):  # type: ignore[misc]
+            def token(self) -> str:
+                return str(given.token())
+
+        given = _Provider()
+    if given is not None:
+        sasl["sasl_oauth_token_provider"] = given
+    return get_sasl_mechanism(name)(host=host, **sasl)
 
 
 def _handshake(context: ssl.SSLContext, sock: socket.socket, host: str, where: str,

@@ -7,13 +7,22 @@ Nothing here imports a client library: a module above the Kafka side imports thi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol
 
+from kstore.errors import BrokerError
 from kstore.partition import TopicPartition as TP
 from kstore.records import Record
+
+if TYPE_CHECKING:
+    from kstore.records import Produced
+    from kstore.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: What a client's rebalance callbacks report: partitions given, taken back in a rebalance, or lost
 #: (the member's session expired: another member may own them already).
@@ -34,12 +43,14 @@ def committed_metadata(committed: object) -> str:
 
 @dataclass(frozen=True)
 class GroupMember:
-    """A live member of a group: its member id, its client id, and the database an older kstore
-    worker told in its subscription (None from any other member)."""
+    """A live member of a group: its member id, its client id, the database an older kstore
+    worker told in its subscription (None from any other member), and the partitions it is assigned."""
 
     member_id: str
     client_id: str
     told_database: str | None = None
+    #: Not part of who the member is (equality, hashing): it moves with every rebalance.
+    assigned: tuple[TP, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,27 @@ class GroupView:
 
     members: tuple[GroupMember, ...]
     settled: bool
+
+    def owners(self, registered: Collection[str] | None = None) -> dict[TP, str]:
+        """Which live member is assigned each partition, by its client id (a kstore worker's name, as
+        in its logs and the database, unless ``client_id`` is set); with ``registered`` (the names
+        and Kafka member ids of the workers a database's registry holds for the group), only the
+        members it names: those that write to that database."""
+        owners: dict[TP, str] = {}
+        for member in self.members:
+            who = member.client_id or member.member_id
+            if registered is not None and who not in registered and member.member_id not in registered:
+                continue
+            for tp in member.assigned:
+                owners[tp] = who
+        return owners
+
+
+class Committed(NamedTuple):
+    """A group's committed offset of one partition, and its metadata as it was given."""
+
+    offset: int
+    metadata: str
 
 
 class Fenced(Exception):
@@ -170,3 +202,175 @@ class ConsumerSource(Protocol):
 
     def close(self) -> None:
         """Leave the group, committing nothing to Kafka (after the fetch thread stopped)."""
+def progress_metadata(mark: str, seq: int) -> str:
+    """The metadata of a shard's progress mark (``mark``: ``"<incarnation>/"``), committed with ``seq``
+    as its offset. Committed with a NUL at its end: confluent-kafka (2.x) adds one itself, and
+    kafka-python is given it, because confluent-kafka reads a committed offset's metadata up to a
+    NUL, past its end when there is none (seen: ``<incarnation>/13`` read as ``<incarnation>/135 V``)."""
+    return f"{mark}{seq}"
+
+
+def highest_mark(committed: Mapping[TP, Committed], mark: str) -> int:
+    """The highest ``seq`` among a shard's progress marks of this incarnation (``mark``); 0 when there is none.
+
+    A mark counts only when its metadata is exactly ``<incarnation>/<seq>`` with ``seq`` its offset:
+    metadata read past its end (see :func:`progress_metadata`) counts for nothing, so a mark is never
+    read as further than it is (which would skip rows), at worst not at all (the database's mark
+    stands in).
+    """
+    return max((c.offset for c in committed.values() if c.metadata == f"{mark}{c.offset}"), default=0)
+
+
+class GroupReader(Protocol):
+    """What the relay asks the brokers besides publishing: a group's committed offsets (a shard's
+    progress) and its live members (to find relays whose worker left)."""
+
+    def committed(self, group: str) -> dict[TP, Committed]:
+        """The group's committed offsets in Kafka, with their metadata (none: an empty dict)."""
+        ...
+
+    def group_view(self, group: str) -> GroupView:
+        """The group's live members and whether it is settled. Raises BrokerError."""
+        ...
+
+    def close(self) -> None:
+        """Close its clients; a later question opens them again."""
+        ...
+
+
+class AdminReader(GroupReader, Protocol):
+    """Questions to the brokers for the operator's tools (``kstore offsets``, ``top``, the exporter,
+    ``topics``, lag, dead-letter replays) and the relay, made the same on either client.
+
+    Every failure is :class:`~kstore.errors.BrokerError`, one line. Brokers answer "not now" for a
+    moment after they start or while leadership moves: such an answer is asked again (a debug line
+    each time) for up to the reader's patience (``connect_timeout_s`` unless given), then is one line.
+    Clients are opened at the first question that needs them; :meth:`close` closes them and the
+    next question opens them again.
+    """
+
+    def connect(self) -> None:
+        """Open the clients now, so that a mistake in the connection settings (TLS, SASL, an address
+        where no broker listens) is named before any other answer is read."""
+        ...
+
+    def partitions(self, topic: str) -> list[int]:
+        """The topic's partitions, sorted; none for a topic the cluster does not have."""
+        ...
+
+    def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
+        """``(log start, log end)`` of each partition."""
+        ...
+
+    def offsets_for_times(self, targets: Mapping[TP, datetime]) -> dict[TP, int | None]:
+        """The first offset at or after each time (None: no record that late)."""
+        ...
+
+    def commit(self, group: str, offsets: Mapping[TP, int], metadata: str) -> None:
+        """Commit ``offsets`` for ``group`` (which must have no live member). Raises BrokerError if refused."""
+        ...
+
+    def first_timestamps(self, offsets: Mapping[TP, int], timeout_s: float) -> dict[TP, int | None]:
+        """One record of each partition, from its offset on: its timestamp in ms (None: the record has
+        none). A partition whose record did not arrive within ``timeout_s`` is left out."""
+        ...
+
+    def partition_counts(self, topics: Sequence[str]) -> dict[str, int]:
+        """Each topic's partitions, 0 for a topic the cluster does not have (never created by asking)."""
+        ...
+
+    def create_missing(self, topics: Sequence[str], partitions: int | None,
+                       replication_factor: int | None) -> tuple[list[str], dict[str, int]]:
+        """Create those of ``topics`` the cluster does not have (None: the brokers' defaults) and wait
+        until each has its leaders. Returns the topics created and every topic's partitions afterwards."""
+        ...
+
+
+class ShardPublisher(Protocol):
+    """A transactional producer for one shard of one group's outbox (the relay's Kafka side).
+
+    Made by a :class:`PublisherFactory`, which initialises the shard's transactional id
+    (:func:`shard_id`): that finishes or aborts the last owner's open transaction and fences its
+    producer. Each :meth:`publish` commits its rows and the shard's progress mark (the last
+    ``seq``, as the offset metadata ``<incarnation>/<seq>`` of the progress group) in one Kafka
+    transaction, so the progress is never ahead of or behind what was published.
+    """
+
+    ident: str
+
+    def progress(self, reader: GroupReader) -> int:
+        """The highest ``seq`` a committed transaction of this shard recorded (0: none yet). Read
+        after the factory's fencing: no commit of this shard can be pending any more."""
+        ...
+
+    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
+        """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
+
+        Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
+        was aborted or its outcome is unknown: close this producer and make a new one, which
+        settles it, then read :meth:`progress` again).
+        """
+        ...
+
+    def close(self) -> None:
+        """Drop the producer (what is not committed is aborted by the next owner or the broker)."""
+        ...
+
+
+class PublisherFactory(Protocol):
+    """A client's :class:`ShardPublisher` class: made for a shard, fencing any earlier producer of it.
+    Raises :class:`Fenced`, BrokerError or ConfigurationError."""
+
+    def __call__(self, settings: Settings, group: str, shard: int, max_record_bytes: int,
+                 incarnation: str) -> ShardPublisher: ...
+
+
+def progress_of(reader: GroupReader, ident: str, mark: str) -> int:
+    """The highest ``seq`` in progress group ``ident``'s marks of this incarnation (``mark``)."""
+    return highest_mark(reader.committed(ident), mark)
+
+
+class PartitionCounts:
+    """How many partitions each topic has, for checking what a processor produces before it reaches
+    the outbox (:func:`kstore.processor.produce_check`), asked of the readers ``open_reader`` makes.
+
+    Each answer is trusted for ``topic_recheck_s``, then asked again with a fresh metadata request
+    (never one that could create the topic): a missing topic may have been created meanwhile, and a
+    topic found may have been deleted. A failed question leaves the last answer (or, for a topic never
+    found, "unknown": the record goes on and the relay publishes it when it can).
+    """
+
+    def __init__(self, settings: Settings, open_reader: Callable[[], AdminReader]) -> None:
+        self.settings = settings
+        self._open_reader = open_reader
+        self._reader: AdminReader | None = None
+        #: topic -> (partitions, when to ask again)
+        self._known: dict[str, tuple[int, float]] = {}
+        self._unreachable_until = 0.0
+
+    def count(self, topic: str) -> int | None:
+        """The topic's partitions (0: the cluster has no such topic); None if the brokers did not answer."""
+        known = self._known.get(topic)
+        now = time.monotonic()
+        if known is not None and now < known[1]:
+            return known[0]
+        if now < self._unreachable_until:
+            return None if known is None else known[0]
+        try:
+            if self._reader is None:
+                self._reader = self._open_reader()
+            found = self._reader.partition_counts([topic])[topic]
+        except BrokerError as exc:
+            log.debug("could not look topic %r up: %s", topic, exc)
+            self._unreachable_until = now + self.settings.topic_recheck_s
+            self.close()  # a new client next time: this one may be stuck on a broker that left
+            return None if known is None else known[0]
+        if known is not None and (known[0] > 0) != (found > 0):
+            log.info("topic %r %s", topic, "exists again" if found else "no longer exists")
+        self._known[topic] = (found, time.monotonic() + self.settings.topic_recheck_s)
+        return found
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()

@@ -8,8 +8,9 @@
 - :mod:`~kstore.ops.commands`: the ``offsets``, ``outbox``, ``exporter`` and ``top`` commands;
   :mod:`~kstore.ops.lettercommands` the ``dead-letters`` ones.
 
-May import the database side, the Kafka side, :mod:`kstore.telemetry` (the lag metric families),
-:mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no
+May import the database side, the Kafka side through its seam only (:mod:`kstore.kafka.seam` and
+:mod:`kstore.kafka.clients`: the tools run on whichever client is installed), :mod:`kstore.telemetry`
+(the lag metric families), :mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no
 worker is needed, and none is driven from here. A running worker notices what these write (an
 epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
 

@@ -3,7 +3,7 @@
 No worker is needed: the stored offsets come from ``kstore_offsets``, the log
 bounds and live owners from the brokers, and the age of the oldest message not
 yet committed from the record at the stored offset itself, fetched by a consumer
-that is assigned the partition (no group) and reads one record (:mod:`kstore.kafka.kafkapython.logreader`).
+that is assigned the partition (no group) and reads one record (:meth:`kstore.kafka.seam.AdminReader.first_timestamps`).
 That timestamp is
 cached per (topic, partition, offset), so a steady scrape of a partition whose
 offset has not moved asks the brokers only for the log bounds.
@@ -29,7 +29,7 @@ from kstore.db.outbox import Outbox, ShardState
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
-from kstore.kafka.kafkapython.logreader import LogReader
+from kstore.kafka.clients import admin_reader
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
@@ -37,8 +37,9 @@ from kstore.telemetry.metrics import PartitionLag
 log = logging.getLogger(__name__)
 
 #: A reading should answer well within a Prometheus scrape timeout (10 s by default), so a broker
-#: that stops answering fails it instead of holding it for kafka-python's default 30 s. A
-#: ``request_timeout_ms`` Kafka option given by the user wins.
+#: that stops answering fails it instead of holding it for a client's default 30 s (and a "not now"
+#: from the brokers is not asked again within the reading: the next scrape asks). A
+#: ``request_timeout_ms`` Kafka option given to kafka-python wins.
 REQUEST_TIMEOUT_MS = 5000
 #: How long one reading waits for the records whose timestamps it needs.
 FETCH_TIMEOUT_S = 2.0
@@ -90,7 +91,8 @@ class LagReader:
                  fetch_timeout_s: float = FETCH_TIMEOUT_S, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         # A mistake in the Kafka settings (TLS files, a token provider) is named now, not at the first reading.
-        self._kafka = LogReader(settings, settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS))
+        timeout_ms = settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS)
+        self._kafka = admin_reader(settings, request_timeout_s=timeout_ms / 1000, patience_s=0)
         self.owners, self.outbox, self.fetch_timeout_s, self.clock = owners, outbox, fetch_timeout_s, clock
         self.engine = make_engine(self.settings)
         self.store = Store(self.engine, self.settings)
@@ -104,7 +106,7 @@ class LagReader:
         rows, dead, shards = self._read_database(group)
         try:
             return self._read_brokers(group, rows, dead, shards)
-        except BrokerError:  # every error of the brokers' (kstore.kafka.kafkapython.logreader)
+        except BrokerError:  # every error of the brokers' (kstore.kafka.seam.AdminReader)
             self._close_kafka()
             raise
 
@@ -148,7 +150,7 @@ class LagReader:
                       shards: list[ShardState]) -> GroupReading:
         tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
         bounds = self._kafka.log_bounds(tps)
-        owners = self._kafka.live_owners(group, self.store.registered_members(group)) if self.owners else {}
+        owners = self._kafka.group_view(group).owners(self.store.registered_members(group)) if self.owners else {}
         nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
         # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
         waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}

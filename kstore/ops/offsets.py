@@ -10,11 +10,11 @@ under the old epoch is rolled back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -23,7 +23,8 @@ from kstore.db.resets import move
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import HistoryEntry, Store, make_engine
 from kstore.errors import BrokerError, ConfigurationError, DatabaseError, InvalidOffsetError
-from kstore.kafka.kafkapython.inspector import KafkaInspector
+from kstore.kafka.clients import admin_reader
+from kstore.kafka.seam import MIRROR_METADATA, AdminReader
 from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST, Target, check_target
@@ -67,20 +68,33 @@ class PlannedReset:
     mirror: str = ""
 
 
+#: What :func:`mirror_move` did: the group does not mirror (nothing to do), its committed offsets in
+#: Kafka moved, or they are left to its live members (which mirror them).
+MirrorMove = Literal["not mirrored", "moved", "left to live workers"]
+
+
 @contextmanager
-def _connections(settings: Settings) -> Iterator[tuple[Store, KafkaInspector]]:
+def _connections(settings: Settings) -> Iterator[tuple[Store, AdminReader]]:
     engine = make_engine(settings)
     try:
         store = Store(engine, settings)
         store.check_reachable()
         check_migrated(engine, settings)
-        kafka = KafkaInspector(settings)
+        kafka = admin_reader(settings)
         try:
+            kafka.connect()
             yield store, kafka
         finally:
             kafka.close()
     finally:
         engine.dispose()
+
+
+def _partitions(kafka: AdminReader, settings: Settings, topic: str) -> list[int]:
+    found = kafka.partitions(topic)
+    if not found:
+        raise ConfigurationError(f"unknown topic {topic!r} at {settings.bootstrap_servers}")
+    return found
 
 
 def show_offsets(settings: Settings, group: str, topic: str | None = None) -> list[PartitionStatus]:
@@ -94,9 +108,9 @@ def show_offsets(settings: Settings, group: str, topic: str | None = None) -> li
         if not rows:
             _check_known(store, group)
         topics = [topic] if topic else sorted({t for t, _ in rows})
-        tps = [(t, p) for t in topics for p in kafka.partitions(t)]
+        tps = [(t, p) for t in topics for p in _partitions(kafka, settings, t)]
         bounds = kafka.log_bounds(tps)
-        owners = kafka.live_owners(group, store.registered_members(group))
+        owners = kafka.group_view(group).owners(store.registered_members(group))
     out = []
     for tp in tps:
         row = rows.get(tp)
@@ -221,17 +235,16 @@ def set_offsets(
     if execute and not (reason or "").strip():
         raise ConfigurationError("give a reason for the reset (--reason); it is recorded in the reset history")
     with _connections(settings) as (store, kafka):
-        plan, items = _plan(store, kafka, group, topic, partitions, request)
+        plan, items = _plan(store, kafka, group, topic, _partitions(kafka, settings, topic), partitions, request)
         if not execute:
             return items
         applied = _apply(store, plan, f"kstore offsets set: {reason}")
         return _mirror(kafka, settings, group, applied)
 
 
-def _plan(store: Store, kafka: KafkaInspector, group: str, topic: str, partitions: Sequence[int] | None,
-          request: ResetRequest) -> tuple[_Plan, list[PlannedReset]]:
+def _plan(store: Store, kafka: AdminReader, group: str, topic: str, known: list[int],
+          partitions: Sequence[int] | None, request: ResetRequest) -> tuple[_Plan, list[PlannedReset]]:
     """The plan, and what it does to the offsets stored now (a refusal raises here already)."""
-    known = kafka.partitions(topic)
     chosen = list(partitions) if partitions else known
     unknown = sorted(set(chosen) - set(known))
     if unknown:
@@ -265,17 +278,34 @@ def _apply(store: Store, plan: _Plan, reason: str) -> list[PlannedReset]:
     return [replace(plan.one((m.topic, m.partition), m.from_offset), to_offset=m.to_offset) for m in moved]
 
 
-def _mirror(kafka: KafkaInspector, settings: Settings, group: str, applied: list[PlannedReset]) -> list[PlannedReset]:
+def _mirror(kafka: AdminReader, settings: Settings, group: str, applied: list[PlannedReset]) -> list[PlannedReset]:
     """The move landed in the database; a group that mirrors its offsets to Kafka gets them there too,
     or lag tools would show the old ones (hiding a replay) until a worker commits again."""
     try:
-        done: str = kafka.mirror_move(group, {(p.topic, p.partition): p.to_offset for p in applied},
-                                      mirrors=settings.mirror_offsets)
+        done: str = mirror_move(kafka, group, {(p.topic, p.partition): p.to_offset for p in applied},
+                                mirrors=settings.mirror_offsets)
     except BrokerError as exc:
         done = f"not moved: {exc}"  # the move itself stands: only the lag tools' copy is behind
     if done == "not mirrored":
         return applied
     return [replace(p, mirror=done) for p in applied]
+
+
+def mirror_move(kafka: AdminReader, group: str, offsets: Mapping[TP, int], *, mirrors: bool = False) -> MirrorMove:
+    """After an operator's move of ``group`` in the database: where the group mirrors its offsets to
+    Kafka (``mirrors``, or the metadata of its committed offsets there says so), write the new ones
+    there too, unless a live member owns a partition of the group: its worker mirrors them itself
+    once it has followed the move (and Kafka takes no offsets but its members' then). kstore never
+    reads these offsets: they only keep Kafka's lag tools right. Raises BrokerError if the brokers refuse
+    (a member that joined since the look: it mirrors them itself).
+    """
+    committed = kafka.committed(group)
+    if not mirrors and not any(c.metadata == MIRROR_METADATA for c in committed.values()):
+        return "not mirrored"
+    if kafka.group_view(group).owners():
+        return "left to live workers"
+    kafka.commit(group, offsets, MIRROR_METADATA)
+    return "moved"
 
 
 def _refuse(plan: list[PlannedReset]) -> None:

@@ -30,7 +30,7 @@ from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, wai
 from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
-from kstore.kafka.kafkapython.logreader import PartitionCounts
+from kstore.kafka.clients import partition_counts
 from kstore.processor import (
     NOT_THE_MESSAGE,
     Outgoing,
@@ -147,7 +147,7 @@ def _replaying(letters: DeadLetters, processor: Processor, group: str) -> Iterat
     around replays, and the check of what they produce."""
     settings = letters.settings
     call_setup(processor, letters.engine, group)
-    partitions = PartitionCounts(settings)
+    partitions = partition_counts(settings)
     try:
         yield produce_check(partitions.count, settings.outbox_max_record_bytes,
                             f"Kafka at {settings.bootstrap_servers}", declared_topics(processor))

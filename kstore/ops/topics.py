@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kstore.errors import ConfigurationError
-from kstore.kafka.kafkapython.topicadmin import create_missing, partition_counts
+from kstore.kafka.clients import admin_reader
 from kstore.processor import Processor, declared_topics
 from kstore.settings import Settings
 
@@ -42,7 +42,11 @@ def _roles(settings: Settings, processor: Processor) -> dict[str, str]:
 def list_topics(settings: Settings, processor: Processor) -> list[TopicState]:
     """The processor's input and declared output topics, with their partitions at the brokers (0: missing)."""
     roles = _roles(settings, processor)
-    counts = partition_counts(settings, list(roles))
+    reader = admin_reader(settings)
+    try:
+        counts = reader.partition_counts(list(roles))
+    finally:
+        reader.close()
     return [TopicState(t, role, counts[t]) for t, role in roles.items()]
 
 
@@ -54,5 +58,9 @@ def create_topics(settings: Settings, processor: Processor, partitions: int | No
         if value is not None and value < 1:
             raise ConfigurationError(f"{name} must be at least 1, got {value}")
     roles = _roles(settings, processor)
-    created, counts = create_missing(settings, list(roles), partitions, replication_factor)
+    reader = admin_reader(settings)
+    try:
+        created, counts = reader.create_missing(list(roles), partitions, replication_factor)
+    finally:
+        reader.close()
     return [TopicState(t, role, counts[t], t in created) for t, role in roles.items()]

@@ -1,6 +1,6 @@
 """How the confluent-kafka backend connects: kstore's settings as librdkafka properties, and clear errors.
 
-The same settings as kafka-python's clients (:mod:`kstore.kafka.kafkapython.connect`), under librdkafka's
+The same settings as kafka-python's clients, under librdkafka's
 names: ``security_protocol`` -> ``security.protocol``, ``sasl_mechanism`` -> ``sasl.mechanisms``,
 ``sasl_username``/``sasl_password`` -> ``sasl.username``/``sasl.password``, ``ssl_cafile`` ->
 ``ssl.ca.location``, ``ssl_certfile``/``ssl_keyfile``/``ssl_key_password`` ->
@@ -16,16 +16,17 @@ settings as for kafka-python: librdkafka, like kafka-python, only retries such m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.kafkapython.connect import client_config, load_token_provider
 from kstore.kafka.probe import probe
+from kstore.kafka.security import load_token_provider, probe_config
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
 
@@ -78,9 +79,7 @@ def open_rd_consumer(settings: Any, **kstore_config: Any) -> Consumer:
     The TLS files are checked and the first broker probed first (see the module's docstring);
     librdkafka checks the properties' values here, and refuses a wrong one in one line.
     """
-    checked = client_config(settings)  # loads the TLS files and the token provider: one clear line each
-    probe(settings, checked)
-    config = librdkafka_config(settings)
+    config = checked_config(settings)
     config.update(kstore_config)
     if settings.kafka_options:
         shown = sorted(shown_options(settings.kafka_options).items())
@@ -91,6 +90,24 @@ def open_rd_consumer(settings: Any, **kstore_config: Any) -> Consumer:
         raise ConfigurationError(f"Kafka client configuration: {describe(exc)}") from None
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(f"Kafka client configuration: {exc}") from None
+
+
+def client_config(settings: Any) -> dict[str, Any]:
+    """librdkafka's properties for kstore's clients besides the worker's consumer (the relay's producer,
+    the operator's tools): the user's ``kafka_options`` only where they are librdkafka's
+    (``kafka_client = "confluent"``), and none that is the consumer's alone."""
+    if settings.kafka_client != "confluent" and settings.kafka_options:
+        settings = dataclasses.replace(settings, kafka_options={})
+    config = librdkafka_config(settings)
+    config.pop("isolation.level", None)
+    return config
+
+
+def checked_config(settings: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``config`` (:func:`librdkafka_config` if None), once the TLS files and the token provider have
+    loaded (one clear line each) and the first broker has been probed (see the module's docstring)."""
+    probe(settings, probe_config(settings))
+    return dict(config) if config is not None else librdkafka_config(settings)
 
 
 def describe(exc: BaseException) -> str:

@@ -1,8 +1,9 @@
-"""The outbox relay's publisher on librdkafka (confluent-kafka): the same contract as
-:class:`kstore.kafka.kafkapython.producer.ShardPublisher`, whose docstring says what a shard's transaction
-holds (its records and its progress mark) and how a zombie is fenced.
+"""The outbox relay's publisher on librdkafka (confluent-kafka): :class:`kstore.kafka.seam.ShardPublisher`,
+whose docstring says what a shard's transaction holds (its records and its progress mark) and how a
+zombie is fenced. Its progress is read by the relay's :class:`~kstore.kafka.seam.GroupReader`
+(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it).
 
-Why a second one: kafka-python encodes, batches and compresses every record in Python, on the
+Why librdkafka: kafka-python encodes, batches and compresses every record in Python, on the
 interpreter the worker's batches run on, and a relay inside a worker waited on that (a
 transaction took 69 ms in a worker against 13.5 ms in a process of its own). librdkafka does all
 of it on its own threads, in C: ``produce()`` only copies the record into its queue.
@@ -10,52 +11,32 @@ of it on its own threads, in C: ``produce()`` only copies the record into its qu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+import confluent_kafka
+
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.kafkapython.producer import progress_of
-from kstore.kafka.seam import Fenced, PublishFailed, shard_id
+from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
 from kstore.records import Produced
+from kstore.settings import Settings
+
+from .connect import client_config
 
 log = logging.getLogger(__name__)
 
-try:  # an optional dependency: the kafka-python publisher is used without it
-    import confluent_kafka
-except ImportError:  # pragma: no cover - depends on the environment
-    confluent_kafka = None  # type: ignore[assignment]
 
+class ConfluentShardPublisher:
+    """confluent-kafka's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional librdkafka
+    producer for one shard of one group's outbox."""
 
-def available() -> bool:
-    """Whether confluent-kafka can be imported here."""
-    return confluent_kafka is not None
-
-
-def rd_client_config(settings: Any) -> dict[str, Any]:
-    """librdkafka's properties for the brokers and security settings of ``settings``
-    (:func:`kstore.kafka.confluent.connect.librdkafka_config`): the user's ``kafka_options`` only where
-    they are librdkafka's (``kafka_client = "confluent"``), and none that is the consumer's alone."""
-    from .connect import librdkafka_config  # imports confluent-kafka, an optional dependency
-
-    if settings.kafka_client != "confluent" and settings.kafka_options:
-        settings = dataclasses.replace(settings, kafka_options={})
-    config = librdkafka_config(settings)
-    config.pop("isolation.level", None)
-    return config
-
-
-class RdShardPublisher:
-    """A transactional librdkafka producer for one shard of one group's outbox."""
-
-    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
-        assert confluent_kafka is not None, "confluent-kafka is not installed"
+    def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
         self.ident = shard_id(group, shard)
         self._mark = f"{incarnation}/"
-        base = rd_client_config(settings)
+        base = client_config(settings)
         config = dict(base)
         config.update({
             "transactional.id": self.ident,
@@ -101,20 +82,19 @@ class RdShardPublisher:
         # Connection trouble is retried by librdkafka; a transaction that fails says so itself.
         log.debug("outbox producer %s: %s", self.ident, err)
 
-    def progress(self, admin: Any) -> int:
-        """As :meth:`kstore.kafka.kafkapython.producer.ShardPublisher.progress` (the same marks)."""
-        return progress_of(self.settings, admin, self.ident, self._mark)
+    def progress(self, reader: GroupReader) -> int:
+        """As :meth:`kstore.kafka.seam.ShardPublisher.progress` (the same marks on either client)."""
+        return progress_of(reader, self.ident, self._mark)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
-        """As :meth:`kstore.kafka.kafkapython.producer.ShardPublisher.publish`."""
-        assert confluent_kafka is not None
+        """As :meth:`kstore.kafka.seam.ShardPublisher.publish`."""
         producer = self._producer
         refused: list[tuple[int, str]] = []  # (seq, reason) of the records librdkafka could not deliver
         try:
             producer.begin_transaction()
             self._send(rows, refused)
             last = rows[-1][0]
-            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, f"{self._mark}{last}")
+            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, progress_metadata(self._mark, last))
             producer.send_offsets_to_transaction([mark], self._group_meta, timeout_s)
             producer.commit_transaction(timeout_s)
         except confluent_kafka.KafkaException as exc:
@@ -131,7 +111,6 @@ class RdShardPublisher:
         # Committed: librdkafka commits only when every record of the transaction was delivered.
 
     def _send(self, rows: Sequence[tuple[int, Produced]], refused: list[tuple[int, str]]) -> None:
-        assert confluent_kafka is not None
         producer = self._producer
         for seq, r in rows:
             try:
@@ -161,9 +140,13 @@ class RdShardPublisher:
         if producer is not None:
             # librdkafka has no close: what is queued is dropped with the handle (an open
             # transaction is aborted by the next owner's init_transactions, or by the broker).
-            producer.purge()
-            producer.flush(0)
+            # A fenced producer's flush raises its fatal error again: it is done either way.
             self._producer = None
+            try:
+                producer.purge()
+                producer.flush(0)
+            except Exception as exc:
+                log.debug("closing %s's producer: %s", self.ident, exc)
 
 
 def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any) -> None:
@@ -173,7 +156,6 @@ def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any)
 
 
 def _fenced(exc: BaseException) -> bool:
-    assert confluent_kafka is not None
     err = exc.args[0] if exc.args else None
     codes = {confluent_kafka.KafkaError._FENCED, confluent_kafka.KafkaError.PRODUCER_FENCED,
              confluent_kafka.KafkaError.INVALID_PRODUCER_EPOCH,

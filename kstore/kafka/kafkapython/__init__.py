@@ -1,7 +1,7 @@
 """kstore's Kafka side on kafka-python (``pip install 'kstore[kafka-python]'``): the worker's consumer
 (:mod:`.consumer`), the relay's shard publisher (:mod:`.producer`), the operator's questions to the
-brokers (:mod:`.inspector`, :mod:`.logreader`, :mod:`.topicadmin`, :mod:`.members`) and how each
-client is made from the settings (:mod:`.connect`).
+brokers (:mod:`.admin`; a group's members as described, :mod:`.members`) and how each client is made
+from the settings (:mod:`.connect`).
 
 Imported only through :mod:`kstore.kafka.clients`, when the settings choose kafka-python (or the
 tools find only it installed). Named ``kafkapython``: inside it, ``from kafka import ...`` is

@@ -5,11 +5,10 @@ client of ``kstore offsets``) is built by :func:`open_consumer` / :func:`open_ad
 from one :class:`~kstore.settings.Settings`, so TLS, SASL and extra options apply
 everywhere alike.
 
-TLS: kstore builds the :class:`ssl.SSLContext` itself (from ``ssl_cafile``,
-``ssl_certfile``, ``ssl_keyfile``, ``ssl_key_password``, ``ssl_check_hostname`` and the
-``ssl_crlfile``/``ssl_ciphers`` options) and hands it to kafka-python, so a file that
-cannot be read or a wrong key password is a clear error before anything connects, and
-the probe (:mod:`kstore.kafka.probe`) checks the brokers with the very same context.
+TLS: kstore builds the :class:`ssl.SSLContext` itself (:mod:`kstore.kafka.security`) and hands it
+to kafka-python, so a file that cannot be read or a wrong key password is a clear error before
+anything connects, and the probe (:mod:`kstore.kafka.probe`) checks the brokers with the very same
+context.
 
 Other kafka-python options are accepted by name (``kafka_options``); which ones, and the
 security settings that go together, :class:`~kstore.settings.Settings` has already checked
@@ -18,10 +17,7 @@ security settings that go together, :class:`~kstore.settings.Settings` has alrea
 
 from __future__ import annotations
 
-import importlib
 import logging
-import ssl
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,117 +32,30 @@ from kafka.errors import (
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka import security
 from kstore.kafka.probe import probe
+from kstore.kafka.security import TokenProvider, ssl_context
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
 
 log = logging.getLogger(__name__)
 
-#: Options kstore folds into the SSL context it builds (kafka-python ignores them once given a context).
-_SSL_CONTEXT_OPTIONS = ("ssl_crlfile", "ssl_ciphers")
+class _TokenProvider(AbstractTokenProvider):  # type: ignore[misc]
+    """kafka-python's face of a token provider that is not its own kind (a function, say)."""
 
-
-def ssl_context(settings: Any, options: Mapping[str, Any]) -> ssl.SSLContext | None:
-    """The TLS context every Kafka connection uses, or None without TLS; a user's own
-    ``ssl_context`` option is used as it is."""
-    if settings.security_protocol not in ("SSL", "SASL_SSL"):
-        return None
-    given = options.get("ssl_context")
-    if given is not None:
-        if not isinstance(given, ssl.SSLContext):
-            raise ConfigurationError("Kafka option ssl_context must be an ssl.SSLContext")
-        return given
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = settings.ssl_check_hostname
-    _load_trust(ctx, settings.ssl_cafile, options.get("ssl_crlfile"))
-    if settings.ssl_certfile:
-        _load_client_certificate(ctx, settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_key_password)
-    if options.get("ssl_ciphers"):
-        try:
-            ctx.set_ciphers(options["ssl_ciphers"])
-        except ssl.SSLError as exc:
-            raise ConfigurationError(f"invalid ssl_ciphers: {_reason(exc)}") from None
-    return ctx
-
-
-def _load_trust(ctx: ssl.SSLContext, cafile: str | None, crlfile: str | None) -> None:
-    for name, path in (("ssl_cafile", cafile), ("ssl_crlfile", crlfile)):
-        if not path:
-            continue
-        try:
-            ctx.load_verify_locations(cafile=path)  # a PEM file of CRLs loads the same way
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigurationError(f"cannot load {name} {path}: {_reason(exc)}") from None
-    if not cafile:
-        ctx.load_default_certs()
-    if crlfile:
-        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-
-
-def _load_client_certificate(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, password: str | None) -> None:
-    files = certfile + (f" and {keyfile}" if keyfile else "")
-    try:
-        ctx.load_cert_chain(certfile, keyfile or None, password=password)
-    except (OSError, ssl.SSLError) as exc:
-        hint = " (wrong or missing ssl_key_password?)" if isinstance(exc, ssl.SSLError) else ""
-        raise ConfigurationError(f"cannot load the client certificate {files}: {_reason(exc)}{hint}") from None
-    expires = _not_after(certfile)
-    if expires is not None and expires < time.time():
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
-        raise ConfigurationError(f"the client certificate {certfile} expired on {when}: brokers will refuse it")
-
-
-def _not_after(certfile: str) -> float | None:
-    """When a PEM certificate expires, by the ssl module's own decoder (None if it cannot tell)."""
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return None
-    try:
-        return float(ssl.cert_time_to_seconds(decode(certfile)["notAfter"]))
-    except (OSError, ValueError, KeyError, ssl.SSLError):
-        return None
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError):
-        return exc.strerror
-    reason = getattr(exc, "reason", None)
-    return str(reason or exc)
-
-
-class _CallableTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
-    """Wraps a plain function returning a token string, called at each authentication."""
-
-    def __init__(self, fn: Callable[[], str]) -> None:
+    def __init__(self, provider: TokenProvider) -> None:
         super().__init__()
-        self._fn = fn
+        self._provider = provider
 
     def token(self) -> str:
-        return self._fn()
+        return self._provider.token()
 
 
 def load_token_provider(spec: str) -> AbstractTokenProvider:
-    """``MODULE:CALLABLE``: an AbstractTokenProvider subclass (instantiated without arguments)
-    or instance, or a function returning the current token string."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(f"sasl_oauth_token_provider must be MODULE:CALLABLE, got {spec!r}")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import token provider module {module_name!r}: {exc}") from None
-    except AttributeError:
-        raise ConfigurationError(f"module {module_name!r} has no {attr!r} (sasl_oauth_token_provider)") from None
-    if isinstance(target, type) and issubclass(target, AbstractTokenProvider):
-        return target()
-    if isinstance(target, AbstractTokenProvider):
-        return target
-    if callable(target):
-        return _CallableTokenProvider(target)
-    raise ConfigurationError(f"sasl_oauth_token_provider {spec!r} is neither a function nor a token provider")
+    """``sasl_oauth_token_provider`` (:func:`kstore.kafka.security.load_token_provider`) as kafka-python
+    takes it: an AbstractTokenProvider."""
+    provider = security.load_token_provider(spec)
+    return provider if isinstance(provider, AbstractTokenProvider) else _TokenProvider(provider)
 
 
 def client_config(settings: Any) -> dict[str, Any]:
@@ -156,7 +65,7 @@ def client_config(settings: Any) -> dict[str, Any]:
     kstore's kafka-python clients (relay, ``kstore offsets``, the probe) get none of them."""
     options = settings.kafka_options if getattr(settings, "kafka_client", "kafka-python") == "kafka-python" else {}
     config: dict[str, Any] = {
-        k: v for k, v in options.items() if k not in _SSL_CONTEXT_OPTIONS and k != "ssl_context"
+        k: v for k, v in options.items() if k not in security.SSL_CONTEXT_OPTIONS and k != "ssl_context"
     }
     config.update(
         bootstrap_servers=settings.bootstrap_servers.split(","),

@@ -1,7 +1,7 @@
 """A consumer group's live members, as Kafka's describe group gives them, in one plain shape.
 
 kafka-python's :class:`KafkaAdminClient` answers here; confluent-kafka's ``AdminClient`` answers in
-:mod:`kstore.kafka.confluent.consumer`. The worker's one-database guard (:mod:`kstore.engine.onedatabase`)
+:mod:`kstore.kafka.confluent.admin`. The worker's one-database guard (:mod:`kstore.engine.onedatabase`)
 and ``kstore offsets show`` compare these members with the group's registry in the database.
 """
 
@@ -14,6 +14,7 @@ from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
 from kstore.kafka.seam import GroupMember, GroupView
+from kstore.partition import TopicPartition as TP
 
 _DB_TAG = b"kstore-db:"
 
@@ -47,8 +48,15 @@ def view_of(described: dict[str, Any]) -> GroupView:
     for member in described.get("members", []):
         metadata = member.get("member_metadata")
         told = member_database(metadata.get("user_data") if isinstance(metadata, dict) else None)
-        members.append(GroupMember(str(member.get("member_id")), str(member.get("client_id")), told))
+        members.append(GroupMember(str(member.get("member_id")), str(member.get("client_id") or ""), told,
+                                   _assigned(member.get("member_assignment"))))
     return GroupView(tuple(members), described.get("group_state") == "Stable")
+
+
+def _assigned(assignment: Any) -> tuple[TP, ...]:
+    """The partitions in a member's assignment, as kafka-python's description gives it."""
+    entries = assignment.get("assigned_partitions", []) if isinstance(assignment, dict) else []
+    return tuple((entry["topic"], partition) for entry in entries for partition in entry.get("partitions", []))
 
 
 def group_error(text: Any) -> type[KafkaError] | None:

@@ -10,7 +10,7 @@ id made with the group's shards: marks left by shards made before, in another da
 this one before they were made anew, count for nothing here). The records and that mark commit
 together or not at all, so a relay killed between Kafka's commit and the database's "published"
 mark (only for clean-up) never publishes a row twice: the next owner reads the highest mark
-(:meth:`ShardPublisher.progress`).
+(:meth:`KafkaPythonShardPublisher.progress`).
 
 **Fencing.** The producer's ``transactional_id`` is stable per shard (the same string as the
 progress group): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
@@ -34,10 +34,11 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from kstore.errors import BrokerError
-from kstore.kafka.seam import Fenced, PublishFailed, committed_metadata, shard_id
+from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
 from kstore.records import Produced
+from kstore.settings import Settings
 
-from .connect import _open, client_config, open_admin
+from .connect import _open, client_config
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,11 @@ log = logging.getLogger(__name__)
 RETRY_BACKOFF_MS = 10
 
 
-class ShardPublisher:
-    """A transactional producer for one shard of one group's outbox."""
+class KafkaPythonShardPublisher:
+    """kafka-python's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional producer for one
+    shard of one group's outbox."""
 
-    def __init__(self, settings: Any, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
+    def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
         self.ident = shard_id(group, shard)
         self._mark = f"{incarnation}/"
@@ -76,13 +78,13 @@ class ShardPublisher:
             self.close()
             raise _broker(settings, exc) from None
 
-    def progress(self, admin: Any) -> int:
+    def progress(self, reader: GroupReader) -> int:
         """The highest ``seq`` a committed transaction of this shard recorded (0: none yet).
 
         Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
         owner's transaction: no commit of this shard can be pending any more.
         """
-        return progress_of(self.settings, admin, self.ident, self._mark)
+        return progress_of(reader, self.ident, self._mark)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
@@ -99,7 +101,9 @@ class ShardPublisher:
             # The progress mark goes while the records are on their way (its round trips overlap
             # theirs): partition 0 of the first record's topic, which exists, with the seq as offset.
             last = rows[-1][0]
-            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, f"{self._mark}{last}", -1)}
+            # Ended by a NUL, as confluent-kafka's are (see progress_metadata): a reader on either client reads it.
+            metadata = progress_metadata(self._mark, last) + "\x00"
+            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, metadata, -1)}
             self._bounded("send the progress mark", lambda tm: tm.send_offsets_to_transaction(offsets, self.ident),
                           lambda: producer.send_offsets_to_transaction(offsets, self.ident), timeout_s)
             producer.flush(timeout=timeout_s)
@@ -154,19 +158,6 @@ class ShardPublisher:
             log.debug("closing %s's producer failed: %s", self.ident, exc)
 
 
-def progress_of(settings: Any, admin: Any, ident: str, mark: str) -> int:
-    """The highest ``seq`` in progress group ``ident``'s marks of this incarnation (``mark``:
-    ``"<incarnation>/"``), read with a kafka-python admin client; 0 when there is none."""
-    try:
-        found = admin.list_group_offsets({ident: None}).get(ident, {})
-    except KafkaError as exc:
-        raise _broker(settings, exc) from None
-    marks = [int(seq) for om in found.values()
-             for db, _, seq in [committed_metadata(om).rpartition("/")]
-             if f"{db}/" == mark and seq.isdigit()]
-    return max(marks, default=0)
-
-
 def _result(future: Any, seq: int) -> Any:
     """A sent record's metadata, or :class:`PublishFailed` naming its row."""
     if not future.is_done:
@@ -177,7 +168,7 @@ def _result(future: Any, seq: int) -> Any:
     return future.value
 
 
-def _broker(settings: Any, exc: BaseException) -> BrokerError:
+def _broker(settings: Settings, exc: BaseException) -> BrokerError:
     return BrokerError(f"Kafka at {settings.bootstrap_servers}: {_first_line(exc)}")
 
 
@@ -185,7 +176,3 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
-
-def open_progress_reader(settings: Any) -> Any:
-    """The admin client that reads the shards' progress (one per relay)."""
-    return open_admin(settings)
