@@ -14,6 +14,8 @@ from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore import ConfigurationError, Settings
 from kstore.kafka.kafkapython.connect import client_config, load_token_provider
+from kstore.kafka.probe import _mechanism
+from kstore.kafka.security import probe_config
 from kstore.kafkaoptions import CONSUMER_OPTIONS, SASL_MECHANISM_NAMES, check_kafka_options
 
 SECRET = "pa55-w0rd-SECRET"
@@ -137,6 +139,18 @@ def test_no_secret_in_the_settings_repr() -> None:
 def test_token_providers_load_from_module_and_callable(spec: str, expected: str) -> None:
     provider = load_token_provider(spec)
     assert isinstance(provider, AbstractTokenProvider) and provider.token() == expected
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ("tests.test_kafka_settings:token", "a.b.c"),
+    ("tests.test_kafka_settings:Provider", "from-a-class"),
+])
+def test_the_probe_logs_in_with_the_token_the_provider_gives(spec: str, expected: str) -> None:
+    """The probe's OAUTHBEARER login sends the provider's token, from a function as from a class."""
+    settings = Settings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="OAUTHBEARER",
+                        sasl_oauth_token_provider=spec)
+    mechanism = _mechanism("OAUTHBEARER", "localhost", settings, probe_config(settings))
+    assert f"auth=Bearer {expected}".encode() in mechanism.auth_bytes()
 
 
 @pytest.mark.parametrize(("spec", "said"), [

@@ -187,9 +187,9 @@ def _mechanism(name: str, host: str, settings: Any, config: Mapping[str, Any]) -
 
         class _Provider(AbstractTokenProvider):  # type: ignore[misc]
             def token(self) -> str:
-                return str(given.token())
+                return str(provider.token())
 
-        given = _Provider()
+        provider, given = given, _Provider()
     if given is not None:
         sasl["sasl_oauth_token_provider"] = given
     return get_sasl_mechanism(name)(host=host, **sasl)
