@@ -71,9 +71,8 @@ class Settings:
     #: ``isolation_level`` is ``read_committed`` unless set here: records of aborted upstream
     #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: The Kafka client the worker consumes with: ``kafka-python`` (pure Python, ``pip install
-    #: 'kstore[kafka-python]'``) or ``confluent`` (confluent-kafka, on librdkafka, installed with
-    #: kstore). With ``confluent``, ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``).
+    #: The Kafka client the worker consumes with: ``kafka-python`` (pure Python) or ``confluent``
+    #: (confluent-kafka, on librdkafka); ``pip install kstore`` installs both. With ``confluent``, ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``).
     #: Same guarantees with either. The operator's tools (``kstore offsets``, ``top``, the exporter)
     #: use it too, or the other client when it is not installed; the relay has ``relay_client``.
     kafka_client: str = "kafka-python"
@@ -173,9 +172,8 @@ class Settings:
     #: in several processes publish side by side; in one process they share its one interpreter
     #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.
     outbox_shards: int = 1
-    #: The Kafka client the relay publishes with: ``"kafka-python"`` (``pip install
-    #: 'kstore[kafka-python]'``), or ``"confluent"`` (librdkafka, which encodes and sends in C on
-    #: threads of its own).
+    #: The Kafka client the relay publishes with: ``"kafka-python"``, or ``"confluent"`` (librdkafka,
+    #: which encodes and sends in C on threads of its own).
     relay_client: str = "kafka-python"
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0

@@ -18,13 +18,6 @@ from .harness import TESTS_DIR
 #: The module each client's library is imported as.
 LIBRARY = {"confluent": "confluent_kafka", "kafka-python": "kafka"}
 
-#: What stops a process without kafka-python today: kstore.engine's worker modules import
-#: kstore.kafka.kafkapython themselves (``import kstore`` imports the worker), rather than through
-#: kstore.kafka.clients. Strict: once they no longer do, these pass and the mark must go.
-WORKER_IMPORTS_KAFKA_PYTHON = pytest.mark.xfail(
-    strict=True, reason="kstore.engine's worker modules import kstore.kafka.kafkapython directly")
-
-
 #: The client libraries' modules loaded in a process (those made unimportable are None there).
 LOADED = ("sorted(m for m, v in sys.modules.items() "
           "if v is not None and m.split('.')[0] in ('kafka', 'confluent_kafka'))")
@@ -61,12 +54,10 @@ def assert_one_line(result: subprocess.CompletedProcess[str], expected: str) -> 
 
 
 def client_param(client: str) -> Any:
-    """A test's parameter for the client left out; without kafka-python, marked as above."""
-    marks = [WORKER_IMPORTS_KAFKA_PYTHON] if client == "kafka-python" else []
-    return pytest.param(client, marks=marks, id=f"without-{client}")
+    """A test's parameter for the client left out."""
+    return pytest.param(client, id=f"without-{client}")
 
 
-@WORKER_IMPORTS_KAFKA_PYTHON
 def test_importing_kstore_and_its_command_imports_no_kafka_client() -> None:
     """A client library is imported only when the settings choose it, never by ``import kstore``."""
     code = ("import kstore, kstore.cli\n"
@@ -93,7 +84,6 @@ def test_a_relay_on_a_client_not_installed_is_one_line_naming_its_extra(client: 
     assert_one_line(result, f"relay_client {client} needs {extra}: pip install 'kstore[{client}]'")
 
 
-@WORKER_IMPORTS_KAFKA_PYTHON
 def test_the_operator_tools_with_no_client_installed_are_one_line(tmp_path: Path) -> None:
     result = kstore_without(("kafka", "confluent_kafka"), "offsets", "show", "--group", "g",
                             "--dsn", migrated(tmp_path), "--bootstrap-servers", "127.0.0.1:1",
