@@ -72,7 +72,8 @@ class Settings:
     #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: The Kafka client the worker consumes with: ``kafka-python`` (pure Python) or ``confluent``
-    #: (confluent-kafka, on librdkafka); ``pip install kstore`` installs both. With ``confluent``, ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``).
+    #: (confluent-kafka, on librdkafka); ``pip install kstore`` installs both. With ``confluent``,
+    #: ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``).
     #: Same guarantees with either. The operator's tools (``kstore offsets``, ``top``, the exporter)
     #: use it too, or the other client when it is not installed; the relay has ``relay_client``.
     kafka_client: str = "kafka-python"
