@@ -40,9 +40,12 @@ import ssl
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kstore.errors import BrokerError
+
+if TYPE_CHECKING:
+    from kstore.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class _TlsRecord(Exception):
     """A plain-text request got a TLS record back (an alert): the listener speaks TLS."""
 
 
-def probe(settings: Any, config: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep) -> None:
+def probe(settings: Settings, config: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep) -> None:
     """Raise BrokerError naming the cause if the first reachable broker clearly cannot work, or if
     no broker can be there at all (see :func:`_absent`)."""
     if config.get("proxy_url") or config.get("socks5_proxy"):
@@ -122,7 +125,7 @@ def _split_address(server: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check(sock: socket.socket, host: str, port: int, settings: Any, config: Mapping[str, Any]) -> None:
+def _check(sock: socket.socket, host: str, port: int, settings: Settings, config: Mapping[str, Any]) -> None:
     where, protocol = f"{host}:{port}", settings.security_protocol
     context: ssl.SSLContext | None = config.get("ssl_context")
     has_certificate = bool(settings.ssl_certfile)
@@ -132,7 +135,7 @@ def _check(sock: socket.socket, host: str, port: int, settings: Any, config: Map
     with _answers(where, context is not None, has_certificate):
         versions = _api_versions(_round_trip(stream, _request(_API_VERSIONS, 0, b"")))
         if settings.sasl_mechanism:
-            _sasl(stream, host, where, settings, config, versions)
+            _sasl(stream, host, where, settings, settings.sasl_mechanism, config, versions)
             return
         metadata = next((v for v in reversed(_METADATA_VERSIONS) if v in versions.get(_METADATA, ())), None)
         if metadata is None:
@@ -146,11 +149,10 @@ def _check(sock: socket.socket, host: str, port: int, settings: Any, config: Map
                 f" and a sasl_mechanism (security_protocol is {protocol})") from None
 
 
-def _sasl(stream: socket.socket, host: str, where: str, settings: Any, config: Mapping[str, Any],
-          versions: Mapping[int, range]) -> None:
+def _sasl(stream: socket.socket, host: str, where: str, settings: Settings, mechanism_name: str,
+          config: Mapping[str, Any], versions: Mapping[int, range]) -> None:
     """SaslHandshake, then (for the mechanisms that need nothing outside kstore) the authentication itself:
     kafka-python retries a refused login until its timeout, as the broker closes right after refusing."""
-    mechanism_name = settings.sasl_mechanism
     error, enabled = _sasl_handshake(_round_trip(stream, _request(_SASL_HANDSHAKE, 1, _string(mechanism_name))))
     if error == _UNSUPPORTED_SASL_MECHANISM:
         raise BrokerError(f"Kafka at {where} does not enable SASL mechanism {mechanism_name} "
@@ -171,7 +173,7 @@ def _sasl(stream: socket.socket, host: str, where: str, settings: Any, config: M
         mechanism.receive(answer)
 
 
-def _mechanism(name: str, host: str, settings: Any, config: Mapping[str, Any]) -> Any:
+def _mechanism(name: str, host: str, settings: Settings, config: Mapping[str, Any]) -> Any:
     """kafka-python's implementation of a SASL mechanism, set up with the credentials; None without
     kafka-python (the SCRAM exchange is not written again here: the client checks the credentials)."""
     try:

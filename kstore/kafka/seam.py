@@ -140,7 +140,7 @@ class ConsumerSource(Protocol):
     :meth:`offsets_for_times`, :meth:`group_members`) are the main thread's, never under that lock.
     """
 
-    settings: Any
+    settings: Settings
     group: str
     topics: list[str]
     worker_id: str

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
@@ -30,6 +30,9 @@ from kstore.kafka.security import load_token_provider, probe_config
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
 
+if TYPE_CHECKING:
+    from kstore.settings import Settings
+
 log = logging.getLogger(__name__)
 
 #: How long a token from ``sasl_oauth_token_provider`` is used before librdkafka asks again
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 OAUTH_TOKEN_LIFETIME_S = 60.0
 
 
-def librdkafka_config(settings: Any) -> dict[str, Any]:
+def librdkafka_config(settings: Settings) -> dict[str, Any]:
     """Brokers, security and the user's librdkafka options (already checked by Settings)."""
     config: dict[str, Any] = {
         "bootstrap.servers": settings.bootstrap_servers,
@@ -73,7 +76,7 @@ def _oauth_callback(token: Callable[[], str]) -> Callable[[str], tuple[str, floa
     return oauth_cb
 
 
-def open_rd_consumer(settings: Any, **kstore_config: Any) -> Consumer:
+def open_rd_consumer(settings: Settings, **kstore_config: Any) -> Consumer:
     """A confluent-kafka Consumer with kstore's own properties (``kstore_config``) over the user's.
 
     The TLS files are checked and the first broker probed first (see the module's docstring);
@@ -92,7 +95,7 @@ def open_rd_consumer(settings: Any, **kstore_config: Any) -> Consumer:
         raise ConfigurationError(f"Kafka client configuration: {exc}") from None
 
 
-def client_config(settings: Any) -> dict[str, Any]:
+def client_config(settings: Settings) -> dict[str, Any]:
     """librdkafka's properties for kstore's clients besides the worker's consumer (the relay's producer,
     the operator's tools): the user's ``kafka_options`` only where they are librdkafka's
     (``kafka_client = "confluent"``), and none that is the consumer's alone."""
@@ -103,7 +106,7 @@ def client_config(settings: Any) -> dict[str, Any]:
     return config
 
 
-def checked_config(settings: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def checked_config(settings: Settings, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``config`` (:func:`librdkafka_config` if None), once the TLS files and the token provider have
     loaded (one clear line each) and the first broker has been probed (see the module's docstring)."""
     probe(settings, probe_config(settings))
@@ -119,7 +122,7 @@ def describe(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def broker_error(settings: Any, what: str, exc: BaseException) -> BrokerError:
+def broker_error(settings: Settings, what: str, exc: BaseException) -> BrokerError:
     """A one-line error for a failed request to the brokers, naming authentication when that is why."""
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     where = settings.bootstrap_servers

@@ -620,7 +620,7 @@ class ConfluentSource:
             self._admin = None  # confluent-kafka's AdminClient has no close: its handle goes with it
 
 
-def group_protocol(settings: Any) -> dict[str, Any]:
+def group_protocol(settings: Settings) -> dict[str, Any]:
     """librdkafka's group settings for ``settings.rebalance_protocol``.
 
     eager: the classic protocol, assignor ``range``, the protocol name kafka-python's workers use,
@@ -637,7 +637,7 @@ def group_protocol(settings: Any) -> dict[str, Any]:
             "heartbeat.interval.ms": settings.heartbeat_interval_ms}
 
 
-def consumer_id(settings: Any, worker_id: str) -> str:
+def consumer_id(settings: Settings, worker_id: str) -> str:
     """The consumer's client id: the worker's own name (kstore.engine.relay.member_name), as on
     kafka-python, so ``offsets show`` and ``top`` spell a live owner as the worker's log does."""
     return str(settings.client_id or worker_id)

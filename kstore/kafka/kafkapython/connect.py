@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafka import KafkaAdminClient, KafkaConsumer
 from kafka.errors import (
@@ -37,6 +37,9 @@ from kstore.kafka.probe import probe
 from kstore.kafka.security import TokenProvider, ssl_context
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.masking import shown_options
+
+if TYPE_CHECKING:
+    from kstore.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def load_token_provider(spec: str) -> AbstractTokenProvider:
     return provider if isinstance(provider, AbstractTokenProvider) else _TokenProvider(provider)
 
 
-def client_config(settings: Any) -> dict[str, Any]:
+def client_config(settings: Settings) -> dict[str, Any]:
     """What every kafka-python client of kstore is given: brokers, security, extra options
     (``settings.kafka_options``, already checked and converted by Settings). With
     ``kafka_client="confluent"`` the options are librdkafka's, for the worker's consumer only:
@@ -86,7 +89,7 @@ def client_config(settings: Any) -> dict[str, Any]:
     return config
 
 
-def open_consumer(settings: Any, **kstore_config: Any) -> Any:
+def open_consumer(settings: Settings, **kstore_config: Any) -> Any:
     """A KafkaConsumer with kstore's own settings (``kstore_config``) over the user's options."""
     config = client_config(settings)
     config.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
@@ -97,13 +100,13 @@ def open_consumer(settings: Any, **kstore_config: Any) -> Any:
     return _open(settings, config, lambda: KafkaConsumer(**config))
 
 
-def open_admin(settings: Any) -> Any:
+def open_admin(settings: Settings) -> Any:
     """A KafkaAdminClient given the options an admin client knows (the consumer-only ones dropped)."""
     config = {k: v for k, v in client_config(settings).items() if k in KafkaAdminClient.DEFAULT_CONFIG}
     return _open(settings, config, lambda: KafkaAdminClient(**config))
 
 
-def _open(settings: Any, config: Mapping[str, Any], make: Callable[[], Any]) -> Any:
+def _open(settings: Settings, config: Mapping[str, Any], make: Callable[[], Any]) -> Any:
     probe(settings, config)
     where = settings.bootstrap_servers
     try:
@@ -139,7 +142,7 @@ def _no_auto_create(client: Any, config: Mapping[str, Any]) -> Any:
     return client
 
 
-def _as_user(settings: Any) -> str:
+def _as_user(settings: Settings) -> str:
     return f" as user {settings.sasl_username!r}" if settings.sasl_username else ""
 
 
