@@ -167,12 +167,13 @@ class Ledger:
 
     # -- losing and re-checking ---------------------------------------------------
 
-    def drop(self, tps: Iterable[TP], pause: bool = False) -> list[TP]:
-        """Forget partitions (revoked, lost, or claimed elsewhere); returns those that were delivered."""
+    def drop(self, tps: Iterable[TP], fenced: bool = False) -> list[TP]:
+        """Forget partitions (revoked, lost, or claimed elsewhere: ``fenced``, whose ``fenced_at`` the
+        caller noted and keeps); returns those that were delivered."""
         tps = list(tps)
         with self.lock:
             self.pending.difference_update(tps)
-            if not pause:  # revoked by Kafka: nothing to claim again later
+            if not fenced:  # revoked by Kafka: nothing to claim again later
                 for tp in tps:
                     self.fenced_at.pop(tp, None)
             dropped = [tp for tp in tps if tp in self.owned]
@@ -209,7 +210,7 @@ class Ledger:
             for tp, row in mine.items():
                 if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp], times.get(tp)):
                     adopted.append(tp)
-            dropped = self.drop(others, pause=True)
+            dropped = self.drop(others, fenced=True)
         return adopted, dropped
 
     def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int], policy_found: int | None) -> bool:
@@ -233,7 +234,7 @@ class Ledger:
                                               reason=plan.why or ""), plan.stored, plan.offset, plan.why, plan.lost)
             except FencedError:
                 self.fenced_at[tp] = time.monotonic()
-                self.drop([tp], pause=True)
+                self.drop([tp], fenced=True)
                 return False
         self._apply(tp, plan)
         return True

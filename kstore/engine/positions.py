@@ -120,7 +120,7 @@ def _place(ledger: Ledger, tp: TP, epoch: int, offset: int, truncated: str | Non
         new_epoch = ledger.store.reset(ledger.group, tp, target, expected_epoch=epoch, reason=why)
     except FencedError:  # another owner claimed it meanwhile: theirs now
         ledger.fenced_at[tp] = time.monotonic()
-        ledger.drop([tp], pause=True)
+        ledger.drop([tp], fenced=True)
         return None
     log.error("%s[%d]: %s; continuing at %d", tp[0], tp[1], why, target)
     ledger._apply(tp, _Plan(new_epoch, offset, target))
