@@ -64,26 +64,27 @@ class Settings:
     ssl_key_password: str | None = field(default=None, repr=False)
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
-    #: Any other consumer option of the Kafka client by name: kafka-python's, e.g.
-    #: ``{"fetch_max_bytes": 1048576}``, or with ``kafka_client="confluent"`` librdkafka's, e.g.
-    #: ``{"fetch.max.bytes": 1048576}``; names are checked (and kafka-python's text values converted
+    #: Any other consumer option of the Kafka client by name: librdkafka's, e.g.
+    #: ``{"fetch.max.bytes": 1048576}``, or with ``kafka_client="kafka-python"`` kafka-python's, e.g.
+    #: ``{"fetch_max_bytes": 1048576}``; names are checked (and kafka-python's text values converted
     #: to the option's type) when Settings is made.
-    #: ``isolation_level`` is ``read_committed`` unless set here: records of aborted upstream
+    #: ``isolation.level`` is ``read_committed`` unless set here: records of aborted upstream
     #: transactions are never delivered (``read_uncommitted`` delivers them too).
     kafka_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: The Kafka client the worker consumes with: ``kafka-python`` (pure Python) or ``confluent``
-    #: (confluent-kafka, on librdkafka); ``pip install kstore`` installs both. With ``confluent``,
-    #: ``kafka_options`` are librdkafka's properties (``fetch.max.bytes``).
-    #: Same guarantees with either. The operator's tools (``kstore offsets``, ``top``, the exporter)
-    #: use it too, or the other client when it is not installed; the relay has ``relay_client``.
-    kafka_client: str = "kafka-python"
+    #: The Kafka client: ``confluent`` (confluent-kafka, on librdkafka; ``kafka_options`` are
+    #: librdkafka's properties, ``fetch.max.bytes``) or ``kafka-python`` (pure Python, ``pip install
+    #: 'kstore[kafka-python]'``; ``kafka_options`` are its names, ``fetch_max_bytes``). Same
+    #: guarantees with either; librdkafka is faster and alone offers the cooperative protocols.
+    kafka_client: str = "confluent"
     #: How the worker's Kafka group rebalances: ``eager`` (every rebalance revokes every partition
     #: of every worker, which claims them again), ``cooperative`` (the classic protocol with
     #: librdkafka's cooperative-sticky assignor: only partitions that move are revoked) or
     #: ``consumer`` (Kafka's next-generation group protocol, KIP-848: the broker assigns,
     #: incrementally; its session timeout is the broker's ``group.consumer.session.timeout.ms``, see
-    #: the docs). ``cooperative`` and ``consumer`` need ``kafka_client="confluent"``.
-    rebalance_protocol: str = "eager"
+    #: the docs). ``cooperative`` and ``consumer`` need ``kafka_client="confluent"``. Unset: ``cooperative``
+    #: on confluent, ``eager`` on kafka-python. One group runs one protocol: change it by stopping
+    #: every worker.
+    rebalance_protocol: str = ""
     #: Overrides the processor's ``group`` when set.
     group: str | None = None
     #: Overrides the processor's ``topics`` when not empty.
@@ -133,9 +134,9 @@ class Settings:
     max_buffered_bytes: int = 32 * 2**20
     #: Kafka group session: a worker that stops heartbeating (killed, paused) loses its
     #: partitions after this long, and its late commits are fenced.
-    session_timeout_ms: int = 10_000
+    session_timeout_ms: int = 6_000
     #: How often the worker heartbeats to the group (about a third of the session timeout).
-    heartbeat_interval_ms: int = 3_000
+    heartbeat_interval_ms: int = 2_000
     #: Kafka's limit between two polls. kstore polls from its own thread whatever a batch
     #: does, so a slow handler does not hit it.
     max_poll_interval_ms: int = 300_000
@@ -173,9 +174,9 @@ class Settings:
     #: in several processes publish side by side; in one process they share its one interpreter
     #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.
     outbox_shards: int = 1
-    #: The Kafka client the relay publishes with: ``"kafka-python"``, or ``"confluent"`` (librdkafka,
-    #: which encodes and sends in C on threads of its own).
-    relay_client: str = "kafka-python"
+    #: The Kafka client the relay publishes with: ``"confluent"`` (librdkafka, which encodes and
+    #: sends in C on threads of its own) or ``"kafka-python"``. Unset: ``kafka_client``.
+    relay_client: str = ""
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0
     #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit
@@ -218,8 +219,10 @@ class Settings:
         # Checked and converted once (names normalised, text to the option's type); the clients use it as it is.
         object.__setattr__(self, "kafka_client", self.kafka_client.strip().lower())
         object.__setattr__(self, "kafka_options", check_kafka_options(self.kafka_options, self.kafka_client))
-        object.__setattr__(self, "rebalance_protocol", self.rebalance_protocol.strip().lower())
+        protocol = self.rebalance_protocol.strip().lower() or default_rebalance_protocol(self.kafka_client)
+        object.__setattr__(self, "rebalance_protocol", protocol)
         _check_rebalance_protocol(self.rebalance_protocol, self.kafka_client)
+        object.__setattr__(self, "relay_client", self.relay_client.strip().lower() or self.kafka_client)
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
@@ -301,6 +304,12 @@ def _check_breaker(max_dead_letters: int, max_rejects: int, breaker: str) -> Non
 
 
 REBALANCE_PROTOCOLS = ("eager", "cooperative", "consumer")
+
+
+def default_rebalance_protocol(client: str) -> str:
+    """Cooperative where the client offers it (librdkafka): a rebalance then moves only the
+    partitions that change hands, and a rolling restart pauses the others for nothing."""
+    return "cooperative" if client == "confluent" else "eager"
 
 
 def _check_rebalance_protocol(protocol: str, client: str) -> None:

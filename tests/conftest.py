@@ -53,10 +53,10 @@ _postgresql_tls_server = factories.postgresql_proc(
 #: to run every test that touches PostgreSQL through kstore on the other driver.
 PG_DRIVER = os.environ.get("KSTORE_TEST_PG_DRIVER", "psycopg2")
 
-#: The worker's Kafka client: kafka-python (the default), or `KSTORE_TEST_KAFKA_CLIENT=confluent` to run the
-#: tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``) on the
-#: other client. The tests' own producers, admin clients and readers are kafka-python's.
-KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "kafka-python")
+#: The worker's Kafka client: confluent-kafka (the default), or `KSTORE_TEST_KAFKA_CLIENT=kafka-python` to
+#: run the tests' workers (the spawned ones, and those built in the test with ``kafka_client=KAFKA_CLIENT``)
+#: on the other client. The tests' own producers, admin clients and readers are kafka-python's.
+KAFKA_CLIENT = os.environ.get("KSTORE_TEST_KAFKA_CLIENT", "confluent")
 # And every `kstore` command the tests run, and every Settings.from_env() in them.
 os.environ["KSTORE_KAFKA_CLIENT"] = KAFKA_CLIENT
 

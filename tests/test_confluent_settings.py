@@ -85,23 +85,26 @@ def test_isolation_level_is_checked() -> None:
 
 
 def test_each_client_checks_its_own_option_names() -> None:
-    assert Settings(kafka_options={"fetch_max_wait_ms": "50"}).kafka_options == {"fetch_max_wait_ms": 50}
+    assert Settings(kafka_client="kafka-python", kafka_options={"fetch_max_wait_ms": "50"}).kafka_options == {
+        "fetch_max_wait_ms": 50}
     with pytest.raises(ConfigurationError, match="not a kafka-python consumer option"):
-        Settings(kafka_options={"fetch.wait.max.ms": "50"})
-    assert Settings(kafka_client="confluent", kafka_options={"fetch.wait.max.ms": "50"}).kafka_options == {
-        "fetch.wait.max.ms": "50"}
+        Settings(kafka_client="kafka-python", kafka_options={"fetch.wait.max.ms": "50"})
+    assert Settings(kafka_options={"fetch.wait.max.ms": "50"}).kafka_options == {"fetch.wait.max.ms": "50"}
+    with pytest.raises(ConfigurationError, match="not a librdkafka consumer property"):
+        Settings(kafka_options={"fetch_max_wait_ms": "50"})
 
 
 def test_the_client_is_a_setting_from_arguments_environment_and_the_command_line() -> None:
-    assert Settings().kafka_client == "kafka-python"
-    assert Settings(kafka_client=" Confluent ").kafka_client == "confluent"
+    assert Settings().kafka_client == "confluent"
+    assert Settings(kafka_client=" Kafka-Python ").kafka_client == "kafka-python"
     with pytest.raises(ConfigurationError, match="kafka_client must be kafka-python or confluent, got 'librdkafka'"):
         Settings(kafka_client="librdkafka")
     # KSTORE_KAFKA_CLIENT is the setting, not a Kafka option named "client"; KSTORE_KAFKA_<NAME> still are.
-    env = {"KSTORE_KAFKA_CLIENT": "confluent", "KSTORE_KAFKA_FETCH_WAIT_MAX_MS": "50"}
+    env = {"KSTORE_KAFKA_CLIENT": "kafka-python", "KSTORE_KAFKA_FETCH_MAX_WAIT_MS": "50"}
     settings = Settings.from_env(env)
-    assert settings.kafka_client == "confluent" and settings.kafka_options == {"fetch.wait.max.ms": "50"}
-    assert Settings.from_env({}, kafka_client="confluent").kafka_client == "confluent"
+    assert settings.kafka_client == "kafka-python" and settings.kafka_options == {"fetch_max_wait_ms": 50}
+    assert Settings.from_env({}, kafka_client="kafka-python").kafka_client == "kafka-python"
+    assert Settings.from_env({}).kafka_client == "confluent"
 
 
 def test_the_cli_takes_the_client() -> None:
@@ -112,16 +115,17 @@ def test_the_cli_takes_the_client() -> None:
 
 
 def test_the_rebalance_protocol_is_a_setting_and_picks_librdkafkas_group_settings() -> None:
-    assert Settings().rebalance_protocol == "eager"
-    assert Settings.from_env({"KSTORE_KAFKA_CLIENT": "confluent", "KSTORE_REBALANCE_PROTOCOL": " Cooperative "}
-                             ).rebalance_protocol == "cooperative"
+    # Unset: the incremental protocol where the client has one, with a 6 s session.
+    assert (Settings().rebalance_protocol, Settings().session_timeout_ms) == ("cooperative", 6000)
+    assert Settings(kafka_client="kafka-python").rebalance_protocol == "eager"
+    assert Settings.from_env({"KSTORE_REBALANCE_PROTOCOL": " Eager "}).rebalance_protocol == "eager"
     with pytest.raises(ConfigurationError, match="rebalance_protocol must be eager, cooperative or consumer, "
                                                  "got 'sticky'"):
         Settings(kafka_client="confluent", rebalance_protocol="sticky")
-    eager = group_protocol(Settings(kafka_client="confluent", session_timeout_ms=7000, heartbeat_interval_ms=2000))
+    eager = group_protocol(Settings(rebalance_protocol="eager", session_timeout_ms=7000, heartbeat_interval_ms=2000))
     assert eager == {"partition.assignment.strategy": "range", "session.timeout.ms": 7000,
                      "heartbeat.interval.ms": 2000}
-    cooperative = group_protocol(Settings(kafka_client="confluent", rebalance_protocol="cooperative"))
+    cooperative = group_protocol(Settings())
     assert cooperative["partition.assignment.strategy"] == "cooperative-sticky"
     # KIP-848: librdkafka refuses the classic protocol's session, heartbeat and assignor settings.
     assert group_protocol(Settings(kafka_client="confluent", rebalance_protocol="consumer")) == {
@@ -131,7 +135,7 @@ def test_the_rebalance_protocol_is_a_setting_and_picks_librdkafkas_group_setting
 @pytest.mark.parametrize("protocol", ["cooperative", "consumer"])
 def test_kafka_python_refuses_an_incremental_protocol_with_one_line(sqlite_dsn: str, protocol: str) -> None:
     with pytest.raises(ConfigurationError, match=f"rebalance_protocol {protocol} needs kafka_client confluent"):
-        Settings(rebalance_protocol=protocol)
+        Settings(kafka_client="kafka-python", rebalance_protocol=protocol)
     r = kstore("worker", "processors:Recorder", "--dsn", sqlite_dsn, "--bootstrap-servers", "127.0.0.1:1",
                "--topic", "t", "--kafka-client", "kafka-python", "--rebalance-protocol", protocol)
     assert_one_clear_line(r, f"rebalance_protocol {protocol} needs kafka_client confluent",
@@ -139,8 +143,8 @@ def test_kafka_python_refuses_an_incremental_protocol_with_one_line(sqlite_dsn: 
 
 
 def test_the_worker_builds_the_source_of_its_client() -> None:
-    assert source_class(Settings()) is KafkaPythonSource
-    assert source_class(Settings(kafka_client="confluent")) is ConfluentSource
+    assert source_class(Settings()) is ConfluentSource
+    assert source_class(Settings(kafka_client="kafka-python")) is KafkaPythonSource
 
 
 def test_kafka_python_only_sasl_mechanisms_are_refused_for_confluent() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of how kstore is told to reach Kafka: security settings, any other client option,
+"""Unit tests of how kstore is told to reach Kafka: security settings, any other client option (kafka-python's names),
 secrets from files. Pure logic: nothing here connects (the secured broker tests do)."""
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def test_kafka_options_are_converted_to_the_options_type(options: dict[str, Any]
 ])
 def test_bad_kafka_options_are_refused_with_the_reason(name: str, value: str, said: str) -> None:
     with pytest.raises(ConfigurationError) as raised:
-        Settings(kafka_options={name: value})
+        Settings(kafka_client="kafka-python", kafka_options={name: value})
     assert said in str(raised.value)
 
 
 def test_kafka_options_from_environment_and_overrides() -> None:
     s = Settings.from_env({"KSTORE_KAFKA_FETCH_MAX_BYTES": "2048", "KSTORE_KAFKA_CHECK_CRCS": "0"},
-                          kafka_options={"check_crcs": "1"})
+                          kafka_options={"check_crcs": "1"}, kafka_client="kafka-python")
     assert check_kafka_options(s.kafka_options) == {"fetch_max_bytes": 2048, "check_crcs": True}
     config = client_config(s)
     assert config["fetch_max_bytes"] == 2048 and config["check_crcs"] is True

@@ -22,6 +22,7 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kstore.db.members import GroupMembers, Registered
 from kstore.engine.onedatabase import established_in_group, unknown_members
 from kstore.kafka.kafkapython.members import GroupMember
+from kstore.settings import default_rebalance_protocol
 
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
@@ -85,6 +86,12 @@ class _HoldAll(RangePartitionAssignor):  # type: ignore[misc]
     name = "range"
 
     @classmethod
+    def named(cls, name: str) -> type[_HoldAll]:
+        """The same assignor under ``name``: the brokers admit only members that share an assignor's name
+        (kafka-python has no cooperative protocol, but the workers get nothing from this one to give back)."""
+        return type(f"_HoldAll_{name}", (cls,), {"name": name})
+
+    @classmethod
     def metadata(cls, topics: Any) -> Any:
         return ConsumerProtocolSubscription(cls.version, list(topics), HOLDER.encode())
 
@@ -98,18 +105,20 @@ class _HoldAll(RangePartitionAssignor):  # type: ignore[misc]
 
 
 @contextlib.contextmanager
-def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str]) -> Iterator[None]:
+def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str], client: str) -> Iterator[None]:
     """A member of ``group`` that leads it (it joined first) and holds every partition, kept alive by a
-    thread; registered in each database's registry as a worker it knows, though it never claims."""
+    thread; registered in each database's registry as a worker it knows, though it never claims. Its
+    assignor is named as the default one of the workers' ``client``."""
     for dsn in dsns:
         engine = sa.create_engine(dsn)
         try:
             GroupMembers(engine, group).register(HOLDER)
         finally:
             engine.dispose()
+    assignor = "cooperative-sticky" if default_rebalance_protocol(client) == "cooperative" else "range"
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=group, client_id=HOLDER, enable_auto_commit=False,
                              session_timeout_ms=6000, heartbeat_interval_ms=1000,
-                             partition_assignment_strategy=[_HoldAll])
+                             partition_assignment_strategy=[_HoldAll.named(assignor)])
     consumer.subscribe([topic])
     stop = threading.Event()
     while not consumer.assignment():
@@ -133,14 +142,14 @@ def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str]) -> Ite
 
 @pytest.mark.contract
 def test_workers_that_join_together_on_two_databases_both_refuse(kafka: str, pg_dsn: str, sqlite_dsn: str,
-                                                                 new_topic: Any, produce: Any,
-                                                                 workers: Any) -> None:
+                                                                 new_topic: Any, produce: Any, workers: Any,
+                                                                 kafka_client: str) -> None:
     """Neither has claimed anything when each sees the other: neither goes on (refusing one side only
     would have to guess which database the pipeline is meant for)."""
     topic = new_topic(2)
     group = f"one-db-together-{topic}"
     produce(topic, [f"a{i}" for i in range(10)])
-    with group_leader(kafka, topic, group, [pg_dsn, sqlite_dsn]):
+    with group_leader(kafka, topic, group, [pg_dsn, sqlite_dsn], kafka_client):
         on_pg = workers(pg_dsn, topic, group)
         on_sqlite = workers(sqlite_dsn, topic, group)
         for proc, other in ((on_pg, on_sqlite), (on_sqlite, on_pg)):

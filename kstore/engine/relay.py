@@ -223,7 +223,7 @@ class Relay:
         """A shard whose Kafka transaction has not returned long past its timeout stops the relay
         (and so the worker that runs it, for its supervisor to start again): its thread cannot be
         interrupted, and the lease this relay keeps renewing would hold the shard unpublished.
-        librdkafka's send_offsets_to_transaction was seen not to return after a broker restart."""
+        (The publishers give up on a call long past its timeout themselves: this is the last net.)"""
         limit = STUCK_AFTER_TIMEOUTS * self.settings.connect_timeout_s
         now = time.monotonic()
         for state in list(self._held.values()):

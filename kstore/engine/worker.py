@@ -126,6 +126,7 @@ class Worker:
         #: The group has assigned partitions (possibly none) at least once (for /readyz).
         self._assigned_once = False
         self._http: HealthServer | None = None
+        self._set_up = False  # setup() was called: teardown() is, at close()
         self._next_epoch_check = 0.0
         self._store: Store | None = None
         self._batches: Batches | None = None
@@ -237,7 +238,13 @@ class Worker:
         ``max_batches``: stop after that many committed batches. ``idle_timeout``:
         stop once partitions are held and no record arrived for that many seconds.
         """
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            # What it opened is closed: a librdkafka consumer left to the interpreter's exit, in
+            # its group, was seen to hang the process there.
+            self.close()
+            raise
         # Everything imported and built so far lives as long as the worker: move it out
         # of the collector's reach, so the full collections that millions of
         # short-lived records trigger do not walk it again and again (~10% of CPU).
@@ -267,6 +274,7 @@ class Worker:
                  ", ".join(self.topics), self.settings.safe_dsn, self.settings.bootstrap_servers)
         # Under the group's lock: workers that start together run their setup() one at a time.
         call_setup(self.processor, self.store.engine, self.group)
+        self._set_up = True
         self._register()
         self.source.subscribe(self._on_rebalance)
         self._started_at = time.monotonic()
@@ -308,6 +316,8 @@ class Worker:
         """One turn of the main loop: tell the processor of revoked partitions, claim new
         ones, check epochs, then process one batch. True if a batch committed."""
         self._last_turn = time.monotonic()
+        if isinstance(self._fetch_error, ConfigurationError):  # the client's news that asking again cannot help
+            raise self._fetch_error
         if self._fetch_error is not None:
             raise BrokerError(f"fetching from Kafka failed: {self._fetch_error}") from self._fetch_error
         if self.relay is not None and self.relay.error is not None:
@@ -388,7 +398,8 @@ class Worker:
             return
         http, self._http = self._http, None
         try:
-            call_hook(self.processor, "teardown")
+            if self._set_up:
+                call_hook(self.processor, "teardown")
         finally:
             close_loop(self.processor)  # an async processor's event loop, after its teardown
             if self.relay is not None:
@@ -544,7 +555,8 @@ class Worker:
                     self.metrics.rebalanced()
                     self._assigned_once = True
                     ledger.pending.update(tps)
-                    log.info("assigned %s; claiming before any delivery", fmt(tps))
+                    if tps:  # (an incremental rebalance that gave this worker nothing new)
+                        log.info("assigned %s; claiming before any delivery", fmt(tps))
                 else:
                     dropped = ledger.drop(tps)
                     if dropped:

@@ -91,11 +91,19 @@ class ConfluentAdmin:
         return self._consumer
 
     def _wait(self, future: concurrent.futures.Future[_T]) -> _T:
-        """A request's answer; one that does not come within twice its timeout counts as the brokers away."""
+        """A request's answer; one that does not come within twice its timeout counts as the brokers away.
+
+        After a timeout the next question makes a new AdminClient: one made before a broker restarted
+        was seen never to answer again (every request timed out while a new handle was answered)."""
         try:
             return future.result(timeout=2 * self._timeout)
         except concurrent.futures.TimeoutError:
+            self._admin = None
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no answer in time")) from None
+        except KafkaException as exc:
+            if _code(exc) in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+                self._admin = None
+            raise
 
     def connect(self) -> None:
         self._admin_client()

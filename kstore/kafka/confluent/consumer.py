@@ -330,12 +330,11 @@ class ConfluentSource:
         added = {(tp.topic, tp.partition) for tp in assigned}
         self._note_join(consumer.memberid())
         with self._state_lock:
-            first = not self._joined
             self._assigned = self._assigned | added if self._incremental else added
             self._joined = True
-        if added or first or not self._incremental:
-            # (An incremental rebalance that adds nothing here ends with an empty call: not news.)
-            self._report("assigned", assigned)
+        # An incremental rebalance that adds nothing here ends with an empty call: reported too (the
+        # worker counts the rebalance, and claims nothing).
+        self._report("assigned", assigned)
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         if self._incremental:  # the group changed, though nothing may be added here (eager: on_assign follows)
@@ -417,6 +416,14 @@ class ConfluentSource:
         """An error librdkafka handed over with the records: a partition it cannot fetch, or news."""
         if error.fatal():
             raise BrokerError(f"the Kafka client failed for good: {error.str()}")
+        if error.code() == KafkaError.INCONSISTENT_GROUP_PROTOCOL:
+            # Asking again cannot help: the group's members run another protocol (workers of an
+            # earlier kstore on kafka-python's eager one, say) and the brokers keep refusing this one.
+            raise ConfigurationError(
+                f"group {self.group!r} has members on another rebalance protocol than this worker's "
+                f"({self.settings.rebalance_protocol}, kafka_client {self.settings.kafka_client}): one group "
+                "runs one protocol; stop every worker of the group before changing rebalance_protocol or "
+                "kafka_client, or set rebalance_protocol to theirs")
         topic, partition = msg.topic(), msg.partition()
         if error.code() != KafkaError._AUTO_OFFSET_RESET or topic is None or partition is None:
             log.warning("Kafka: %s", error.str())

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -26,6 +28,9 @@ from kstore.settings import Settings
 from .connect import client_config
 
 log = logging.getLogger(__name__)
+
+#: A transaction's calls that have not returned this many times their timeout are given up on.
+WEDGED_AFTER_TIMEOUTS = 2
 
 
 class ConfluentShardPublisher:
@@ -70,6 +75,7 @@ class ConfluentShardPublisher:
             self._group_meta = self._meta_consumer.consumer_group_metadata()
         except confluent_kafka.KafkaException as exc:
             raise ConfigurationError(f"librdkafka configuration: {_text(exc)}") from None
+        self._caller = _Caller(f"kstore-txn-{shard}")
         try:
             self._producer.init_transactions(settings.connect_timeout_s)
         except confluent_kafka.KafkaException as exc:
@@ -87,7 +93,21 @@ class ConfluentShardPublisher:
         return progress_of(reader, self.ident, self._mark)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
-        """As :meth:`kstore.kafka.seam.ShardPublisher.publish`."""
+        """As :meth:`kstore.kafka.seam.ShardPublisher.publish`.
+
+        The transaction runs on the publisher's own thread: librdkafka's send_offsets_to_transaction
+        can block for good, past its timeout, when the group coordinator it had cached went away
+        (a broker restart). A transaction that has not returned long after its timeout fails with
+        PublishFailed, and its producer is abandoned: the relay's next producer for the shard
+        initialises the same transactional id, which fences it and aborts what it left open."""
+        if not self._caller.call(functools.partial(self._transaction, rows, timeout_s),
+                                 WEDGED_AFTER_TIMEOUTS * timeout_s + 1):
+            log.warning("outbox producer %s: a transaction did not return in %gs; abandoning the producer",
+                        self.ident, WEDGED_AFTER_TIMEOUTS * timeout_s + 1)
+            self._producer = None  # still in use by the call that hangs: not purged, not flushed
+            raise PublishFailed("librdkafka's transaction did not return after its timeout")
+
+    def _transaction(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         producer = self._producer
         refused: list[tuple[int, str]] = []  # (seq, reason) of the records librdkafka could not deliver
         try:
@@ -130,6 +150,9 @@ class ConfluentShardPublisher:
             log.debug("aborting %s's transaction failed: %s", self.ident, exc)
 
     def close(self) -> None:
+        caller = getattr(self, "_caller", None)
+        if caller is not None:
+            caller.stop()
         consumer = getattr(self, "_meta_consumer", None)
         if consumer is not None:
             try:
@@ -147,6 +170,46 @@ class ConfluentShardPublisher:
                 producer.flush(0)
             except Exception as exc:
                 log.debug("closing %s's producer: %s", self.ident, exc)
+
+
+class _Caller:
+    """A daemon thread that runs one call at a time for a caller that waits for it, or gives up
+    waiting (the thread is then left to its call; daemon, it never holds the process up)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], None], _Result] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def call(self, fn: Callable[[], None], timeout_s: float) -> bool:
+        """Run ``fn`` there: its exception is raised here; False if it has not returned in ``timeout_s``."""
+        result = _Result()
+        self._calls.put((fn, result))
+        if not result.done.wait(timeout_s):
+            self._calls.put(None)  # the thread ends when (if ever) the call returns
+            return False
+        if result.error is not None:
+            raise result.error
+        return True
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, result = item
+            try:
+                fn()
+            except BaseException as exc:
+                result.error = exc
+            result.done.set()
+
+
+class _Result:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any) -> None:
