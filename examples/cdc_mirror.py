@@ -74,17 +74,19 @@ if __name__ == "__main__":
     import random
     import sys
 
-    from kafka import KafkaProducer
+    from confluent_kafka import Producer
 
     if sys.argv[1:2] != ["produce"]:
         sys.exit("usage: python examples/cdc_mirror.py produce [N]")
-    producer = KafkaProducer(bootstrap_servers=os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    producer = Producer({"bootstrap.servers": os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")})
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
     rng = random.Random(7)
     for _ in range(n):
+        if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+            producer.flush()
         key = f"c-{rng.randrange(100)}"
         value = None if rng.random() < 0.1 else json.dumps(
             {"name": f"Customer {key}", "email": f"{key}@example.com", "plan": rng.choice(["free", "pro", "team"])})
-        producer.send("customers-cdc", key=key.encode(), value=None if value is None else value.encode())
+        producer.produce("customers-cdc", key=key.encode(), value=None if value is None else value.encode())
     producer.flush()
     print(f"produced {n} changes to 'customers-cdc'")

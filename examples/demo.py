@@ -32,17 +32,15 @@ from collections import Counter
 from pathlib import Path
 
 import sqlalchemy as sa
-from kafka import KafkaAdminClient, KafkaProducer
-from kafka.admin import NewTopic
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from kstore.dev.broker import Cluster
+from kstore.settings import Settings
 
 EXAMPLES = Path(__file__).resolve().parent
 WORKDIR = EXAMPLES.parent / ".kstore-dev" / "demo"
 TOPIC = "page-views"
-#: Said after the SIGKILL: why nothing happens for a few seconds then.
-SESSION_WAIT = ("Kafka hears of a killed worker only when its session times out (KSTORE_SESSION_TIMEOUT_MS, "
-                "10 s): until then the new one waits for its partitions (docs/operations.md)")
 PAGES = ["/", "/pricing", "/docs", "/blog/exactly-once", "/signup", "/about", "/careers", "/docs/offsets"]
 
 
@@ -74,10 +72,7 @@ def main() -> int:
 def run(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap_servers
     say(f"broker at {bootstrap}; creating topic {TOPIC!r} with 3 partitions")
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    if TOPIC not in admin.list_topics():
-        admin.create_topics([NewTopic(TOPIC, num_partitions=3, replication_factor=1)])
-    admin.close()
+    create_topics(bootstrap, [TOPIC])
 
     sent = produce(bootstrap, args.events)
     dsn_args = ["--dsn", args.dsn] if args.dsn else []
@@ -93,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         say(f"killed the worker with SIGKILL after {counted(dsn):,} of {args.events:,} views were counted; "
-            f"starting it again. {SESSION_WAIT}")
+            f"starting it again. {session_wait()}")
         worker = start_worker(worker_cmd, log_path)
     wait_for(lambda: counted(dsn) >= args.events, 120, worker, log_path)
     time.sleep(1)  # anything counted twice would show up now
@@ -108,18 +103,15 @@ def run_payments(args: argparse.Namespace) -> int:
     from payments import sample_payments
 
     bootstrap = args.bootstrap_servers
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    missing = [t for t in ("payments", "payment-booked") if t not in admin.list_topics()]
-    if missing:
-        admin.create_topics([NewTopic(t, num_partitions=3, replication_factor=1) for t in missing])
-    admin.close()
+    create_topics(bootstrap, ["payments", "payment-booked"])
     payments = sample_payments(args.events, "demo")
     valid = {p["id"]: p for p in payments if p["amount"] > 0}
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 20})
     for p in payments:
-        producer.send("payments", key=p["account"].encode(), value=json.dumps(p).encode())
-    producer.flush()
-    producer.close()
+        if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+            flush(producer)
+        producer.produce("payments", json.dumps(p).encode(), p["account"].encode(), on_delivery=delivered)
+    flush(producer)
     say(f"produced {len(payments):,} payments ({len(payments) - len(valid)} invalid) to 'payments'")
     dsn_args = ["--dsn", args.dsn] if args.dsn else []
     dsn = args.dsn or f"sqlite:///{WORKDIR / 'kstore.db'}"
@@ -132,7 +124,7 @@ def run_payments(args: argparse.Namespace) -> int:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         say(f"killed the worker with SIGKILL after {rows(dsn, 'payment_ledger'):,} of {len(valid):,} payments were "
-            f"booked (its relay mid-publish with it); starting it again. {SESSION_WAIT}")
+            f"booked (its relay mid-publish with it); starting it again. {session_wait()}")
         worker = start_worker(cmd, log_path)
     wait_for(lambda: rows(dsn, "payment_ledger") >= len(valid) and rows(dsn, "kstore_outbox") == 0, 180, worker,
              log_path)
@@ -155,18 +147,26 @@ def rows(dsn: str, table: str) -> int:
 
 def report_payments(bootstrap: str, valid: dict[str, dict[str, object]]) -> int:
     """Read ``payment-booked`` as a read_committed reader; every booked payment once, balances in order."""
-    from kafka import KafkaConsumer, TopicPartition
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed", group_id=None,
-                             enable_auto_commit=False)
-    tps = [TopicPartition("payment-booked", p) for p in consumer.partitions_for_topic("payment-booked")]
-    consumer.assign(tps)
-    consumer.seek_to_beginning(*tps)
-    ends = consumer.end_offsets(tps)
+    # Assigned, not subscribed: the group id is never joined nor committed to. librdkafka reports
+    # each partition's end (for a read_committed reader, its last stable offset) as an event.
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "kstore-demo-reader",
+                         "isolation.level": "read_committed", "enable.auto.commit": False,
+                         "enable.partition.eof": True})
+    partitions = consumer.list_topics("payment-booked", timeout=30).topics["payment-booked"].partitions
+    consumer.assign([TopicPartition("payment-booked", p, OFFSET_BEGINNING) for p in partitions])
     records = []
-    while any(consumer.position(tp) < ends[tp] for tp in tps):
-        for batch in consumer.poll(timeout_ms=500).values():
-            records.extend(json.loads(r.value) for r in batch)
+    at_end: set[int] = set()
+    while len(at_end) < len(partitions):
+        for message in consumer.consume(1000, timeout=0.5):
+            error = message.error()
+            if error is None:
+                records.append(json.loads(message.value()))
+            elif error.code() == KafkaError._PARTITION_EOF:
+                at_end.add(message.partition())
+            else:
+                sys.exit(f"demo: reading payment-booked failed: {error}")
     consumer.close()
     seen = Counter(r["id"] for r in records)
     twice = sum(1 for n in seen.values() if n > 1)
@@ -191,17 +191,41 @@ def report_payments(bootstrap: str, valid: dict[str, dict[str, object]]) -> int:
 def produce(bootstrap: str, n: int) -> Counter[str]:
     rng = random.Random(42)
     weights = [40, 15, 20, 8, 6, 5, 2, 4]
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 20})
     sent: Counter[str] = Counter()
     for i in range(n):
         page = rng.choices(PAGES, weights)[0]
         event = {"page": page, "user": f"u{rng.randrange(5000)}", "n": i}
-        producer.send(TOPIC, json.dumps(event).encode())
+        if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+            flush(producer)
+        producer.produce(TOPIC, json.dumps(event).encode(), on_delivery=delivered)
         sent[page] += 1
-    producer.flush()
-    producer.close()
+    flush(producer)
     say(f"produced {n:,} page-view events")
     return sent
+
+
+def create_topics(bootstrap: str, names: list[str]) -> None:
+    """Create the topics of ``names`` that do not exist yet, 3 partitions each, and wait until they do."""
+    # Warnings and errors only: librdkafka's notices (unserved events purged at close) are not the demo's.
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+    existing = admin.list_topics(timeout=30).topics
+    missing = [NewTopic(name, num_partitions=3, replication_factor=1) for name in names if name not in existing]
+    if missing:
+        for future in admin.create_topics(missing).values():
+            future.result()
+
+
+def delivered(error: object, _message: object) -> None:
+    """librdkafka's report on each record: one it gave up on ends the demo."""
+    if error is not None:
+        sys.exit(f"demo: a record was not delivered: {error}")
+
+
+def flush(producer: Producer) -> None:
+    """Wait until every queued record is acknowledged by the broker."""
+    while producer.flush(30):
+        say("still waiting for the broker to acknowledge the records...")
 
 
 def kstore(*args: str) -> None:
@@ -263,6 +287,13 @@ def report(dsn: str, sent: Counter[str]) -> int:
     print()
     say("every view counted exactly once, across a SIGKILL and a restart" if ok else "COUNTS DIFFER")
     return 0 if ok else 1
+
+
+def session_wait() -> str:
+    """Said after the SIGKILL: why nothing happens for a few seconds then (the worker's session, as it reads it)."""
+    seconds = Settings.from_env().session_timeout_ms / 1000
+    return (f"Kafka hears of a killed worker only when its session times out (KSTORE_SESSION_TIMEOUT_MS, "
+            f"{seconds:g} s): until then the new one waits for its partitions (docs/operations.md)")
 
 
 def say(message: str) -> None:

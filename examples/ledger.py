@@ -116,13 +116,15 @@ if __name__ == "__main__":
     import os
     import sys
 
-    from kafka import KafkaProducer
+    from confluent_kafka import Producer
 
     if sys.argv[1:2] != ["produce"]:
         sys.exit("usage: python examples/ledger.py produce [N]")
-    producer = KafkaProducer(bootstrap_servers=os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    producer = Producer({"bootstrap.servers": os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")})
     transfers = sample_transfers(int(sys.argv[2]) if len(sys.argv) > 2 else 1000)
     for t in transfers:  # keyed by the paying account: its transfers stay in order
-        producer.send("transfers", key=t["from"].encode(), value=json.dumps(t).encode())
+        if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+            producer.flush()
+        producer.produce("transfers", key=t["from"].encode(), value=json.dumps(t).encode())
     producer.flush()
     print(f"produced {len(transfers)} transfers to 'transfers' ({len(transfers) // 100} of them invalid)")

@@ -115,18 +115,20 @@ if __name__ == "__main__":
     import os
     import sys
 
-    from kafka import KafkaProducer
+    from confluent_kafka import Producer
 
     if sys.argv[1:2] != ["produce"]:
         sys.exit("usage: python examples/orm_models.py produce [ORDERS]")
-    producer = KafkaProducer(bootstrap_servers=os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    producer = Producer({"bootstrap.servers": os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")})
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     events = [{"order_id": i, "type": "created", "customer": f"cust-{i % 17}", "total_cents": 100 * i}
               for i in range(n)]
     events += [{"order_id": i, "type": "paid"} for i in range(n)]
     events += [{"order_id": i, "type": "shipped"} for i in range(n) if i % 4]
     for seq, e in enumerate(events):
-        producer.send("order-events", key=str(e["order_id"]).encode(), value=json.dumps({"event_id": f"e-{seq}", **e})
-                      .encode())
+        if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+            producer.flush()
+        producer.produce("order-events", key=str(e["order_id"]).encode(),
+                         value=json.dumps({"event_id": f"e-{seq}", **e}).encode())
     producer.flush()
     print(f"produced {len(events)} events for {n} orders to 'order-events'")

@@ -127,22 +127,25 @@ if __name__ == "__main__":
     import secrets
     import sys
 
-    from kafka import KafkaAdminClient, KafkaProducer
-    from kafka.admin import NewTopic
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
 
     servers = os.environ.get("KSTORE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     if sys.argv[1:2] == ["topics"]:
         names = ["payments", os.environ.get("PAYMENTS_BOOKED_TOPIC", "payment-booked")]
-        admin = KafkaAdminClient(bootstrap_servers=servers)
-        admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1) for name in names])
-        admin.close()
+        admin = AdminClient({"bootstrap.servers": servers, "log_level": 4})  # librdkafka's warnings, not its notices
+        topics = [NewTopic(name, num_partitions=3, replication_factor=1) for name in names]
+        for future in admin.create_topics(topics).values():
+            future.result()  # raises if the topic could not be created (it exists already, say)
         print(f"created topics {names[0]!r} and {names[1]!r} (3 partitions each)")
     elif sys.argv[1:2] == ["produce"]:
-        producer = KafkaProducer(bootstrap_servers=servers)
+        producer = Producer({"bootstrap.servers": servers})
         # New ids each run: the same payment sent again is booked (and announced) once.
         payments = sample_payments(int(sys.argv[2]) if len(sys.argv) > 2 else 1000, secrets.token_hex(3))
         for p in payments:  # keyed by the account: its payments stay in order
-            producer.send("payments", key=p["account"].encode(), value=json.dumps(p).encode())
+            if len(producer) >= 50_000:  # librdkafka's local queue holds 100,000 records: let it drain
+                producer.flush()
+            producer.produce("payments", key=p["account"].encode(), value=json.dumps(p).encode())
         producer.flush()
         print(f"produced {len(payments)} payments to 'payments' ({len(payments) // 100} of them invalid)")
     else:

@@ -7,7 +7,7 @@ throwaway certificates for testing clients' security settings. Not for productio
 - :mod:`~kstore.dev.certs`: certificate authorities and certificates made with the ``openssl`` CLI.
 
 Nothing in kstore imports this package (only the ``kstore.devbroker`` shim); the tests, the
-examples, the demo, the scripts and the benchmarks do. It imports kafka-python and its own
+examples, the demo, the scripts and the benchmarks do. It imports confluent-kafka and its own
 modules, nothing else of kstore. A JVM started by a :class:`~kstore.dev.broker.Cluster` (not
 detached) never outlives the Python process.
 """

@@ -16,7 +16,7 @@ topic as an error.
 Library use::
 
     with Cluster(n_brokers=3) as cluster:
-        producer = KafkaProducer(bootstrap_servers=cluster.bootstrap_servers)
+        producer = Producer({"bootstrap.servers": cluster.bootstrap_servers})
         cluster.stop_node(0)   # fault injection; start_node(0) restarts it on the same port
 
 Command line::
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import base64
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -61,8 +62,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 from xml.sax.saxutils import quoteattr
 
-from kafka import KafkaAdminClient
-from kafka.errors import KafkaError
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 
 from kstore.dev.certs import CertificateAuthority, KeyPair, encrypt_key
 
@@ -818,36 +819,30 @@ class Cluster:
                 self._check_progress(nodes, deadline, "open its port")
                 time.sleep(_POLL)
         expected = {node.node_id for node in self.nodes if node.running}
-        admin: Any = None
-        try:
-            while True:
-                admin, live = self._live_brokers(admin)
-                if expected <= live:
-                    return
-                self._check_progress(nodes, deadline, f"register brokers {sorted(expected)}")
-                time.sleep(_POLL)
-        finally:
-            if admin is not None:
-                admin.close()
+        admin: AdminClient | None = None
+        while True:
+            admin, live = self._live_brokers(admin)
+            if expected <= live:
+                return
+            self._check_progress(nodes, deadline, f"register brokers {sorted(expected)}")
+            time.sleep(_POLL)
 
-    def _live_brokers(self, admin: Any) -> tuple[Any, set[int]]:
-        """Brokers that are registered and unfenced, i.e. caught up and serving."""
+    def _live_brokers(self, admin: AdminClient | None) -> tuple[AdminClient, set[int]]:
+        """Brokers that are registered and unfenced, i.e. caught up and serving (Kafka leaves fenced
+        brokers out of its DescribeCluster answer)."""
+        if admin is None:
+            admin = AdminClient({
+                "bootstrap.servers": ",".join(n.address for n in self.nodes if n.running),
+                "client.id": "kstore-devbroker",
+                "socket.timeout.ms": 5000,
+                # librdkafka's lines (a connection refused while a node starts) stay out of the console.
+                "logger": _QuietLog(),  # type: ignore[dict-item]
+            })
         try:
-            if admin is None:
-                servers = [n.address for n in self.nodes if n.running]
-                admin = KafkaAdminClient(
-                    bootstrap_servers=servers,
-                    client_id="kstore-devbroker",
-                    request_timeout_ms=5000,
-                    bootstrap_timeout_ms=5000,
-                )
-            info = admin.describe_cluster()
-        except (KafkaError, OSError, IndexError):
-            # IndexError: kafka-python 3's bootstrap, after a failed attempt, can pick from an empty
-            # list of brokers (seen when something else listens on a node's port, taken before
-            # Kafka could bind it: that node's exit is noticed next, by _check_progress).
+            info = admin.describe_cluster(request_timeout=5).result(timeout=10)
+        except (KafkaException, concurrent.futures.TimeoutError, OSError):
             return admin, set()
-        return admin, {b["broker_id"] for b in info["brokers"] if not b.get("is_fenced")}
+        return admin, {node.id for node in info.nodes}
 
     def _check_progress(self, nodes: Sequence[Node], deadline: float, what: str) -> None:
         for node in nodes:
@@ -859,6 +854,13 @@ class Cluster:
         if time.monotonic() > deadline:
             reports = "\n".join(n.failure_report() for n in nodes)
             raise DevBrokerError(f"Kafka did not {what} within {self.start_timeout:.0f} s\n{reports}")
+
+
+class _QuietLog:
+    """The ``logger`` of the readiness check's admin client: librdkafka's lines at DEBUG (it retries by itself)."""
+
+    def log(self, _level: int, msg: str, *args: Any) -> None:
+        log.debug(msg, *args)
 
 
 class Broker(Cluster):
