@@ -20,6 +20,15 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
 
 
+def without_kafka_python(folder: Path) -> str:
+    """A PYTHONPATH entry (made in ``folder``) under which ``import kafka`` fails as if kafka-python were
+    not installed, as in ``pip install kstore``: for the processes a test starts."""
+    (folder / "kafka").mkdir(exist_ok=True)
+    (folder / "kafka" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("kafka-python is not installed here", name="kafka")\n')
+    return str(folder)
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1, what: str = "") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

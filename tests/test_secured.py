@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 from kstore.dev.broker import SecuredEndpoints
 
 from .conftest import KAFKA_CLIENT
-from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
+from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until, without_kafka_python
 
 Sent = set[tuple[str, int, int]]
 #: Long enough that an answer given only at the timeout is obvious; the probe answers in well under it.
@@ -160,6 +160,14 @@ def test_offsets_show_over_sasl_ssl(secure_kafka: SecuredEndpoints, secure_topic
     assert {(row["partition"], row["next_offset"], row["log_end"], row["lag"]) for row in rows} == {
         (p, n, n, 0) for p in (0, 1) for n in [1 + max(o for _, pp, o in sent if pp == p)]}
     assert secure_kafka.scram_password not in r.stdout + r.stderr
+    # A wrong password, where kafka-python (whose SASL mechanisms the probe logs in with) is not
+    # installed: librdkafka's refusal is the answer, in one line, before the connect timeout.
+    wrong = "not-the-Password-42"
+    path = os.pathsep.join([without_kafka_python(tmp_path), str(TESTS_DIR)])
+    r, took = kstore("offsets", "show", "--group", f"g-{topic}", "--dsn", pg_dsn,
+                     *scram_args(secure_kafka, tmp_path, password=wrong),
+                     env={"PYTHONPATH": path, "KSTORE_KAFKA_CLIENT": "confluent"})
+    assert_refused(r, took, "Authentication failed", secrets=(wrong, secure_kafka.scram_password))
 
 
 def assert_refused(r: subprocess.CompletedProcess[str], elapsed: float, *needles: str,
@@ -191,6 +199,18 @@ def refused(secure_kafka: SecuredEndpoints, secure_topic: Any, sqlite_dsn: str) 
 def test_wrong_sasl_password(secure_kafka: SecuredEndpoints, refused: Any, tmp_path: Path) -> None:
     wrong = "not-the-Password-42"
     r, took = refused(*scram_args(secure_kafka, tmp_path, password=wrong))
+    assert_refused(r, took, "refused SASL SCRAM-SHA-512 authentication", repr(secure_kafka.scram_user),
+                   secrets=(wrong, secure_kafka.scram_password))
+
+
+def test_wrong_sasl_password_without_kafka_python(secure_kafka: SecuredEndpoints, refused: Any,
+                                                  tmp_path: Path) -> None:
+    """``pip install kstore`` has no kafka-python, whose SASL mechanisms the probe logs in with: then
+    librdkafka's refusal ends the wait, as soon and in the same line."""
+    wrong = "not-the-Password-42"
+    path = os.pathsep.join([without_kafka_python(tmp_path), str(TESTS_DIR)])
+    r, took = refused(*scram_args(secure_kafka, tmp_path, password=wrong),
+                      env={"PYTHONPATH": path, "KSTORE_KAFKA_CLIENT": "confluent"})
     assert_refused(r, took, "refused SASL SCRAM-SHA-512 authentication", repr(secure_kafka.scram_user),
                    secrets=(wrong, secure_kafka.scram_password))
 

@@ -68,14 +68,22 @@ class ConfluentAdmin:
         self._ask = Asker(settings.bootstrap_servers, patience, _failure, sleep=sleep, clock=clock)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
+        #: The brokers refused the SASL login: librdkafka says so to its error callback only, and its
+        #: requests time out; the next failed request says why instead.
+        self._refused_login: KafkaError | None = None
 
     # -- the clients, made when first needed ------------------------------------------------------
 
     def _admin_client(self) -> AdminClient:
         if self._admin is None:
             config = {k: v for k, v in checked_config(self.settings, self._config).items() if k != "isolation.level"}
-            self._admin = _made(lambda: AdminClient({**config, "logger": _DebugLog()}))  # type: ignore[dict-item]
+            callbacks: dict[str, Any] = {"logger": _DebugLog(), "error_cb": self._on_error}
+            self._admin = _made(lambda: AdminClient({**config, **callbacks}))
         return self._admin
+
+    def _on_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._AUTHENTICATION:
+            self._refused_login = error
 
     def _reader(self) -> Consumer:
         if self._consumer is None:
@@ -95,15 +103,29 @@ class ConfluentAdmin:
 
         After a timeout the next question makes a new AdminClient: one made before a broker restarted
         was seen never to answer again (every request timed out while a new handle was answered)."""
+        deadline = time.monotonic() + 2 * self._timeout
+        # In slices: a refused login (said to the error callback, served by poll) ends the wait.
+        while not future.done() and time.monotonic() < deadline and self._refused_login is None:
+            concurrent.futures.wait([future], timeout=0.2)
+            if self._admin is not None:
+                self._admin.poll(0)
+        if not future.done():
+            self._gone()
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no answer in time"))
         try:
-            return future.result(timeout=2 * self._timeout)
-        except concurrent.futures.TimeoutError:
-            self._admin = None
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no answer in time")) from None
+            return future.result()
         except KafkaException as exc:
             if _code(exc) in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
-                self._admin = None
+                self._gone()
             raise
+
+    def _gone(self) -> None:
+        """A request found no broker: a refused login is why (not asked again), or the handle is made anew."""
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            admin.poll(0)  # serves the error callback
+        if self._refused_login is not None:
+            raise KafkaException(self._refused_login)
 
     def connect(self) -> None:
         self._admin_client()

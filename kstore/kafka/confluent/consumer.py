@@ -105,6 +105,7 @@ import itertools
 import logging
 import operator
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
@@ -294,16 +295,28 @@ class ConfluentSource:
         return consumer
 
     def check_topics(self) -> None:
-        try:
-            known = self.consumer.list_topics(timeout=self.settings.connect_timeout_s).topics
-        except KafkaException as exc:
-            raise broker_error(self.settings, "list topics", exc) from None
+        known = self._topics_known()
         self._client_log.probed = True
         missing = [t for t in self.topics if t not in known]
         if missing:
             raise ConfigurationError(
                 f"unknown topic(s) {', '.join(missing)} at {self.settings.bootstrap_servers}: create them first"
             )
+
+    def _topics_known(self) -> Any:
+        """The brokers' topics, asked again each second until ``connect_timeout_s``; a refused SASL
+        login ends it at once (librdkafka would only time out: it says so to its error callback)."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            try:
+                return self.consumer.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic()))).topics
+            except KafkaException as exc:
+                self.consumer.poll(0)  # serves the error callback: nothing is subscribed yet
+                refused = self._client_log.refused_login
+                if refused is not None:
+                    raise broker_error(self.settings, "list topics", KafkaException(refused)) from None
+                if time.monotonic() >= deadline:
+                    raise broker_error(self.settings, "list topics", exc) from None
 
     def subscribe(self, on_rebalance: OnRebalance) -> None:
         self._post = on_rebalance
@@ -669,12 +682,16 @@ class _ProbeQuietLog:
 
     def __init__(self) -> None:
         self.probed = False
+        #: The brokers refused the SASL login (librdkafka tries again; the worker need not).
+        self.refused_login: KafkaError | None = None
         self._lines = logging.getLogger("kstore.kafka.librdkafka")
 
     def log(self, level: int, msg: str, *args: Any) -> None:
         self._lines.log(level if self.probed else logging.DEBUG, msg, *args)
 
     def client_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._AUTHENTICATION:
+            self.refused_login = error
         log.log(logging.WARNING if self.probed else logging.DEBUG, "Kafka client: %s", error.str())
 
 
