@@ -15,9 +15,8 @@ import sqlalchemy as sa
 
 from .harness import assert_exactly_once, effects, wait_until
 
-#: What the seam between the engine and a Kafka client promises: on each client.
-pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]
-
+# The database's promise (its idle-in-transaction timeout), on the default client: a SIGSTOPped
+# zombie fenced on each client is test_faults.py's contract test.
 
 #: Longer than the Kafka session timeout of the tests' workers (6 s): the new owner is assigned
 #: the partition while the zombie's transaction still holds the row.
