@@ -98,6 +98,11 @@ class PublishFailed(Exception):
         self.seq = seq
 
 
+def offsets_refused(servers: str, group: str, reasons: str) -> BrokerError:
+    """An :meth:`AdminReader.commit` the brokers refused, worded alike on either client."""
+    return BrokerError(f"Kafka at {servers} refused the offsets of group {group!r}: {reasons}")
+
+
 def shard_id(group: str, shard: int) -> str:
     """The shard's transactional id and progress group: stable, so a new owner fences the old."""
     return f"kstore-outbox.{group}.{shard}"

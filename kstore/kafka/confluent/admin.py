@@ -31,7 +31,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ign
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.asking import Asker, Failure
-from kstore.kafka.seam import Committed, GroupMember, GroupView, committed_metadata
+from kstore.kafka.seam import Committed, GroupMember, GroupView, committed_metadata, offsets_refused
 from kstore.kafka.security import probe_config
 from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
 from kstore.partition import TopicPartition as TP
@@ -223,12 +223,10 @@ class ConfluentAdmin:
             answer = self._ask(f"commit the offsets of group {group!r}", ask)
         except BrokerError as exc:
             # Kafka takes no offsets from outside a live group: a member joined since the caller looked.
-            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} refused the offsets of group "
-                              f"{group!r}: {str(exc).rpartition(': ')[2]}") from None
+            raise offsets_refused(self.settings.bootstrap_servers, group, str(exc).rpartition(": ")[2]) from None
         refused = sorted({k.error.name() for k in answer.topic_partitions or () if k.error is not None})
         if refused:
-            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} refused the offsets of group "
-                              f"{group!r}: {', '.join(refused)}")
+            raise offsets_refused(self.settings.bootstrap_servers, group, ", ".join(refused))
 
     # -- topics -----------------------------------------------------------------------------------
 

@@ -304,13 +304,15 @@ class ConfluentSource:
             )
 
     def _topics_known(self) -> Any:
-        """The brokers' topics, asked again each second until ``connect_timeout_s``; a refused SASL
-        login ends it at once (librdkafka would only time out: it says so to its error callback)."""
-        deadline = time.monotonic() + self.settings.connect_timeout_s
+        """The brokers' topics, asked in attempts of 1 s, 2 s, 4 s... until ``connect_timeout_s`` (so a
+        slow answer gets its time); a refused SASL login ends it at once (librdkafka would only time
+        out: it says so to its error callback)."""
+        deadline, attempt_s = time.monotonic() + self.settings.connect_timeout_s, 1.0
         while True:
             try:
-                return self.consumer.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic()))).topics
+                return self.consumer.list_topics(timeout=max(0.1, min(attempt_s, deadline - time.monotonic()))).topics
             except KafkaException as exc:
+                attempt_s *= 2
                 self.consumer.poll(0)  # serves the error callback: nothing is subscribed yet
                 refused = self._client_log.refused_login
                 if refused is not None:

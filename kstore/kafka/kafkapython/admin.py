@@ -28,7 +28,7 @@ from kafka.errors import (
 
 from kstore.errors import BrokerError
 from kstore.kafka.asking import Asker, Failure
-from kstore.kafka.seam import Committed, GroupView, committed_metadata
+from kstore.kafka.seam import Committed, GroupView, committed_metadata, offsets_refused
 from kstore.partition import TopicPartition as TP
 from kstore.settings import Settings
 
@@ -162,8 +162,7 @@ class KafkaPythonAdmin:
                             lambda: self._admin_client().alter_group_offsets(group, new), self._forget_admin)
         refused = sorted({_reason(error()) for error in answers.values() if error is not NoError})
         if refused:
-            raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} refused the offsets of group "
-                              f"{group!r}: {', '.join(refused)}")
+            raise offsets_refused(self.settings.bootstrap_servers, group, ", ".join(refused))
 
     # -- topics -----------------------------------------------------------------------------------
 
