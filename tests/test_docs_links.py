@@ -1,6 +1,7 @@
-"""The documentation reads in the repository as on the site: every relative link of the README
-and docs/ points to a file that exists (the reference pages generated from the code are
-committed, and current), and every ``#anchor`` to a heading of its page."""
+"""The documentation reads in the repository as on the site: every relative link of every
+markdown file of the repository (the README, CONTRIBUTING, the CHANGELOG, docs/, examples/, ...)
+points to a file that exists (the reference pages generated from the code are committed, and
+current), and every ``#anchor`` to a heading of its page."""
 
 from __future__ import annotations
 
@@ -14,12 +15,27 @@ from markdown.extensions.toc import slugify
 
 from .harness import REPO_DIR
 
-#: The pages a reader of the repository opens.
-PAGES = sorted([REPO_DIR / "README.md", REPO_DIR / "examples" / "README.md", *(REPO_DIR / "docs").glob("*.md")])
+#: Folders whose markdown is not the repository's own: tools' caches, the virtualenv, build output.
+NOT_OURS = frozenset({"site", "dist", "build", "node_modules", "results"})
+
+
+def markdown_files(root: Path) -> list[Path]:
+    """Every markdown file under ``root`` but those in hidden folders (.git, .venv, ...) or
+    :data:`NOT_OURS`."""
+    return sorted(
+        page for page in root.rglob("*.md")
+        if not any(part.startswith(".") or part in NOT_OURS or part.endswith(".egg-info")
+                   for part in page.relative_to(root).parent.parts))
+
+
+#: The pages a reader of the repository opens: all of its markdown.
+PAGES = markdown_files(REPO_DIR)
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"(`+)(?!`).*?(?<!`)\1(?!`)", re.DOTALL)
 #: ``[text](target "title")`` and images; the text may hold code spans (removed first).
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+#: ``[label]: target`` definitions of reference-style links.
+LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.MULTILINE)
 HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 EXPLICIT_ID = re.compile(r"\{[^}]*#([\w-]+)[^}]*\}\s*$")
 HTML_ID = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"")
@@ -64,7 +80,8 @@ def anchors(page: Path) -> frozenset[str]:
 def broken_links(page: Path, root: Path = REPO_DIR) -> list[str]:
     """What is wrong with each relative link of ``page`` (none: an empty list)."""
     problems = []
-    for target in LINK.findall(prose(page.read_text(encoding="utf-8"))):
+    text = prose(page.read_text(encoding="utf-8"))
+    for target in [*LINK.findall(text), *LINK_DEFINITION.findall(text)]:
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
             continue  # https:, mailto:: not a file of the repository
         path_part, _, anchor = target.partition("#")
@@ -104,7 +121,23 @@ def test_the_checker_finds_what_it_is_for(tmp_path: Path) -> None:
         "# Title\n\n## A `code`, and: punctuation\n\n## Sub — part {#custom}\n\n## Title\n\n"
         "[ok](#a-code-and-punctuation) [ok](#custom) [ok](#title_1) [ok](#title-1) [ok](https://x.org/y.md)\n"
         "[ok](other.md#its-part) ![ok](other.md) [bad](nowhere.md) [bad](#missing) [bad](other.md#missing)\n"
-        "[bad](../../outside.md) `[code](nowhere.md)`\n\n```\n[code](nowhere.md)\n```\n", encoding="utf-8")
+        "[bad](../../outside.md) `[code](nowhere.md)`\n\n```\n[code](nowhere.md)\n```\n\n"
+        "[ref]: other.md#its-part\n[gone]: gone.md\n", encoding="utf-8")
     found = broken_links(page, tmp_path)
     assert [line.split(": (")[1].split(")")[0] for line in found] == \
-        ["nowhere.md", "#missing", "other.md#missing", "../../outside.md"], found
+        ["nowhere.md", "#missing", "other.md#missing", "../../outside.md", "gone.md"], found
+
+
+def test_every_markdown_file_of_the_repository_is_checked() -> None:
+    """The pages a user and a contributor open first are among those checked, and nothing of the
+    virtualenv or the built site is."""
+    checked = {str(page.relative_to(REPO_DIR)) for page in PAGES}
+    assert {"README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs/index.md", "examples/README.md"} <= checked
+    assert not [name for name in checked if name.startswith((".venv", "site/"))]
+
+
+def test_markdown_files_skip_hidden_and_built_folders(tmp_path: Path) -> None:
+    for name in ("README.md", "docs/a.md", ".venv/lib/x.md", "site/b.md", "pkg.egg-info/c.md", "sub/.hidden/d.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("# x\n", encoding="utf-8")
+    assert [str(p.relative_to(tmp_path)) for p in markdown_files(tmp_path)] == ["README.md", "docs/a.md"]
