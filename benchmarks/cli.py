@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from kstore.dev.broker import DEFAULT_VERSION
+from kstore_devbroker.broker import DEFAULT_VERSION
 
 from . import report, services
 from .contenders import CONTENDERS, select
@@ -97,7 +97,7 @@ def services_for(args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]
     with contextlib.ExitStack() as stack:
         bootstrap = args.bootstrap_servers
         if bootstrap is None:
-            say("starting a local Apache Kafka broker (kstore.dev.broker, full JIT, 1 GB heap)")
+            say("starting a local Apache Kafka broker (kstore_devbroker.broker, full JIT, 1 GB heap)")
             bootstrap = stack.enter_context(services.local_kafka())
         dsn, pids = args.dsn, []
         if dsn is None:
@@ -134,7 +134,7 @@ def _parameters(opts: Options, args: argparse.Namespace) -> dict[str, Any]:
         "per_message_txn_messages": opts.txn_messages, "broker_warmup_s": opts.broker_warmup, "only": opts.only,
         "quiet_wait_s": opts.quiet_wait, "retries": opts.retries, "tiny": args.tiny,
         "kafka": "external (--bootstrap-servers)" if args.bootstrap_servers else
-                 f"local Apache Kafka {DEFAULT_VERSION} (kstore.dev.broker)",
+                 f"local Apache Kafka {DEFAULT_VERSION} (kstore_devbroker.broker)",
         "database": "external (--dsn)" if args.dsn else "throwaway local PostgreSQL, default settings",
         "database_latency_ms_each_way": args.db_latency_ms,
     }

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kstore.dev.broker import Cluster
+from kstore_devbroker.broker import Cluster
 
 #: The broker runs with the JVM's full JIT (devbroker's default stops at C1 to start
 #: faster, at a cost in steady-state speed that a benchmark would measure), and a
@@ -29,7 +29,7 @@ BROKER_CONFIG = {"auto.create.topics.enable": "false"}
 
 @contextlib.contextmanager
 def local_kafka() -> Iterator[str]:
-    """A one-node Apache Kafka (kstore.dev.broker) for the run; yields its bootstrap address."""
+    """A one-node Apache Kafka (kstore_devbroker.broker) for the run; yields its bootstrap address."""
     cluster = Cluster(1, heap=BROKER_HEAP, jvm_options=BROKER_JVM_OPTIONS, extra_config=BROKER_CONFIG)
     cluster.start()
     try:

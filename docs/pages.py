@@ -35,7 +35,7 @@ ENV_NOTE = re.compile(r" ?\[env [^\]]*\]")
 #: What the ``KSTORE_*`` variables that are not settings are for (_FOREIGN_ENV in settings.py).
 FOREIGN_ENV = {
     "KSTORE_DEBUG": "any value but empty or `0` is `kstore --debug`: tracebacks and debug logs",
-    "KSTORE_CACHE_DIR": "where `kstore.dev.broker` keeps the Apache Kafka jars (default `~/.cache/kstore`)",
+    "KSTORE_CACHE_DIR": "where `kstore_devbroker` keeps the Apache Kafka jars (default `~/.cache/kstore`)",
     "KSTORE_TEST_": "kstore's own test suite (e.g. `KSTORE_TEST_BOOTSTRAP=host:port` for an external broker)",
     "KSTORE_SIM_": "kstore's own simulation tests",
 }

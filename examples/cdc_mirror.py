@@ -12,7 +12,7 @@ one partition, so applying a message twice in a row changes nothing: a replay
 the table ends exactly where it was. The row also records which message wrote it
 (``source_partition``, ``source_offset``), for tracing a row back to the log.
 
-Run it (``python -m kstore.dev.broker start`` prints the broker's address)::
+Run it (``python -m kstore_devbroker start`` prints the broker's address)::
 
     kstore migrate
     python examples/cdc_mirror.py produce 1000       # inserts, updates and deletes of 100 keys

@@ -1,6 +1,6 @@
 """The kstore demo: a real pipeline on the embedded SQLite default, crash included.
 
-1. starts a local Apache Kafka broker (real jars, see kstore.dev.broker),
+1. starts a local Apache Kafka broker (real jars, see kstore_devbroker.broker),
 2. produces page-view events to a 3-partition topic,
 3. runs ``kstore migrate`` and ``kstore worker pageviews:PageViewCounter`` with the default
    DSN (sqlite:///kstore.db, in .kstore-dev/demo/),
@@ -35,8 +35,8 @@ import sqlalchemy as sa
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kstore.dev.broker import Cluster
 from kstore.settings import Settings
+from kstore_devbroker.broker import Cluster
 
 EXAMPLES = Path(__file__).resolve().parent
 WORKDIR = EXAMPLES.parent / ".kstore-dev" / "demo"

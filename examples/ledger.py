@@ -19,7 +19,7 @@ is not JSON) is rejected before anything is written and lands in ``kstore_dead_l
 (``kstore dead-letters list --group ledger``), in the same transaction as the rest of its
 batch, with no retries.
 
-Run it (``python -m kstore.dev.broker start`` prints the broker's address)::
+Run it (``python -m kstore_devbroker start`` prints the broker's address)::
 
     kstore migrate
     python examples/ledger.py produce 1000           # 1,000 transfers (a few of them bad)

@@ -17,7 +17,7 @@ Replays (``kstore offsets set --shift-by -N --execute``) run ``handle()`` again 
 already applied. Each applied event is recorded in ``order_events`` under its id, and an
 event found there is skipped, so every event is applied once.
 
-Run it (``python -m kstore.dev.broker start`` prints the broker's address)::
+Run it (``python -m kstore_devbroker start`` prints the broker's address)::
 
     kstore migrate
     python examples/orm_models.py produce 300          # 300 orders: created, paid, most shipped

@@ -26,7 +26,7 @@ A payment that can never be booked (not JSON, a missing field, an amount that is
 integer) is rejected before anything is written and dead-lettered (``kstore dead-letters list --group
 payments``), producing nothing.
 
-Run it (``python -m kstore.dev.broker start`` prints the broker's address)::
+Run it (``python -m kstore_devbroker start`` prints the broker's address)::
 
     kstore migrate
     python examples/payments.py topics               # creates payments and payment-booked

@@ -12,8 +12,7 @@ each subpackage's docstring saying what it owns, what it may import and the inva
 - :mod:`kstore.db`: kstore's tables and every statement on them, the batch's session;
 - :mod:`kstore.kafka`: the consumer and its queues, every Kafka client (the only kafka-python user);
 - :mod:`kstore.telemetry`: what a running worker reports (metrics, health probes, traces);
-- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top);
-- :mod:`kstore.dev`: a real Kafka broker and throwaway certificates, for tests and local use.
+- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top).
 
 Imports run one way, down that list (the engine and the operator's tools never import each
 other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.

@@ -22,8 +22,8 @@ from kafka.admin import NewTopic
 from pytest_postgresql import factories
 
 from kstore import Settings, migrate
-from kstore.dev.broker import Cluster, SecuredBroker, SecuredEndpoints
-from kstore.dev.certs import CertificateAuthority
+from kstore_devbroker.broker import Cluster, SecuredBroker, SecuredEndpoints
+from kstore_devbroker.certs import CertificateAuthority
 
 from .harness import TESTS_DIR, WorkerProcess, wait_until
 from .processors import metadata as effects_metadata

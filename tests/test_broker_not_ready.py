@@ -14,8 +14,8 @@ from kafka.errors import CoordinatorNotAvailableError
 
 from kstore import Settings
 from kstore.cli import main
-from kstore.dev.broker import Cluster
 from kstore.ops.offsets import set_offsets, show_offsets
+from kstore_devbroker.broker import Cluster
 
 from .conftest import BROKER_CONFIG, KAFKA_CLIENT, _has_leaders
 from .harness import wait_until

@@ -16,7 +16,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 
-from kstore.dev.broker import Broker, Cluster
+from kstore_devbroker.broker import Broker, Cluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,7 +135,7 @@ def test_three_node_cluster_survives_a_stopped_node() -> None:
 def test_cli_start_and_stop(tmp_path: Path) -> None:
     state_file = tmp_path / "broker.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    cli = [sys.executable, "-m", "kstore.devbroker"]
+    cli = [sys.executable, "-m", "kstore_devbroker"]
     # capture_output: the command must return although the broker keeps running, so the
     # JVM must not hold our stdout pipe open.
     started = subprocess.run(
@@ -171,7 +171,7 @@ def test_a_port_taken_before_kafka_binds_it_is_replaced(monkeypatch: pytest.Monk
     """The ports are picked free, then released for Kafka to bind: another process may take one
     in between (on a shared machine, another test run). The node then fails to bind, and the
     broker is started again on other ports instead of failing the test session."""
-    import kstore.dev.broker as devbroker
+    import kstore_devbroker.broker as devbroker
 
     real = devbroker._free_ports
     picked: list[list[int]] = []

@@ -63,7 +63,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaTimeoutError
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
-from kstore.dev.broker import SecuredEndpoints
+from kstore_devbroker.broker import SecuredEndpoints
 
 #: A refused client gives up after this; the cause is in the log long before.
 REFUSAL_TIMEOUT_MS = 1500

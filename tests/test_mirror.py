@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicPartition
 
-from kstore.dev.broker import run_tool
 from kstore.kafka.seam import MIRROR_METADATA, committed_metadata
+from kstore_devbroker.broker import run_tool
 
 from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until

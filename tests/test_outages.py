@@ -12,7 +12,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
-from kstore.dev.broker import Cluster
+from kstore_devbroker.broker import Cluster
 
 from .harness import assert_exactly_once, effects, wait_until
 from .test_top import Terminal

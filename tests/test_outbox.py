@@ -22,9 +22,9 @@ from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
 from kstore import Settings
-from kstore.dev.broker import Cluster
 from kstore.engine.relay import settled_members
 from kstore.kafka.clients import admin_reader
+from kstore_devbroker.broker import Cluster
 
 from .conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from .faultproxy import FaultProxy

@@ -23,9 +23,9 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
 from kstore import Message, MissingTopicError, Processor, ProduceError, Settings, UndeclaredTopicError
-from kstore.dev.broker import Cluster
 from kstore.ops.replay import replay_matching
 from kstore.testing import make_message, run_batch
+from kstore_devbroker.broker import Cluster
 
 from .conftest import BROKER_CONFIG, KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from .harness import WorkerProcess, effects, read_committed, stored_offsets, wait_until

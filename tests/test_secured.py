@@ -23,7 +23,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
-from kstore.dev.broker import SecuredEndpoints
+from kstore_devbroker.broker import SecuredEndpoints
 
 from .conftest import KAFKA_CLIENT
 from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until, without_kafka_python

@@ -1,5 +1,6 @@
 """The promised layout and install: the Alembic scripts at the top (`migrations/`, which `alembic -c
-alembic.ini` uses), shipped inside the wheel; no PostgreSQL driver in the wheel's dependencies, one
+alembic.ini` uses), shipped inside the wheel; the development broker not in it, but a distribution of
+its own (devbroker/) that builds alone; no PostgreSQL driver in the wheel's dependencies, one
 per extra (`kstore[psycopg2]`, `kstore[psycopg]`); the wheel, installed outside the checkout, runs
 on SQLite with no driver at all, runs a pipeline on PostgreSQL with either driver alone, and says in
 one line which extra to install when the DSN's driver is missing.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -130,6 +132,50 @@ def test_the_wheel_ships_the_migrations_and_no_driver(wheel: Path, installed: In
     assert "confluent-kafka" in needs(None) and not needs(None) & {"kafka-python", "crc32c"}, requires
     assert needs("kafka-python") == {"kafka-python", "crc32c"}
     assert needs("confluent") == {"confluent-kafka"}
+
+
+def test_the_wheel_ships_no_development_broker(wheel: Path) -> None:
+    """The development broker (it fetches Kafka's jars with Maven and runs JVMs) is a distribution of
+    its own: no module of it, and no code that runs Maven or a JVM, is in kstore's wheel."""
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    broker_files = [n for n in names if n.startswith(("kstore/dev/", "kstore_devbroker/"))
+                    or n in {"kstore/devbroker.py", "kstore/dev.py"} or n.endswith((".jar", "pom.xml"))]
+    assert not broker_files, broker_files
+    runs_a_jvm = [n for n in names if n.endswith(".py")
+                  and re.search(r"\bmvn\b|org\.apache\.kafka|\bjava\b", archive.read(n).decode())]
+    assert not runs_a_jvm, runs_a_jvm
+    top_level = {n.split("/", 1)[0] for n in names if not n.startswith(f"kstore-{kstore.__version__}.dist-info/")}
+    assert top_level == {"kstore"}, top_level
+
+
+def test_the_development_broker_builds_and_runs_on_its_own(tmp_path: Path) -> None:
+    """devbroker/ alone, copied out of the checkout, builds the kstore-devbroker wheel: its package, its
+    command (`python -m kstore_devbroker`), confluent-kafka as its one dependency; installed, it runs
+    without kstore."""
+    source = shutil.copytree(REPO_DIR / "devbroker", tmp_path / "devbroker",
+                             ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"))
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(source), cwd=tmp_path)
+    (built,) = dist.glob("kstore_devbroker-*.whl")
+    names = set(zipfile.ZipFile(built).namelist())
+    assert {"kstore_devbroker/__init__.py", "kstore_devbroker/__main__.py", "kstore_devbroker/broker.py",
+            "kstore_devbroker/certs.py", "kstore_devbroker/py.typed"} <= names, names
+    assert not any(n.startswith("kstore/") for n in names), names
+
+    site = tmp_path / "site"
+    run(sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(built), cwd=tmp_path)
+    env = {"PYTHONPATH": str(site)}
+    requires = run(sys.executable, "-c", "import importlib.metadata as m; print('\\n'.join(m.requires("
+                   "'kstore-devbroker')))", cwd=tmp_path, env=env).stdout.split()
+    assert [re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] for r in requires] == ["confluent-kafka"], requires
+    # The installed copy, not the checkout's, and no kstore module imported along the way.
+    check = ("import sys, kstore_devbroker.broker as b; print(b.__file__); "
+             "print(sorted(m for m in sys.modules if m == 'kstore' or m.startswith('kstore.')))")
+    where, kstore_modules = run(sys.executable, "-c", check, cwd=tmp_path, env=env).stdout.splitlines()
+    assert Path(where).is_relative_to(site) and kstore_modules == "[]", (where, kstore_modules)
+    usage = run(sys.executable, "-m", "kstore_devbroker", "--help", cwd=tmp_path, env=env).stdout
+    assert usage.startswith("usage: python -m kstore_devbroker") and "fetch" in usage and "stop" in usage, usage
 
 
 def test_with_no_driver_sqlite_runs_and_postgresql_names_the_extra(installed: Installed, postgresql: Any,

@@ -16,7 +16,7 @@ May import the database side (:mod:`kstore.db`), the Kafka side through its seam
 (:mod:`kstore.kafka.seam`, :mod:`kstore.kafka.clients`, :mod:`kstore.kafka.probe`: never a client's
 subpackage or library), what a worker reports (:mod:`kstore.telemetry`), :mod:`kstore.processor`
 and the shared vocabulary (settings, errors, targets, retry, records). Never the operator's tools (:mod:`kstore.ops`),
-the CLI, :mod:`kstore.testing` or :mod:`kstore.dev` (pyproject.toml's import contracts hold it).
+the CLI or :mod:`kstore.testing` (pyproject.toml's import contracts hold it).
 
 Invariants:
 

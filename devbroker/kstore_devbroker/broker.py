@@ -21,14 +21,14 @@ Library use::
 
 Command line::
 
-    python -m kstore.dev.broker fetch
-    python -m kstore.dev.broker start [--brokers 3] [--state-file PATH]   # detached
-    python -m kstore.dev.broker stop [--state-file PATH]
-    python -m kstore.dev.broker run [--brokers 3]                          # foreground, Ctrl-C
-    python -m kstore.dev.broker start --secured      # TLS/SASL listeners; prints SecuredEndpoints as JSON
+    python -m kstore_devbroker fetch
+    python -m kstore_devbroker start [--brokers 3] [--state-file PATH]   # detached
+    python -m kstore_devbroker stop [--state-file PATH]
+    python -m kstore_devbroker run [--brokers 3]                          # foreground, Ctrl-C
+    python -m kstore_devbroker start --secured      # TLS/SASL listeners; prints SecuredEndpoints as JSON
 
 :class:`SecuredBroker` adds TLS and SASL listeners to one node, with throwaway certificates
-(:mod:`kstore.dev.certs`) and users, for testing clients' security settings.
+(:mod:`kstore_devbroker.certs`) and users, for testing clients' security settings.
 
 A JVM started by a :class:`Cluster` (not detached) never outlives the Python process: it runs
 in its own process group, an ``atexit`` hook stops it, and a small watchdog process stops it
@@ -65,7 +65,7 @@ from xml.sax.saxutils import quoteattr
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from kstore.dev.certs import CertificateAuthority, KeyPair, encrypt_key
+from kstore_devbroker.certs import CertificateAuthority, KeyPair, encrypt_key
 
 log = logging.getLogger(__name__)
 
@@ -759,7 +759,7 @@ class Cluster:
         self._disarm_watchdog(node)  # left over if the JVM died on its own
         cmd = self._java(node, "kafka.Kafka", str(node.properties_file))
         # Output goes to a file, never to our pipes: a caller reading our stdout (for example
-        # `$(python -m kstore.dev.broker start)`) would otherwise wait for the JVM to exit.
+        # `$(python -m kstore_devbroker start)`) would otherwise wait for the JVM to exit.
         with node.console_file.open("ab") as out:
             node.process = subprocess.Popen(
                 cmd,
@@ -1237,7 +1237,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kstore.dev.broker", description="A real Kafka broker for development."
+        prog="python -m kstore_devbroker", description="A real Kafka broker for development."
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--kafka-version", dest="version", default=DEFAULT_VERSION, help=DEFAULT_VERSION)
