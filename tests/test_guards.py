@@ -110,8 +110,8 @@ def test_the_revoke_check_cannot_stop_a_zombie_that_never_heard_of_its_loss(tmp_
 
 @pytest.mark.parametrize("scenario", ["lost_answer", "zombie_hears", "zombie_deaf"])
 def test_with_every_guard_on_each_scenario_is_exactly_once(tmp_path: Path, scenario: str) -> None:
-    scenarios = {"lost_answer": (lost_answer_retried, LOST), "zombie_hears": (HEARS, ZOMBIE),
-                 "zombie_deaf": (DEAF, ZOMBIE)}
+    scenarios: dict[str, tuple[Callable[[World], None], Config]] = {
+        "lost_answer": (lost_answer_retried, LOST), "zombie_hears": (HEARS, ZOMBIE), "zombie_deaf": (DEAF, ZOMBIE)}
     fn, cfg = scenarios[scenario]
     _exactly_once(_play(fn, cfg, tmp_path, 0))
 
