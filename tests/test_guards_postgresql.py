@@ -1,0 +1,114 @@
+"""The compare-and-set and the read back, each on its own, against real Kafka and a real PostgreSQL.
+
+The simulation (tests/test_guards.py) runs kstore on SQLite; here a running worker's batch
+COMMIT is cut after the server committed it (tests/faultproxy.py), on both drivers: psycopg2
+sends the compare-and-set and its COMMIT as one message (kstore/db/store.py), psycopg 3 as two.
+A guard is switched off in this process (tests/sim/guards.py), where the worker runs on a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from kstore import Settings, Worker
+
+from .conftest import KAFKA_CLIENT
+from .faultproxy import FaultProxy
+from .harness import assert_exactly_once, effects, wait_until, with_driver
+from .processors import Recorder
+from .sim.guards import switched_off
+
+pytestmark = pytest.mark.integration
+
+DRIVERS = ["psycopg2", "psycopg"]
+#: What the worker logs when the read back said "did not land", and when the rows then showed that it had.
+RERUN = "did not land: processing it again"
+CAUGHT = "differs from this worker's"
+
+
+@pytest.fixture
+def pg_proxy(pg_dsn: str) -> Iterator[FaultProxy]:
+    url = make_url(pg_dsn)
+    with FaultProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        yield proxy
+
+
+def _cut_one_batch_commit(pg_dsn: str, proxy: FaultProxy, kafka: str, new_topic: Any, produce: Any,
+                          driver: str, off: frozenset[str], done: Any) -> set[tuple[str, int, int]]:
+    """A worker processes a first message, then the COMMIT of a batch of 20 lands and its answer is lost;
+    returns the messages sent, once ``done(effects)`` holds."""
+    topic = new_topic(1)
+    expected = set(produce(topic, ["a0"]))
+    worker = Worker(Recorder(), Settings(dsn=with_driver(proxy.dsn_through(pg_dsn), driver), bootstrap_servers=kafka,
+                                         group="guards", topics=(topic,), max_batch_size=50, relay=False,
+                                         kafka_client=KAFKA_CLIENT))
+    runner = threading.Thread(target=worker.run, daemon=True)
+    with switched_off(off):
+        runner.start()
+        try:
+            # Armed once the worker is connected and has committed a batch (see tests/faultproxy.py).
+            wait_until(lambda: effects(pg_dsn), 60, what="the first message")
+            proxy.cut_after_commit(touching="effects")
+            expected |= set(produce(topic, [f"b{i}" for i in range(20)]))
+            wait_until(lambda: proxy.commits_cut >= 1, 60, what="a batch's COMMIT cut")
+            wait_until(lambda: done(effects(pg_dsn), expected), 60, what="the batch settled")
+        finally:
+            worker.request_stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    return expected
+
+
+def _all_once(counts: Any, expected: set[tuple[str, int, int]]) -> bool:
+    return set(counts) >= expected
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_the_position_check_alone_stops_a_landed_batch_from_landing_again(
+        pg_dsn: str, pg_proxy: FaultProxy, kafka: str, new_topic: Any, produce: Any, driver: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kstore")
+
+    def settled(counts: Any, expected: set[tuple[str, int, int]]) -> bool:
+        return _all_once(counts, expected) and CAUGHT in caplog.text
+
+    expected = _cut_one_batch_commit(pg_dsn, pg_proxy, kafka, new_topic, produce, driver,
+                                     frozenset({"read_back"}), settled)
+    assert RERUN in caplog.text, "the batch was not run again: the position check was never needed"
+    assert_exactly_once(effects(pg_dsn), expected)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_the_read_back_alone_stops_a_landed_batch_from_landing_again(
+        pg_dsn: str, pg_proxy: FaultProxy, kafka: str, new_topic: Any, produce: Any, driver: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kstore")
+
+    def settled(counts: Any, expected: set[tuple[str, int, int]]) -> bool:
+        return _all_once(counts, expected) and "but landed: not processing it again" in caplog.text
+
+    expected = _cut_one_batch_commit(pg_dsn, pg_proxy, kafka, new_topic, produce, driver,
+                                     frozenset({"position"}), settled)
+    assert RERUN not in caplog.text
+    assert_exactly_once(effects(pg_dsn), expected)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_without_position_check_and_read_back_a_landed_batch_lands_twice(
+        pg_dsn: str, pg_proxy: FaultProxy, kafka: str, new_topic: Any, produce: Any, driver: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The scenario above can fail: with neither guard, the batch's effects land a second time."""
+    caplog.set_level(logging.INFO, logger="kstore")
+
+    def doubled(counts: Any, expected: set[tuple[str, int, int]]) -> bool:
+        return _all_once(counts, expected) and any(n > 1 for n in counts.values())
+
+    _cut_one_batch_commit(pg_dsn, pg_proxy, kafka, new_topic, produce, driver,
+                          frozenset({"position", "read_back"}), doubled)
+    assert RERUN in caplog.text
