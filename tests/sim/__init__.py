@@ -16,7 +16,8 @@ The real :class:`kstore.Worker` runs, driven one turn at a time (``fetch_once`` 
 
 :mod:`.invariants` checks the journal and the deliveries after every action;
 :mod:`.schedule` generates, runs and shrinks schedules. ``tests/test_simulation.py``
-runs them under pytest.
+runs them under pytest. :mod:`.guards` scripts the schedules that reach each guard of
+exactly once, with guards switched off (``tests/test_guards.py``).
 
 Invisible to it: everything kstore does only on PostgreSQL (the one-trip commit of
 psycopg2, execute_batch pages, COPY, lock and idle-in-transaction timeouts, SQLSTATE
