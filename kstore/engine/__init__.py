@@ -10,7 +10,7 @@
 - :mod:`~kstore.engine.failures`: the retry bookkeeping (attempts, the isolation window, backoff).
 - :mod:`~kstore.engine.onedatabase`: one pipeline, one database: the group's live members compared
   with the database's registry of its workers before any claim.
-- :mod:`~kstore.engine.commands`: ``kstore worker``, which wires SIGTERM/SIGINT to ``request_stop``.
+- :mod:`~kstore.cli.worker`: ``kstore worker``, which wires SIGTERM/SIGINT to ``request_stop``.
 
 May import the database side (:mod:`kstore.db`), the Kafka side through its seam only
 (:mod:`kstore.kafka.seam`, :mod:`kstore.kafka.clients`, :mod:`kstore.kafka.probe`: never a client's

@@ -15,12 +15,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol
 
 from kstore.errors import BrokerError
-from kstore.partition import TopicPartition as TP
-from kstore.records import Record
+from kstore.types import Record
+from kstore.types import TopicPartition as TP
 
 if TYPE_CHECKING:
-    from kstore.records import Produced
     from kstore.settings import Settings
+    from kstore.types import Produced
 
 log = logging.getLogger(__name__)
 

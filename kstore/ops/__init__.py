@@ -5,8 +5,8 @@
 - :mod:`~kstore.ops.outbox`: a group's outbox shards, what waits to be published (``kstore outbox show``).
 - :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
   :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
-- :mod:`~kstore.ops.commands`: the ``offsets``, ``outbox``, ``exporter`` and ``top`` commands;
-  :mod:`~kstore.ops.lettercommands` the ``dead-letters`` ones.
+- :mod:`~kstore.cli.ops`: the ``offsets``, ``outbox``, ``exporter`` and ``top`` commands;
+  :mod:`~kstore.cli.letters` the ``dead-letters`` ones.
 
 May import the database side, the Kafka side through its seam only (:mod:`kstore.kafka.seam` and
 :mod:`kstore.kafka.clients`: the tools run on whichever client is installed), :mod:`kstore.telemetry`
