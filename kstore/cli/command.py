@@ -1,9 +1,9 @@
-"""The ``kstore`` command: logging, ``--debug``, and the command groups, each from beside the library it calls.
+"""The ``kstore`` group: logging, ``--debug``, the subcommands, and :func:`main` (the console script).
 
 ``kstore worker`` and ``relay`` are :mod:`kstore.cli.worker`, ``kstore migrate``
-:mod:`kstore.cli.migrate`, ``kstore offsets``, ``dead-letters``, ``outbox``, ``exporter``, ``top`` and ``topics``
-:mod:`kstore.cli.ops`; what they share (options, one-line errors, secrets kept out of output) is
-:mod:`kstore.cli.common`.
+:mod:`kstore.cli.migrate`, ``kstore offsets``, ``outbox``, ``exporter``, ``top`` and ``topics``
+:mod:`kstore.cli.ops`, ``kstore dead-letters`` :mod:`kstore.cli.letters`; what they share (options,
+one-line errors, secrets kept out of output) is :mod:`kstore.cli.common`.
 No SQL and no Kafka here. A :class:`KstoreError` is printed on one line and exits non-zero;
 ``--debug`` shows the traceback.
 """

@@ -2,9 +2,9 @@
 running one library call with a KstoreError as one line and an exit code, and keeping credentials
 out of what is printed and logged (:mod:`kstore.cli.masking`).
 
-Each command group sits beside the library it calls (:mod:`kstore.cli.worker`,
-:mod:`kstore.cli.migrate`, :mod:`kstore.cli.ops`) and builds on this; :mod:`kstore.cli`
-puts them under the ``kstore`` command. No SQL and no Kafka here, nor in the groups: they parse
+Each command group (:mod:`kstore.cli.worker`, :mod:`kstore.cli.migrate`, :mod:`kstore.cli.ops`,
+:mod:`kstore.cli.letters`) builds on this; :mod:`kstore.cli.command` puts them under the ``kstore``
+command. No SQL and no Kafka here, nor in the groups: they parse
 arguments, build Settings and call one library function.
 """
 
@@ -23,7 +23,7 @@ from kstore.errors import KstoreError
 from kstore.kafka.options import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.settings import Settings
 
-#: The commands' own log lines (a stop signal, a rolled back batch) are kstore.cli's, as before the split.
+#: The commands' own log lines (a stop signal, a rolled back batch): one logger for the whole command.
 log = logging.getLogger("kstore.cli")
 
 

@@ -18,9 +18,9 @@
 - :mod:`~kstore.db.migration` (and :mod:`~kstore.cli.migrate`: ``kstore migrate``),
   :mod:`~kstore.db.sqlerrors` (what an error says), :mod:`~kstore.db.writes` (what every write shares).
 
-May import the shared vocabulary (settings, errors, records, the retry policy's ``Failure``,
-commandline for its command); never the Kafka side, :mod:`kstore.processor`, the engine or the
-operator's tools. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
+May import the shared vocabulary (settings, errors, :mod:`kstore.types`, the retry policy's
+``Failure``); never the Kafka side, :mod:`kstore.processor`, :mod:`kstore.running`, the engine, the
+operator's tools or the CLI. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
 ``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle (tests/test_layout.py).
 
 Invariants:
