@@ -38,12 +38,15 @@ def _decode(data: bytes | None, fmt: Format) -> Any:
     return json.loads(data)
 
 
-
 def _check_returned(processor: Processor, hook: str, result: Any) -> None:
     """Refuse what a hook returned if it is an awaitable (a coroutine, a future, a task): kstore
     calls hooks synchronously, so it never ran, and a batch would commit its offsets with no
-    effect. This catches an ``async def`` behind a plain decorator, which :func:`check_processor`
-    cannot see. The coroutine is closed (no "never awaited" warning) and the worker stops."""
+    effect. This catches an ``async def`` behind a plain decorator, which
+    :func:`kstore.running.hooks.check_processor` cannot see. The coroutine is closed (no "never
+    awaited" warning) and the worker stops.
+
+    Here because the default :meth:`Processor.handle_batch` checks each ``handle``;
+    :mod:`kstore.running.hooks` checks every hook kstore calls with it."""
     if not inspect.isawaitable(result):
         return
     close = getattr(result, "close", None)

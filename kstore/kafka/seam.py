@@ -337,7 +337,7 @@ def progress_of(reader: GroupReader, ident: str, mark: str) -> int:
 
 class PartitionCounts:
     """How many partitions each topic has, for checking what a processor produces before it reaches
-    the outbox (:func:`kstore.processor.produce_check`), asked of the readers ``open_reader`` makes.
+    the outbox (:func:`kstore.running.handler.produce_check`), asked of the readers ``open_reader`` makes.
 
     Each answer is trusted for ``topic_recheck_s``, then asked again with a fresh metadata request
     (never one that could create the topic): a missing topic may have been created meanwhile, and a
