@@ -264,7 +264,7 @@ def cli_page() -> str:
     parts = [
         "# CLI reference",
         "",
-        NOTICE.format(source="the kstore command (kstore/cli.py and the commands it gathers)"),
+        NOTICE.format(source="the kstore command (kstore/cli/)"),
         "",
         "The `--help` of every `kstore` command. Every setting a flag sets can also come from a",
         "`KSTORE_*` variable: see [Configuration](configuration.md).",

@@ -3,16 +3,21 @@
 Offsets live in the database, in the same transaction as the processing's
 own writes; a claimed epoch per partition fences zombie workers.
 
-What users touch sits at the top: this package's names (``__all__``), :mod:`kstore.processor`,
-:mod:`kstore.settings`, :mod:`kstore.errors`, :mod:`kstore.targets`, :mod:`kstore.retry`,
-:mod:`kstore.testing` and the ``kstore`` command (:mod:`kstore.cli`). The rest is grouped by role,
-each subpackage's docstring saying what it owns, what it may import and the invariants it keeps:
+What users touch sits at the top: this package's names (``__all__``), :mod:`kstore.processor`
+(the ``Processor`` a user writes and the ``Message`` it receives), :mod:`kstore.settings`,
+:mod:`kstore.errors`, :mod:`kstore.targets`, :mod:`kstore.retry`, :mod:`kstore.testing` and
+:mod:`kstore.types` (the plain types every part shares). The rest is grouped by role, each
+subpackage's docstring saying what it owns, what it may import and the invariants it keeps:
 
-- :mod:`kstore.engine`: a running worker, the partitions it holds, its batches;
-- :mod:`kstore.db`: kstore's tables and every statement on them, the batch's session;
-- :mod:`kstore.kafka`: the consumer and its queues, every Kafka client (the only kafka-python user);
+- :mod:`kstore.cli`: the ``kstore`` command, each subcommand a thin layer over one library call;
+- :mod:`kstore.engine`: a running worker, the partitions it holds, its batches, its relay;
+- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top);
 - :mod:`kstore.telemetry`: what a running worker reports (metrics, health probes, traces);
-- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top).
+- :mod:`kstore.running`: how kstore calls a processor (a batch, its hooks, the async lanes),
+  shared by the engine, the operator's tools and :mod:`kstore.testing`;
+- :mod:`kstore.db`: kstore's tables and every statement on them, the batch's session;
+- :mod:`kstore.kafka`: the consumer and its queues, every Kafka client (the only kafka-python
+  user), and the Kafka option tables :class:`~kstore.Settings` checks its options with;
 
 Imports run one way, down that list (the engine and the operator's tools never import each
 other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.
@@ -21,7 +26,6 @@ other, nor the database and the Kafka sides): pyproject.toml's import contracts 
 #: kstore's version: the one place it is written (pyproject.toml reads it; ``kstore --version`` shows it).
 __version__ = "0.1.0"
 
-from kstore.concurrency import AsyncSession
 from kstore.db.dbapi import BatchTransactionError
 from kstore.db.deadletters import DeadLetterBusyError, DeadLetterStateError
 from kstore.db.migration import migrate
@@ -42,10 +46,13 @@ from kstore.errors import (
     TooManyDeadLettersError,
     UndeclaredTopicError,
 )
-from kstore.processor import DeserializationError, Message, Processor, ProduceError, load_processor
-from kstore.retry import Reject, Retry, RetryPolicy
+from kstore.processor import Processor
+from kstore.retry import DeserializationError, ProduceError, Reject, Retry, RetryPolicy
+from kstore.running.concurrency import AsyncSession
+from kstore.running.loading import load_processor
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST
+from kstore.types import Message
 
 __all__ = [
     # writing a pipeline

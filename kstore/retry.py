@@ -1,4 +1,6 @@
-"""Retrying a failing message: the policy, the ``Retry`` and ``Reject`` exceptions, and a failure's record.
+"""Retrying a failing message: the policy, the ``Retry`` and ``Reject`` exceptions (and the two
+rejections kstore raises itself, :class:`ProduceError` and :class:`DeserializationError`), and a
+failure's record.
 
 What a processor configures and raises. The engine applies it (:mod:`kstore.engine.failures`):
 a batch that raises is rolled back. The worker then retries it in batches half as
@@ -35,6 +37,33 @@ class Reject(Exception):
     unparseable, refused by a rule): it is not retried. At once, with no backoff, it is
     dead-lettered (``on_error="dead_letter"``) or stops the worker (``"stop"``).
     """
+
+
+class ProduceError(Reject):
+    """A record given to :meth:`~kstore.Processor.produce` can never be published (a value that cannot be
+    serialized, a partition its topic does not have, a record over the size limit). A topic the
+    cluster does not have is not one of these: that is an outage (:class:`~kstore.MissingTopicError`).
+
+    A :class:`Reject`: the message that produced it is not retried but, by
+    ``on_error``, dead-lettered at once (nothing it produced is published) or stops the worker.
+    """
+
+
+class DeserializationError(Reject):
+    """A record's key or value could not be deserialized (:meth:`~kstore.Processor.deserialize` raised, e.g. a
+    value that is not JSON with ``value_format = "json"``); the original error is its cause.
+
+    A :class:`Reject`, attributed to that one message without running its batch:
+    by ``on_error``, it is dead-lettered at once, in the transaction of the rest of its batch, or
+    the worker stops with the offset just before it. (A custom ``deserialize`` that raises
+    :class:`Retry` fails its batch instead, which is retried as any failing batch.)
+    """
+
+    @classmethod
+    def of(cls, exc: Exception) -> DeserializationError:
+        error = cls(f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
 
 
 @dataclass(frozen=True)

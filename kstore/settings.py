@@ -17,8 +17,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from kstore.errors import ConfigurationError
-from kstore.kafkaoptions import check_kafka_options, check_security
-from kstore.masking import shown_options
+from kstore.kafka.options import check_kafka_options, check_security, shown_options
 
 ENV_PREFIX = "KSTORE_"
 #: ``KSTORE_KAFKA_<NAME>`` sets the Kafka client's option ``<name>`` (see ``kafka_options``).
@@ -260,7 +259,7 @@ class Settings:
     @property
     def secrets(self) -> list[str]:
         """Every secret value these settings hold (the DSN's password too): what a
-        :class:`~kstore.masking.Masker` needs to find where one ends in a driver's text."""
+        :class:`~kstore.cli.masking.Masker` needs to find where one ends in a driver's text."""
         found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password]
         return [str(v) for v in found if v]
 

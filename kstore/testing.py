@@ -43,23 +43,12 @@ from typing import Any
 from sqlalchemy import Engine, create_engine
 
 from kstore.db.setuplock import setup_lock
-from kstore.processor import (
-    NOT_THE_MESSAGE,
-    DeserializationError,
-    Message,
-    OnError,
-    Outgoing,
-    Processor,
-    call_hook,
-    check_processor,
-    declared_topics,
-    deserialized,
-    produce_check,
-    run_handler,
-    to_ms,
-)
-from kstore.records import Produced
+from kstore.processor import Processor
+from kstore.retry import DeserializationError
+from kstore.running.handler import NOT_THE_MESSAGE, Outgoing, produce_check, run_handler
+from kstore.running.hooks import call_hook, check_processor, declared_topics, deserialized, to_ms
 from kstore.settings import Settings
+from kstore.types import Message, OnError, Produced
 
 
 class RawMessage(Message):

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import ProcessorContractError
-from kstore.processor import check_returned
+from kstore.running.hooks import check_returned
 from kstore.testing import make_message, run_batch
 
 from .contract_processors import WrappedCoroutine

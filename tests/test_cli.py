@@ -155,4 +155,5 @@ def test_version_has_one_source() -> None:
     assert "\nversion = \"" not in pyproject  # no static copy
     assert importlib.metadata.version("kstore") == __version__  # the installed metadata agrees
     if re.fullmatch(r"\d+\.\d+\.\d+", __version__):  # a final release, not a .dev or rc
-        assert f"\n## {__version__}\n" in (REPO_DIR / "CHANGELOG.md").read_text()
+        heading = rf"\n## \[{re.escape(__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}\n"
+        assert re.search(heading, (REPO_DIR / "CHANGELOG.md").read_text())

@@ -17,9 +17,10 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Reject
-from kstore.concurrency import BatchTimeout, HandlerCancelled, lanes, run_lanes
 from kstore.errors import ConfigurationError, KstoreError, ProcessorContractError
-from kstore.processor import Outgoing, call_hook, check_processor, run_handler
+from kstore.running.concurrency import BatchTimeout, HandlerCancelled, lanes, run_lanes
+from kstore.running.handler import Outgoing, run_handler
+from kstore.running.hooks import call_hook, check_processor
 from kstore.testing import make_message, run_batch
 
 metadata = sa.MetaData()

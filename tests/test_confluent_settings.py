@@ -17,8 +17,8 @@ from kstore.kafka.clients import source_class
 from kstore.kafka.confluent.connect import librdkafka_config
 from kstore.kafka.confluent.consumer import ConfluentSource, by_partition, group_protocol, messages_size, to_messages
 from kstore.kafka.kafkapython.consumer import KafkaPythonSource
+from kstore.kafka.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
 from kstore.kafka.seam import RECORD_OVERHEAD
-from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
 
 from .test_cli import assert_one_clear_line, kstore
 

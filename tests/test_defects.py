@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from kafka import TopicPartition
 
 from kstore import Message, Processor, Settings, Worker
-from kstore.engine import commands as kstore_cli
+from kstore.cli import worker as kstore_cli
 from kstore.engine.partitions import Owned, Partitions
 from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 

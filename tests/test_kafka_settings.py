@@ -14,9 +14,9 @@ from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore import ConfigurationError, Settings
 from kstore.kafka.kafkapython.connect import client_config, load_token_provider
+from kstore.kafka.options import CONSUMER_OPTIONS, SASL_MECHANISM_NAMES, check_kafka_options
 from kstore.kafka.probe import _mechanism
 from kstore.kafka.security import probe_config
-from kstore.kafkaoptions import CONSUMER_OPTIONS, SASL_MECHANISM_NAMES, check_kafka_options
 
 SECRET = "pa55-w0rd-SECRET"
 

@@ -17,8 +17,9 @@ from sqlalchemy.exc import OperationalError
 
 from kstore import Processor, Settings, migrate
 from kstore.db.store import Store, make_engine
+from kstore.engine.backoff import Backoff
 from kstore.engine.batches import Batches
-from kstore.engine.ownership import Backoff, Ledger
+from kstore.engine.ownership import Ledger
 from kstore.engine.partitions import Owned, Partitions
 from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from kstore import Settings
 from kstore.db.outbox import Outbox, shard_of
 from kstore.ops.outbox import ShardStatus, show_outbox
-from kstore.records import Produced
+from kstore.types import Produced
 
 from .harness import TESTS_DIR, WorkerProcess, stored_offsets, wait_until
 from .outbox_processors import copies, metadata

@@ -23,7 +23,7 @@ from kstore import Settings
 from kstore.db import outbox as outbox_module
 from kstore.db.outbox import Outbox, shard_of
 from kstore.db.store import make_engine
-from kstore.records import Produced
+from kstore.types import Produced
 
 from .harness import with_driver
 

@@ -16,7 +16,7 @@ from kstore.db.setuplock import setup_lock, setup_lock_key
 from kstore.db.store import make_engine
 from kstore.engine.worker import Worker
 from kstore.errors import ProcessorError
-from kstore.processor import call_setup
+from kstore.running.hooks import call_setup
 from kstore.testing import run_batch
 
 from .harness import wait_until

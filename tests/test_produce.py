@@ -23,9 +23,9 @@ from kstore import (
     Reject,
     UndeclaredTopicError,
 )
-from kstore.processor import Outgoing, produce_check, run_handler
-from kstore.records import Produced
+from kstore.running.handler import Outgoing, produce_check, run_handler
 from kstore.testing import make_message, run_batch
+from kstore.types import Produced
 
 
 class Echo(Processor):

@@ -20,7 +20,7 @@ from kstore.db.store import make_engine
 from kstore.engine.relay import Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, highest_mark
-from kstore.records import Produced
+from kstore.types import Produced
 
 from .harness import read_committed, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.masking import Masker
+from kstore.cli.masking import Masker
 
 from .conftest import KAFKA_CLIENT, PG_DRIVER, PG_PASSWORD
 from .harness import WorkerProcess

@@ -73,8 +73,13 @@ def tables(dsn: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built from a copy of the checkout without its build outputs: setuptools would otherwise
+    reuse a stale build/lib left by an earlier build, modules since removed included."""
+    source = tmp_path_factory.mktemp("source") / "kstore"
+    shutil.copytree(REPO_DIR, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "site", "*.egg-info", "__pycache__", ".kstore-dev", "*.db"))
     dist = tmp_path_factory.mktemp("dist")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO_DIR), cwd=dist)
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(source), cwd=dist)
     (built,) = dist.glob("kstore-*.whl")
     return built
 

@@ -15,12 +15,12 @@
 - :mod:`~kstore.db.dbapi`, :mod:`~kstore.db.psycopg2conn`, :mod:`~kstore.db.deadline`: kstore's
   DBAPI connection classes (psycopg2's in a module of their own, imported only for a psycopg2 DSN:
   kstore depends on no driver) and the deadline on every round trip.
-- :mod:`~kstore.db.migration` (and :mod:`~kstore.db.commands`: ``kstore migrate``),
+- :mod:`~kstore.db.migration` (and :mod:`~kstore.cli.migrate`: ``kstore migrate``),
   :mod:`~kstore.db.sqlerrors` (what an error says), :mod:`~kstore.db.writes` (what every write shares).
 
-May import the shared vocabulary (settings, errors, records, the retry policy's ``Failure``,
-commandline for its command); never the Kafka side, :mod:`kstore.processor`, the engine or the
-operator's tools. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
+May import the shared vocabulary (settings, errors, :mod:`kstore.types`, the retry policy's
+``Failure``); never the Kafka side, :mod:`kstore.processor`, :mod:`kstore.running`, the engine, the
+operator's tools or the CLI. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
 ``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle (tests/test_layout.py).
 
 Invariants:

@@ -54,9 +54,9 @@ from sqlalchemy import (
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
-from kstore.records import Record, ms_to_datetime, timestamp_ms
 from kstore.retry import Failure
 from kstore.settings import Settings
+from kstore.types import Record, ms_to_datetime, timestamp_ms
 
 from . import indoubt
 from .migration import check_migrated

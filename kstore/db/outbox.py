@@ -57,7 +57,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from kstore.errors import KstoreError
-from kstore.records import Produced
+from kstore.types import Produced
 
 from .copy import copy_rows
 from .manyrows import execute_many

@@ -21,7 +21,7 @@ from typing import Protocol
 from sqlalchemy import Connection, Engine, Table, select, tuple_
 
 from kstore.errors import FencedError
-from kstore.records import TopicPartition
+from kstore.types import TopicPartition
 
 from . import indoubt
 from .writes import WRITES, actor, now

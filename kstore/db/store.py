@@ -60,8 +60,8 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql.elements import TextClause
 
 from kstore.errors import ConfigurationError, DatabaseError, FencedError
-from kstore.partition import Position, TopicPartition
 from kstore.settings import Settings
+from kstore.types import Position, TopicPartition
 
 from . import dbapi, deadline, indoubt, resets
 from .members import GroupMembers, stale_after_s

@@ -8,14 +8,18 @@
   what goes wrong (fencing, retries in smaller batches, dead letters, the database going away).
 - :mod:`~kstore.engine.positions`: where the consumer's position moved, or could not go, by itself.
 - :mod:`~kstore.engine.failures`: the retry bookkeeping (attempts, the isolation window, backoff).
+- :mod:`~kstore.engine.backoff`: the delay between the worker's database retries.
+- :mod:`~kstore.engine.relay`: publishes a group's outbox; :mod:`~kstore.engine.member`: the name a
+  worker and its relay go by.
 - :mod:`~kstore.engine.onedatabase`: one pipeline, one database: the group's live members compared
   with the database's registry of its workers before any claim.
-- :mod:`~kstore.engine.commands`: ``kstore worker``, which wires SIGTERM/SIGINT to ``request_stop``.
+(``kstore worker``, :mod:`kstore.cli.worker`, wires SIGTERM/SIGINT to ``request_stop``.)
 
 May import the database side (:mod:`kstore.db`), the Kafka side through its seam only
 (:mod:`kstore.kafka.seam`, :mod:`kstore.kafka.clients`, :mod:`kstore.kafka.probe`: never a client's
 subpackage or library), what a worker reports (:mod:`kstore.telemetry`), :mod:`kstore.processor`
-and the shared vocabulary (settings, errors, targets, retry, records). Never the operator's tools (:mod:`kstore.ops`),
+and how it is run (:mod:`kstore.running`), and the shared vocabulary (settings, errors, targets,
+retry, types). Never the operator's tools (:mod:`kstore.ops`),
 the CLI or :mod:`kstore.testing` (pyproject.toml's import contracts hold it).
 
 Invariants:

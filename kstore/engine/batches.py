@@ -36,27 +36,19 @@ from kstore.errors import (
     TooManyDeadLettersError,
 )
 from kstore.kafka.seam import ConsumerSource
-from kstore.partition import Position
-from kstore.processor import (
-    NOT_THE_MESSAGE,
-    Concurrency,
-    DeserializationError,
-    Message,
-    Outgoing,
-    Processor,
-    call_hook,
-    is_async_processor,
-    run_handler,
-)
-from kstore.records import Produced, Record, timestamp_ms
-from kstore.records import TopicPartition as TP
-from kstore.retry import Failure, Retry
+from kstore.processor import Processor
+from kstore.retry import DeserializationError, Failure, Retry
+from kstore.running.handler import NOT_THE_MESSAGE, Concurrency, Outgoing, run_handler
+from kstore.running.hooks import call_hook, is_async_processor
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
+from kstore.types import Message, Position, Produced, Record, timestamp_ms
+from kstore.types import TopicPartition as TP
 
+from .backoff import Backoff
 from .failures import Breaker, Failures, MessageKey
-from .ownership import Backoff, Ledger, fmt
+from .ownership import Ledger, fmt
 from .topicwait import TopicWait
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from kstore.db.sqlerrors import error_text
-from kstore.records import Record
-from kstore.records import TopicPartition as TP
 from kstore.retry import Failure, Retry, RetryPolicy
+from kstore.types import Record
+from kstore.types import TopicPartition as TP
 
 #: A message by plain values: (topic, partition, offset).
 MessageKey = tuple[str, int, int]

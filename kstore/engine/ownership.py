@@ -22,21 +22,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import Connection
 
-from kstore.db.sqlerrors import first_line
 from kstore.db.store import Claim, Row, Store
 from kstore.engine.partitions import Owned, Partitions
 from kstore.errors import FencedError, InvalidOffsetError, KstoreError
 from kstore.kafka.seam import ConsumerSource
-from kstore.partition import Position
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings, parse_start_policy
 from kstore.targets import Target, check_target, policy_offset
+from kstore.types import Position
+from kstore.types import TopicPartition as TP
 
 log = logging.getLogger("kstore.engine.worker")
 
@@ -336,34 +335,3 @@ class Ledger:
     def offsets(self) -> dict[TP, int]:
         with self.lock:
             return {tp: o.committed for tp, o in self.owned.items()}
-
-
-class Backoff:
-    """Exponential delay between database retries, reset by a success."""
-
-    def __init__(self, first: float, longest: float, on_failure: Callable[[], None] | None = None) -> None:
-        self.first = first
-        self.longest = longest
-        self.delay = first
-        self.not_before = 0.0
-        #: True from a failure until the next success: the database is away (for /readyz).
-        self.failing = False
-        self._on_failure = on_failure
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.not_before
-
-    def failed(self, what: str, exc: BaseException) -> float:
-        self.failing = True
-        if self._on_failure is not None:
-            self._on_failure()
-        delay = self.delay
-        self.delay = min(self.delay * 2, self.longest)
-        self.not_before = time.monotonic() + delay
-        log.warning("database error, could not %s: %s; retrying in %.1fs", what, first_line(exc), delay)
-        return delay
-
-    def succeeded(self) -> None:
-        self.failing = False
-        self.delay = self.first
-        self.not_before = 0.0

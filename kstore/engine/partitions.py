@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kstore.kafka.seam import NO_POSITION, ConsumerSource, EventKind, Fetched
-from kstore.partition import TopicPartition as TP
-from kstore.records import Record, timestamp_ms
 from kstore.settings import Settings
+from kstore.types import Record, timestamp_ms
+from kstore.types import TopicPartition as TP
 
 
 @dataclass

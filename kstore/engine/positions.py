@@ -23,9 +23,9 @@ import time
 
 from kstore.db.writes import WRITES
 from kstore.errors import FencedError
-from kstore.partition import Position
-from kstore.records import TopicPartition as TP
 from kstore.targets import policy_offset
+from kstore.types import Position
+from kstore.types import TopicPartition as TP
 
 from .ownership import Ledger, _Plan
 

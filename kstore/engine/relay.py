@@ -28,11 +28,8 @@ a :data:`MARK_INTERVAL_S` (and when the shard is idle), off the path from commit
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
@@ -45,6 +42,8 @@ from kstore.kafka.clients import admin_reader, publisher_class
 from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, ShardPublisher
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
+
+from .member import member_name
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +103,6 @@ class RelayStuck(Exception):
 
 class _LostShard(Exception):
     """The shard's lease is no longer this relay's."""
-
-
-def member_name() -> str:
-    """The name a worker (or a relay) goes by, unique per process: in its log lines, in the
-    database (a claimed partition's owner, an outbox shard's) and, as its Kafka client id, in
-    ``kstore offsets show`` and ``kstore top``. One spelling everywhere, to grep for."""
-    return f"kstore-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Relay:

@@ -38,7 +38,6 @@ from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from kstore.concurrency import close_loop
 from kstore.db.members import GroupMembers
 from kstore.db.migration import check_migrated
 from kstore.db.outbox import Outbox
@@ -47,20 +46,25 @@ from kstore.db.store import Store, make_engine
 from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.clients import SourceFactory, partition_counts, source_class
 from kstore.kafka.seam import ConsumerSource, EventKind, PartitionCounts
-from kstore.processor import Processor, call_hook, call_setup, check_processor, declared_topics, produce_check
-from kstore.records import TopicPartition as TP
-from kstore.records import timestamp_ms
+from kstore.processor import Processor
+from kstore.running.concurrency import close_loop
+from kstore.running.handler import produce_check
+from kstore.running.hooks import call_hook, call_setup, check_processor, declared_topics
 from kstore.settings import Settings
 from kstore.targets import Target
 from kstore.telemetry.health import HealthServer, app
 from kstore.telemetry.metrics import Metrics, PartitionLag
+from kstore.types import TopicPartition as TP
+from kstore.types import timestamp_ms
 
 from . import positions
+from .backoff import Backoff
 from .batches import Batches
+from .member import member_name
 from .onedatabase import OneDatabase
-from .ownership import Backoff, Ledger, fmt
+from .ownership import Ledger, fmt
 from .partitions import Partitions
-from .relay import Relay, member_name
+from .relay import Relay
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@
 The engine, the relay and the operator's tools import only the seam, the clients module and the
 probe (pyproject.toml's import contracts hold it).
 
-May import the shared vocabulary (settings, kafkaoptions, rdkafkaoptions, errors, records); never the
+- :mod:`~kstore.kafka.options` and :mod:`~kstore.kafka.rdkafkaoptions`: which options each client
+  accepts, and which hold a secret; :class:`~kstore.Settings` checks its options with them, so they
+  import nothing of kstore but its errors (the one import from below into this package).
+
+May import the shared vocabulary (settings, errors, types); never the
 database side, the engine, the operator's tools or the CLI.
 """

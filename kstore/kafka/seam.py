@@ -15,12 +15,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol
 
 from kstore.errors import BrokerError
-from kstore.partition import TopicPartition as TP
-from kstore.records import Record
+from kstore.types import Record
+from kstore.types import TopicPartition as TP
 
 if TYPE_CHECKING:
-    from kstore.records import Produced
     from kstore.settings import Settings
+    from kstore.types import Produced
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def progress_of(reader: GroupReader, ident: str, mark: str) -> int:
 
 class PartitionCounts:
     """How many partitions each topic has, for checking what a processor produces before it reaches
-    the outbox (:func:`kstore.processor.produce_check`), asked of the readers ``open_reader`` makes.
+    the outbox (:func:`kstore.running.handler.produce_check`), asked of the readers ``open_reader`` makes.
 
     Each answer is trusted for ``topic_recheck_s``, then asked again with a fresh metadata request
     (never one that could create the topic): a missing topic may have been created meanwhile, and a

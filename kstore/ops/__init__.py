@@ -5,14 +5,15 @@
 - :mod:`~kstore.ops.outbox`: a group's outbox shards, what waits to be published (``kstore outbox show``).
 - :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
   :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
-- :mod:`~kstore.ops.commands`: the ``offsets``, ``outbox``, ``exporter`` and ``top`` commands;
-  :mod:`~kstore.ops.lettercommands` the ``dead-letters`` ones.
+- :mod:`~kstore.ops.topics`: a processor's topics, looked up or created (``kstore topics``).
+
+Their commands are :mod:`kstore.cli.ops` and :mod:`kstore.cli.letters`.
 
 May import the database side, the Kafka side through its seam only (:mod:`kstore.kafka.seam` and
 :mod:`kstore.kafka.clients`: the tools run on whichever client is installed), :mod:`kstore.telemetry`
-(the lag metric families), :mod:`kstore.processor` (a replay runs one) and the shared vocabulary; never the engine: no
-worker is needed, and none is driven from here. A running worker notices what these write (an
-epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
+(the lag metric families), :mod:`kstore.running` (a replay runs a processor) and the shared
+vocabulary; never the engine: no worker is needed, and none is driven from here. A running worker
+notices what these write (an epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
 
 Invariants: a move is one transaction that reads each row under its lock, decides from what is
 stored then, bumps the epoch and records the move with a request id (looked up if its COMMIT's

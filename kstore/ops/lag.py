@@ -30,9 +30,9 @@ from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
 from kstore.kafka.clients import admin_reader
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
+from kstore.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
 

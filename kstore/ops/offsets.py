@@ -25,9 +25,9 @@ from kstore.db.store import HistoryEntry, Store, make_engine
 from kstore.errors import BrokerError, ConfigurationError, DatabaseError, InvalidOffsetError
 from kstore.kafka.clients import admin_reader
 from kstore.kafka.seam import MIRROR_METADATA, AdminReader
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
 from kstore.targets import EARLIEST, LATEST, Target, check_target
+from kstore.types import TopicPartition as TP
 
 
 @dataclass(frozen=True)

@@ -31,20 +31,11 @@ from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.clients import partition_counts
-from kstore.processor import (
-    NOT_THE_MESSAGE,
-    Outgoing,
-    Processor,
-    call_hook,
-    call_setup,
-    declared_topics,
-    deserialized,
-    produce_check,
-    run_handler,
-    to_ms,
-)
-from kstore.records import Produced
+from kstore.processor import Processor
+from kstore.running.handler import NOT_THE_MESSAGE, Outgoing, produce_check, run_handler
+from kstore.running.hooks import call_hook, call_setup, declared_topics, deserialized, to_ms
 from kstore.settings import Settings
+from kstore.types import Produced
 
 
 def replay(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit: Edit | None = None,

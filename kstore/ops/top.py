@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kstore.errors import BrokerError, DatabaseError, KstoreError
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
+from kstore.types import TopicPartition as TP
 
 from .lag import GroupReading, LagReader
 from .offsets import check_group_known

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from kstore.errors import ConfigurationError
 from kstore.kafka.clients import admin_reader
-from kstore.processor import Processor, declared_topics
+from kstore.processor import Processor
+from kstore.running.hooks import declared_topics
 from kstore.settings import Settings
 
 

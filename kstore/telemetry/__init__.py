@@ -8,7 +8,7 @@
 - :mod:`~kstore.telemetry.tracing`: OpenTelemetry spans per batch and per message, optional;
   without a configured tracer provider nothing is made.
 
-The engine writes to these; nothing here drives the engine. May import :mod:`kstore.processor`
-(a span reads a :class:`~kstore.processor.Message`) and the shared vocabulary; never the engine,
-the database side, the Kafka side or the operator's tools.
+The engine writes to these; nothing here drives the engine. May import the shared vocabulary
+(a span reads a :class:`~kstore.Message`); never the engine, :mod:`kstore.running` (which names a
+tracer by a protocol of its own), the database side, the Kafka side or the operator's tools.
 """

@@ -26,7 +26,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kstore.partition import TopicPartition as TP
+from kstore.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
 

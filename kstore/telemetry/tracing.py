@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kstore.processor import Message
+from kstore.types import Message
 
 #: At most this many producer links on a batch's span (a batch can hold thousands of messages).
 MAX_BATCH_LINKS = 128

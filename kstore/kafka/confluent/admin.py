@@ -31,11 +31,11 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ign
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.asking import Asker, Failure
+from kstore.kafka.options import DEFAULT_ISOLATION_LEVEL
 from kstore.kafka.seam import Committed, GroupMember, GroupView, committed_metadata, offsets_refused
 from kstore.kafka.security import probe_config
-from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
-from kstore.partition import TopicPartition as TP
 from kstore.settings import Settings
+from kstore.types import TopicPartition as TP
 
 from .connect import checked_config, client_config, describe
 

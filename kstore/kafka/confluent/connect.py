@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka import Consumer, KafkaError, KafkaException
 
 from kstore.errors import BrokerError, ConfigurationError
+from kstore.kafka.options import DEFAULT_ISOLATION_LEVEL, shown_options
 from kstore.kafka.probe import probe
 from kstore.kafka.security import load_token_provider, probe_config
-from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
-from kstore.masking import shown_options
 
 if TYPE_CHECKING:
     from kstore.settings import Settings

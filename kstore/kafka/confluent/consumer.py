@@ -113,7 +113,7 @@ from typing import Any, ClassVar
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kstore import records
+from kstore import types
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.seam import (
     MIRROR_METADATA,
@@ -125,8 +125,8 @@ from kstore.kafka.seam import (
     OnRebalance,
     Refused,
 )
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
+from kstore.types import TopicPartition as TP
 
 from .connect import broker_error, describe, librdkafka_config, open_rd_consumer
 
@@ -152,14 +152,14 @@ _get_but_topic = _get[1:]
 _timestamp_ms = operator.itemgetter(1)
 _is_error = functools.partial(operator.is_not, None)
 _tuple_new = tuple.__new__
-_messages = itertools.repeat(records.Message)
+_messages = itertools.repeat(types.Message)
 _topic_partition_of = operator.itemgetter(0, 1)
 _partition_of = operator.itemgetter(1)
 _key_of = operator.itemgetter(3)
 _value_of = operator.itemgetter(4)
 
 
-def to_messages(messages: Sequence[Message], topic: str | None = None) -> list[records.Message]:
+def to_messages(messages: Sequence[Message], topic: str | None = None) -> list[types.Message]:
     """What kstore queues for librdkafka's messages (none of them an error), in their order: the
     :class:`kstore.Message` a processor that deserializes nothing is handed as it is. ``topic``:
     every message's topic, when only one is subscribed (not asked of each message then).
@@ -183,11 +183,11 @@ def to_messages(messages: Sequence[Message], topic: str | None = None) -> list[r
     return list(map(_tuple_new, _messages, fields))
 
 
-def by_partition(queued: Sequence[records.Message], topic: str | None = None) -> dict[TP, list[records.Message]]:
+def by_partition(queued: Sequence[types.Message], topic: str | None = None) -> dict[TP, list[types.Message]]:
     """``queued`` by partition, each partition's in the order given (librdkafka hands over runs of
     one partition's records: one Python step per run, not per record). ``topic``: every record's
     topic, when only one is subscribed (then only the partition numbers are compared)."""
-    fetched: dict[TP, list[records.Message]] = {}
+    fetched: dict[TP, list[types.Message]] = {}
     runs = (itertools.groupby(queued, _topic_partition_of) if topic is None
             else (((topic, p), run) for p, run in itertools.groupby(queued, _partition_of)))
     for tp, run in runs:
@@ -199,7 +199,7 @@ def by_partition(queued: Sequence[records.Message], topic: str | None = None) ->
     return fetched
 
 
-def messages_size(queued: Sequence[records.Message]) -> int:
+def messages_size(queued: Sequence[types.Message]) -> int:
     """Approximate memory held for queued :class:`kstore.Message` tuples, for ``max_buffered_bytes``:
     :data:`RECORD_OVERHEAD` each and the bytes of its key and value (a null one counts 0). Summed by
     C loops; it runs for every record fetched and delivered."""
@@ -660,7 +660,7 @@ def group_protocol(settings: Settings) -> dict[str, Any]:
 
 
 def consumer_id(settings: Settings, worker_id: str) -> str:
-    """The consumer's client id: the worker's own name (kstore.engine.relay.member_name), as on
+    """The consumer's client id: the worker's own name (kstore.engine.member.member_name), as on
     kafka-python, so ``offsets show`` and ``top`` spell a live owner as the worker's log does."""
     return str(settings.client_id or worker_id)
 

@@ -22,8 +22,8 @@ import confluent_kafka
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
-from kstore.records import Produced
 from kstore.settings import Settings
+from kstore.types import Produced
 
 from .connect import client_config
 

@@ -29,8 +29,8 @@ from kafka.errors import (
 from kstore.errors import BrokerError
 from kstore.kafka.asking import Asker, Failure
 from kstore.kafka.seam import Committed, GroupView, committed_metadata, offsets_refused
-from kstore.partition import TopicPartition as TP
 from kstore.settings import Settings
+from kstore.types import TopicPartition as TP
 
 from .connect import client_config, open_admin, open_consumer
 from .members import group_error, view_of

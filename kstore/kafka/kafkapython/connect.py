@@ -12,7 +12,7 @@ context.
 
 Other kafka-python options are accepted by name (``kafka_options``); which ones, and the
 security settings that go together, :class:`~kstore.settings.Settings` has already checked
-(:mod:`kstore.kafkaoptions`, which needs no kafka-python).
+(:mod:`kstore.kafka.options`, which needs no kafka-python).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from kafka.net.sasl.oauth import AbstractTokenProvider
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka import security
+from kstore.kafka.options import DEFAULT_ISOLATION_LEVEL, shown_options
 from kstore.kafka.probe import probe
 from kstore.kafka.security import TokenProvider, ssl_context
-from kstore.kafkaoptions import DEFAULT_ISOLATION_LEVEL
-from kstore.masking import shown_options
 
 if TYPE_CHECKING:
     from kstore.settings import Settings

@@ -36,9 +36,9 @@ from kafka.structs import MemberState
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.seam import MIRROR_METADATA, NO_POSITION, RECORD_OVERHEAD, Fetched, GroupView, OnRebalance, Refused
-from kstore.records import Record
-from kstore.records import TopicPartition as TP
 from kstore.settings import Settings
+from kstore.types import Record
+from kstore.types import TopicPartition as TP
 
 from .connect import open_admin, open_consumer
 from .members import described_members

@@ -14,7 +14,7 @@ from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
 from kstore.kafka.seam import GroupMember, GroupView
-from kstore.partition import TopicPartition as TP
+from kstore.types import TopicPartition as TP
 
 _DB_TAG = b"kstore-db:"
 

@@ -35,8 +35,8 @@ from kafka.structs import OffsetAndMetadata
 
 from kstore.errors import BrokerError
 from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
-from kstore.records import Produced
 from kstore.settings import Settings
+from kstore.types import Produced
 
 from .connect import _open, client_config
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import click
 
-from kstore.commandline import dsn_option, run
+from kstore.cli.common import dsn_option, run
+from kstore.db.migration import upgrade
 from kstore.settings import Settings
-
-from .migration import upgrade
 
 
 @click.command()

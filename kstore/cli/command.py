@@ -1,9 +1,9 @@
-"""The ``kstore`` command: logging, ``--debug``, and the command groups, each from beside the library it calls.
+"""The ``kstore`` group: logging, ``--debug``, the subcommands, and :func:`main` (the console script).
 
-``kstore worker`` and ``relay`` are :mod:`kstore.engine.commands`, ``kstore migrate``
-:mod:`kstore.db.commands`, ``kstore offsets``, ``dead-letters``, ``outbox``, ``exporter``, ``top`` and ``topics``
-:mod:`kstore.ops.commands`; what they share (options, one-line errors, secrets kept out of output) is
-:mod:`kstore.commandline`.
+``kstore worker`` and ``relay`` are :mod:`kstore.cli.worker`, ``kstore migrate``
+:mod:`kstore.cli.migrate`, ``kstore offsets``, ``outbox``, ``exporter``, ``top`` and ``topics``
+:mod:`kstore.cli.ops`, ``kstore dead-letters`` :mod:`kstore.cli.letters`; what they share (options,
+one-line errors, secrets kept out of output) is :mod:`kstore.cli.common`.
 No SQL and no Kafka here. A :class:`KstoreError` is printed on one line and exits non-zero;
 ``--debug`` shows the traceback.
 """
@@ -17,10 +17,10 @@ import sys
 import click
 
 from kstore import __version__
-from kstore.commandline import LOG_CONTEXT
-from kstore.db.commands import migrate
-from kstore.engine.commands import relay, worker
-from kstore.ops.commands import dead_letters, exporter, offsets, outbox, top, topics
+from kstore.cli.common import LOG_CONTEXT
+from kstore.cli.migrate import migrate
+from kstore.cli.ops import dead_letters, exporter, offsets, outbox, top, topics
+from kstore.cli.worker import relay, worker
 
 
 @click.group()

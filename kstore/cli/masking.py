@@ -1,9 +1,9 @@
-"""Secrets kept out of what kstore prints and logs: by where they stand, never by their text.
+"""Secrets kept out of what the ``kstore`` command prints and logs: by where they stand, never by their text.
 
 kstore's own lines never hold a secret in the first place: a DSN is shown as SQLAlchemy renders
 it with the password hidden (``Settings.safe_dsn``), and Kafka passwords are never formatted
 into text (``Settings``' repr leaves them out; a Kafka option that holds one is shown as
-``***`` by :func:`shown_options`).
+``***`` by :func:`kstore.kafka.options.shown_options`).
 
 What a driver or a client library says is not kstore's to word, so :class:`Masker` hides what
 stands in a credential position of such text (the password of a URL, the value of a
@@ -15,11 +15,11 @@ point at the password.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote, quote_plus
 
-MASK = "***"
+from kstore.kafka.options import MASK
 
 #: A URL up to its password: ``scheme://user:``.
 _URL_PASSWORD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@?#'\"]*:")
@@ -27,20 +27,6 @@ _URL_PASSWORD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@?#'\"]*:")
 _SECRET_PAIR = re.compile(r"(?i)\b[\w.\-]*(?:password|passwd|pwd|secret|passphrase)['\"]?\s*[:=]\s*")
 #: Where an unquoted value ends when no known secret stands there.
 _VALUE_END = re.compile(r"[\s,;&)}\]'\"]")
-#: Kafka option names (either client's spelling) whose value is a secret.
-_SECRET_OPTION = re.compile(r"(?i)password|passwd|secret|passphrase|private[._]key|key[._]pem")
-
-
-def is_secret_option(name: str) -> bool:
-    """Whether a Kafka option of this name holds a secret (``sasl.password``, ``ssl.key.pem``, ...)."""
-    return _SECRET_OPTION.search(name) is not None
-
-
-def shown_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Kafka options as they may be shown: the value of each secret one is :data:`MASK`."""
-    return {name: MASK if is_secret_option(name) else value for name, value in options.items()}
-
-
 class Masker:
     """Hides the credentials in a third party's text: a URL's password and the value of a
     password-like ``name=value`` (or ``'name': 'value'``) pair, whatever they are.

@@ -3,7 +3,11 @@
 :class:`~kstore.settings.Settings` checks its ``kafka_options`` and security fields here when it
 is made, so a typo or a combination that cannot work is a clear error before anything connects.
 Nothing here imports kafka-python or opens a connection: the Kafka side (:mod:`kstore.kafka`)
-builds the clients from the checked settings.
+builds the clients from the checked settings. Which options hold a secret is known here too
+(:func:`shown_options`), so that none is ever shown.
+
+Imports only :mod:`kstore.errors` and :mod:`kstore.kafka.rdkafkaoptions`: :mod:`kstore.settings`
+imports this, below the rest of the Kafka side (pyproject.toml's import contracts hold it).
 
 :data:`CONSUMER_OPTIONS` and :data:`SASL_MECHANISM_NAMES` are what kafka-python itself knows
 (``KafkaConsumer.DEFAULT_CONFIG`` and ``kafka.net.sasl.SASL_MECHANISMS``), written out; a test
@@ -12,11 +16,12 @@ holds them equal to the installed kafka-python's (tests/test_kafka_settings.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kstore.errors import ConfigurationError
-from kstore.rdkafkaoptions import check_librdkafka_options, refuse_reserved
+from kstore.kafka.rdkafkaoptions import check_librdkafka_options, refuse_reserved
 
 #: The Kafka clients kstore's worker can consume with: kafka-python (the default) or
 #: confluent-kafka (librdkafka), whose ``kafka_options`` are librdkafka's property names.
@@ -156,12 +161,28 @@ CONSUMER_OPTIONS: dict[str, type | None] = {
 }
 
 
+#: What a secret is shown as.
+MASK = "***"
+#: Kafka option names (either client's spelling) whose value is a secret.
+_SECRET_OPTION = re.compile(r"(?i)password|passwd|secret|passphrase|private[._]key|key[._]pem")
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether a Kafka option of this name holds a secret (``sasl.password``, ``ssl.key.pem``, ...)."""
+    return _SECRET_OPTION.search(name) is not None
+
+
+def shown_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Kafka options as they may be shown: the value of each secret one is :data:`MASK`."""
+    return {name: MASK if is_secret_option(name) else value for name, value in options.items()}
+
+
 def check_kafka_options(options: Mapping[str, Any], client: str = "kafka-python") -> dict[str, Any]:
     """Validate ``kafka_options`` by name and convert text values to the option's type.
 
     Raises :class:`ConfigurationError` for an unknown name, one kstore controls or has
     its own setting for, or text that does not parse. With ``client="confluent"`` the names
-    are librdkafka's (:func:`kstore.rdkafkaoptions.check_librdkafka_options`).
+    are librdkafka's (:func:`kstore.kafka.rdkafkaoptions.check_librdkafka_options`).
     """
     if client not in KAFKA_CLIENTS:
         raise ConfigurationError(f"kafka_client must be {' or '.join(KAFKA_CLIENTS)}, got {client!r}")

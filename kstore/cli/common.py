@@ -1,10 +1,10 @@
 """What every ``kstore`` command shares: the options that build :class:`~kstore.settings.Settings`,
 running one library call with a KstoreError as one line and an exit code, and keeping credentials
-out of what is printed and logged (:mod:`kstore.masking`).
+out of what is printed and logged (:mod:`kstore.cli.masking`).
 
-Each command group sits beside the library it calls (:mod:`kstore.engine.commands`,
-:mod:`kstore.db.commands`, :mod:`kstore.ops.commands`) and builds on this; :mod:`kstore.cli`
-puts them under the ``kstore`` command. No SQL and no Kafka here, nor in the groups: they parse
+Each command group (:mod:`kstore.cli.worker`, :mod:`kstore.cli.migrate`, :mod:`kstore.cli.ops`,
+:mod:`kstore.cli.letters`) builds on this; :mod:`kstore.cli.command` puts them under the ``kstore``
+command. No SQL and no Kafka here, nor in the groups: they parse
 arguments, build Settings and call one library function.
 """
 
@@ -18,12 +18,12 @@ from typing import Any, NoReturn
 
 import click
 
+from kstore.cli.masking import Masker
 from kstore.errors import KstoreError
-from kstore.kafkaoptions import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
-from kstore.masking import Masker
+from kstore.kafka.options import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
 from kstore.settings import Settings
 
-#: The commands' own log lines (a stop signal, a rolled back batch) are kstore.cli's, as before the split.
+#: The commands' own log lines (a stop signal, a rolled back batch): one logger for the whole command.
 log = logging.getLogger("kstore.cli")
 
 
@@ -120,7 +120,7 @@ def run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Ca
 def _fail(ctx: click.Context, masker: Masker, message: str, code: int) -> NoReturn:
     if ctx.obj["debug"]:
         log.exception("failed")
-    # kstore's own messages hold no secret; a driver's text inside one might (see kstore.masking).
+    # kstore's own messages hold no secret; a driver's text inside one might (see kstore.cli.masking).
     click.echo(masker.mask(" ".join(message.splitlines())), err=True)
     ctx.exit(code)
     raise AssertionError("unreachable")

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from kstore.commandline import dsn_option, group_connection_options, iso_time, run, table
+from kstore.cli.common import dsn_option, group_connection_options, iso_time, run, table
 from kstore.db import deadletters
 from kstore.db.letterquery import (
     MAX_PAGE,
@@ -31,10 +31,9 @@ from kstore.db.letterquery import (
     resolve_matching,
 )
 from kstore.errors import ConfigurationError
-from kstore.processor import load_processor
+from kstore.ops import replay as replays
+from kstore.running.loading import load_processor
 from kstore.settings import Settings
-
-from . import replay as replays
 
 
 @click.group("dead-letters")

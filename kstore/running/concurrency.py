@@ -6,7 +6,8 @@
   more than ``limit`` at a time, and on the first failure cancels the others and raises.
 - :class:`AsyncSession` is what ``self.session`` is for an ``async def`` handler: the batch's one
   session, with its statements serialized (see there for why on the loop's own thread).
-- :func:`run_async` runs a batch of an async processor on the processor's event loop.
+- :func:`run_on_loop` runs a coroutine on the processor's own event loop (an async processor's
+  batch: :mod:`kstore.running.handler`).
 
 The batch's transaction and its commit stay where they are (:mod:`kstore.engine.batches`): nothing
 here commits; a batch whose tasks did not all finish raises, and is rolled back.
@@ -25,15 +26,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kstore.errors import KstoreError, ProcessorContractError
+from kstore.types import Ordering
 
 if TYPE_CHECKING:
     from kstore.db.session import BatchSession
 
-Ordering = Literal["key", "partition", "none"]
-ORDERINGS: tuple[Ordering, ...] = ("key", "partition", "none")
 _T = TypeVar("_T")
 
 #: The index (in its batch) of the message the current task handles; None outside one.

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from kstore.commandline import (
+from kstore.cli.common import (
     LOG_CONTEXT,
     dsn_option,
     group_connection_options,
@@ -27,12 +27,11 @@ from kstore.commandline import (
 )
 from kstore.db.migration import check_migrated
 from kstore.db.store import Store, make_engine
-from kstore.processor import load_processor
+from kstore.engine.relay import Relay
+from kstore.engine.worker import Worker
+from kstore.running.loading import load_processor
 from kstore.settings import Settings
 from kstore.telemetry.health import HealthServer, app
-
-from .relay import Relay
-from .worker import Worker
 
 
 @click.command()

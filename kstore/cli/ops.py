@@ -1,5 +1,5 @@
 """The operator's commands: ``kstore offsets``, ``outbox``, ``exporter``, ``top``, ``topics``
-(and ``kstore dead-letters``, from :mod:`kstore.ops.lettercommands`).
+(and ``kstore dead-letters``, from :mod:`kstore.cli.letters`).
 
 Each parses its options, builds Settings and calls one function of :mod:`kstore.ops`, and prints
 what it returned. None of them needs a worker running.
@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from kstore.commandline import (
+from kstore.cli.common import (
     dsn_option,
     group_connection_options,
     iso_time,
@@ -24,13 +24,13 @@ from kstore.commandline import (
     stop_on_signals,
     table,
 )
-from kstore.processor import Processor, load_processor
+from kstore.cli.letters import dead_letters
+from kstore.ops import offsets as offsets_admin
+from kstore.ops import outbox as outbox_admin
+from kstore.ops import topics as topics_admin
+from kstore.processor import Processor
+from kstore.running.loading import load_processor
 from kstore.settings import Settings
-
-from . import offsets as offsets_admin
-from . import outbox as outbox_admin
-from . import topics as topics_admin
-from .lettercommands import dead_letters
 
 __all__ = ["dead_letters", "exporter", "offsets", "outbox", "top", "topics"]
 
@@ -154,7 +154,7 @@ def _lease(r: outbox_admin.ShardStatus) -> str | None:
 @click.pass_context
 def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address: str, **opts: Any) -> None:
     """Serve the lag of groups as Prometheus metrics on /metrics, no worker needed, until SIGTERM/SIGINT."""
-    from .exporter import Exporter  # when the command runs, as before: the other commands never import it
+    from kstore.ops.exporter import Exporter  # when the command runs, as before: the other commands never import it
 
     def serve(settings: Settings) -> None:
         server = Exporter(settings, groups, port, address)
@@ -172,7 +172,7 @@ def exporter(ctx: click.Context, /, groups: tuple[str, ...], port: int, address:
 @click.pass_context
 def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: Any) -> None:
     """A live view of a group's partitions: offsets, lag, owner, epoch, throughput, dead letters."""
-    from .top import Top  # when the command runs: the other commands never load rich
+    from kstore.ops.top import Top  # when the command runs: the other commands never load rich
 
     def watch(settings: Settings) -> None:
         view = Top(settings, group, interval)

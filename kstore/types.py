@@ -1,17 +1,41 @@
-"""A Kafka record as kstore holds it between fetching and committing: the vocabulary both sides share.
+"""kstore's shared vocabulary: the plain types every part of kstore (and a processor's hooks) names.
 
-The Kafka side (:mod:`kstore.kafka`) fetches records and queues them; the database side
-(:mod:`kstore.db`) stores one as a dead letter. Neither imports the other: both import this,
-which imports nothing of kstore's (and not kafka-python).
+- a partition and a position in it, by plain values (:data:`TopicPartition`, :class:`Position`);
+- a Kafka record as kstore holds it between fetching and committing (:class:`Record`), as the
+  processor sees it (:class:`Message`), and as a processor produced it (:class:`Produced`);
+- the choices a processor declares (:data:`Format`, :data:`OnError`, :data:`Ordering`).
+
+Imports nothing of kstore's (and no Kafka client): the Kafka side, which fetches records, and the
+database side, which stores one as a dead letter, never import each other but both import this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
-from kstore.partition import TopicPartition as TopicPartition  # re-exported: the records' vocabulary
+#: A partition by plain values, ``(topic, partition_id)``: what users pass and the tables key on.
+TopicPartition = tuple[str, int]
+
+#: How :meth:`kstore.Processor.deserialize` turns keys and values into Python values.
+Format = Literal["bytes", "str", "json"]
+#: What happens after a message's last attempt: stop the worker, or dead-letter it.
+OnError = Literal["stop", "dead_letter"]
+#: Which messages of an async processor's batch run one after another (``ordering``).
+Ordering = Literal["key", "partition", "none"]
+ORDERINGS: tuple[Ordering, ...] = ("key", "partition", "none")
+
+
+class Position(NamedTuple):
+    """What a batch commits for one partition: the compare-and-set on its offsets row."""
+
+    #: The ``next_offset`` the row must still hold (this worker's last commit, claim or reset).
+    expected: int
+    #: The ``next_offset`` written: one past the batch's last record of the partition.
+    next: int
+    #: The epoch the row must still hold (this worker's claim).
+    epoch: int
 
 
 class Record(Protocol):
