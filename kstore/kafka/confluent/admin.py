@@ -190,20 +190,30 @@ class ConfluentAdmin:
 
     def group_view(self, group: str) -> GroupView:
         def ask() -> GroupView:
-            future = self._admin_client().describe_consumer_groups([group], request_timeout=self._timeout)[group]
-            try:
-                described = self._wait(future)
-            except KafkaException as exc:
-                if _code(exc) == KafkaError.GROUP_ID_NOT_FOUND:
-                    return GroupView((), False)
-                raise
+            described = self._describe(group)
+            if described is None:
+                return GroupView((), False)
             members = tuple(GroupMember(m.member_id, m.client_id or "", None, _assigned(m.assignment))
                             for m in described.members)
             return GroupView(members, described.state == ConsumerGroupState.STABLE)
         return self._ask(f"describe group {group!r}", ask)
 
+    def _describe(self, group: str) -> Any:
+        """The group as its coordinator describes it, None for a group it does not know."""
+        future = self._admin_client().describe_consumer_groups([group], request_timeout=self._timeout)[group]
+        try:
+            return self._wait(future)
+        except KafkaException as exc:
+            if _code(exc) == KafkaError.GROUP_ID_NOT_FOUND:
+                return None
+            raise
+
     def committed(self, group: str) -> dict[TP, Committed]:
         def ask() -> dict[TP, Committed]:
+            # librdkafka's admin client crashes the process (SIGSEGV, librdkafka #5040) when an
+            # OffsetFetch answer says the coordinator is not there yet, as on a broker just started.
+            # Describing the group first finds its coordinator and fails cleanly (asked again) until then.
+            self._describe(group)
             # Stable offsets only: while a transaction that commits offsets for the group is open, the
             # brokers answer UNSTABLE_OFFSET_COMMIT (asked again) rather than an offset it may still change.
             request = [ConsumerGroupTopicPartitions(group)]
