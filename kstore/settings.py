@@ -141,8 +141,9 @@ class Settings:
     max_poll_interval_ms: int = 300_000
     #: PostgreSQL: how long a claim waits for a row lock held by a paused zombie.
     claim_lock_timeout_ms: int = 5_000
-    #: PostgreSQL: a paused zombie's open transaction is ended after this long,
-    #: so it cannot hold the offsets' row locks past the Kafka session timeout.
+    #: PostgreSQL: a paused zombie's open transaction is ended after this long, so its row locks
+    #: hold up the new owner's claim no longer. Longer than the session timeout by default, so a
+    #: handler that waits a few seconds between two statements is not cut off.
     idle_in_transaction_timeout_ms: int = 10_000
     #: PostgreSQL: a round trip on kstore's connections (a statement, COMMIT) that gets no
     #: answer within this many seconds is abandoned: the connection is cut and what was
