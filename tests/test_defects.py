@@ -19,9 +19,8 @@ from kstore import Message, Processor, Settings, Worker
 from kstore.engine import commands as kstore_cli
 from kstore.engine.partitions import Owned, Partitions
 from kstore.kafka.kafkapython.consumer import KafkaPythonSource
-
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
-from .processors import Recorder
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.processors import Recorder
 
 pytestmark = pytest.mark.integration
 

@@ -36,8 +36,9 @@ def test_a_processor_given_as_a_file_path(tmp_path: Path) -> None:
 
 def test_every_command_on_psycopg_3(pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
     """`postgresql+psycopg://` (psycopg 3) beside psycopg2: migrate, a worker, offsets show/set/history,
-    dead letters (the in-doubt and silent-database paths: tests/test_worker_in_doubt.py)."""
-    from .harness import assert_exactly_once, effects, wait_until, with_driver
+    dead letters (the in-doubt and silent-database paths:
+    tests/integration/faults_and_in_doubt/test_worker_in_doubt.py)."""
+    from tests.support.harness import assert_exactly_once, effects, wait_until, with_driver
 
     dsn = with_driver(pg_dsn, "psycopg")
 

@@ -21,7 +21,8 @@
 May import the shared vocabulary (settings, errors, records, the retry policy's ``Failure``,
 commandline for its command); never the Kafka side, :mod:`kstore.processor`, the engine or the
 operator's tools. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
-``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle (tests/test_layout.py).
+``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle
+(tests/integration/packaging_and_docs/test_layout.py).
 
 Invariants:
 

@@ -35,7 +35,7 @@ unless ``KSTORE_SIM_BY_HAND=1`` says it is a run by hand: CI cannot inherit one)
 - ``KSTORE_SIM_SHRINK`` (default 200): runs spent shrinking each distinct failure.
 
 By hand, for example: ``KSTORE_SIM_BY_HAND=1 KSTORE_SIM_SCHEDULES=100000 KSTORE_SIM_FIRST=10000
-.venv/bin/python -m pytest tests/test_simulation.py -q``.
+.venv/bin/python -m pytest tests/sim/test_simulation.py -q``.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from pathlib import Path
 
 import pytest
 
-from .sim.db import JournalRow
-from .sim.invariants import JournalCheck, Violation, check_final
-from .sim.runner import Summary, default_jobs, explain, parse_skip, replay_command, run_many
-from .sim.schedule import run
-from .sim.world import FAULT_KINDS
+from tests.sim.db import JournalRow
+from tests.sim.invariants import JournalCheck, Violation, check_final
+from tests.sim.runner import Summary, default_jobs, explain, parse_skip, replay_command, run_many
+from tests.sim.schedule import run
+from tests.sim.world import FAULT_KINDS
 
 #: Parts of the simulation left out (or checks relaxed) by default because the committed
 #: engine still fails them: each name is a reported bug; remove it once the fix is in.

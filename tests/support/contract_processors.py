@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from kstore import Message, Processor
 
-#: The tests' effects table (tests/processors.py); this module is loaded by worker subprocesses by its
+#: The tests' effects table (tests/support/processors.py); this module is loaded by worker subprocesses by its
 #: own name, so it imports nothing of the tests package.
 INSERT_TEXT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
                       "VALUES (:topic, :partition_id, :kafka_offset, :value, :worker)")

@@ -16,8 +16,9 @@ from typing import Any
 import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_DIR = TESTS_DIR.parent
+# Worker subprocesses run here, with this folder on PYTHONPATH: processors are named `processors:Recorder`.
+SUPPORT_DIR = Path(__file__).resolve().parent
+REPO_DIR = SUPPORT_DIR.parents[1]
 
 
 def without_kafka_python(folder: Path) -> str:
@@ -50,8 +51,8 @@ class WorkerProcess:
         self._log_file = log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kstore", *self.args],
-            cwd=TESTS_DIR,
-            env={**os.environ, **env, "PYTHONPATH": str(TESTS_DIR)},
+            cwd=SUPPORT_DIR,
+            env={**os.environ, **env, "PYTHONPATH": str(SUPPORT_DIR)},
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -171,7 +171,7 @@ def run_cli_in_doubt(module: str, *args: str) -> subprocess.CompletedProcess[str
               "faults = lossy.Faults(commits=['lost'], down_after_fault=True)\n"
               f"{module}.make_engine = lambda s: lossy.lossy_engine(s, faults)\n"
               "main(sys.argv[1:])\n")
-    tests = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(tests), str(tests.parent)])
+    support = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(support), str(support.parents[1])])
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
-                          cwd=tests, env={**os.environ, "PYTHONPATH": path})
+                          cwd=support, env={**os.environ, "PYTHONPATH": path})

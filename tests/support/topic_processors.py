@@ -1,5 +1,5 @@
 """Processors that declare the topics they produce to (``produces``), run in worker subprocesses by
-tests/test_output_topics.py. The output topic is ``KSTORE_TEST_OUT_TOPIC``, read when the module
+tests/integration/outbox/test_output_topics.py. The output topic is ``KSTORE_TEST_OUT_TOPIC``, read when the module
 is imported (a class attribute), as a user's constant would be."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from kstore import Message, Processor
 
-#: The tests' effects table (tests/processors.py): one row per message handled.
+#: The tests' effects table (tests/support/processors.py): one row per message handled.
 INSERT_TEXT = sa.text("INSERT INTO effects (topic, partition_id, kafka_offset, value, worker) "
                       "VALUES (:topic, :partition_id, :kafka_offset, :value, :worker)")
 

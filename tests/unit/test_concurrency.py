@@ -435,7 +435,7 @@ def test_the_enrich_example_calls_its_http_service_concurrently_and_writes_each_
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Prices)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("PRICES_URL", f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
     from enrich import OrderPricer  # type: ignore[import-not-found]
 
     engine = sa.create_engine(sqlite_dsn)

@@ -13,11 +13,10 @@ import sqlalchemy as sa
 
 from kstore import DeserializationError, Reject
 from kstore.testing import make_message, run_batch
+from tests.support.processors import Validating
+from tests.support.processors import metadata as effects_metadata
 
-from .processors import Validating
-from .processors import metadata as effects_metadata
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from pageviews import PageViewCounter
 
 
@@ -105,7 +104,7 @@ def test_a_users_test_run_sees_no_warning_from_kstore(tmp_path: Path) -> None:
     """A user's own pytest run (none of kstore's settings) that imports kstore: no warning, not
     even the DeprecationWarnings kafka-python's own import raises on Python 3.11 and 3.12."""
     (tmp_path / "test_users.py").write_text(USERS_TEST)
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "error", "-q",
                         "--rootdir", str(tmp_path), "-c", os.devnull,
                         # Its own basetemp: a run in /tmp/pytest-of-<user> would prune the numbered

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 pytestmark = pytest.mark.integration
 

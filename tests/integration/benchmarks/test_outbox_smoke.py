@@ -17,8 +17,7 @@ import pytest
 
 from benchmarks.outbox.cli import TINY
 from benchmarks.outbox.runner import CONTENDERS
-
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 pytestmark = pytest.mark.integration
 

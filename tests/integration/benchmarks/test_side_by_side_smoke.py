@@ -20,8 +20,7 @@ import sqlalchemy as sa
 
 from benchmarks.cli import database_latency, parse
 from benchmarks.contenders import BY_KEY, RATIOS
-
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 pytestmark = pytest.mark.integration
 

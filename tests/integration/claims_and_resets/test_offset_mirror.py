@@ -21,9 +21,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, OffsetAndMetadata, TopicParti
 
 from kstore.dev.broker import run_tool
 from kstore.kafka.seam import MIRROR_METADATA, committed_metadata
-
-from .conftest import KAFKA_CLIENT
-from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
+from tests.conftest import KAFKA_CLIENT
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 GROUP_COMMAND = "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"
 
@@ -125,7 +124,8 @@ def committed_in_kafka(kafka: str, group: str) -> dict[tuple[str, int], tuple[in
 
 def offsets_set(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", *args], capture_output=True, text=True,
-                          timeout=120, cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})})
+                          timeout=120, cwd=SUPPORT_DIR,
+                          env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), **(env or {})})
 
 
 def test_an_operators_move_with_no_worker_running_moves_the_mirror_too(kafka: str, pg_dsn: str, new_topic: Any,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import REPO_DIR, effects, stored_offsets, wait_until
+from tests.support.harness import REPO_DIR, effects, stored_offsets, wait_until
 
 #: What the seam between the engine and a Kafka client promises: on each client.
 pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]

@@ -20,8 +20,8 @@ import pytest
 import sqlalchemy as sa
 from kafka import TopicPartition
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
-from .test_metrics import port_of, scrape, total
+from tests.integration.telemetry.test_metrics import port_of, scrape, total
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 #: What the seam between the engine and a Kafka client promises: on each client.
 pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]

@@ -14,9 +14,8 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import EARLIEST, LATEST, InvalidOffsetError, Message, Processor, Settings, Worker
-
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
-from .processors import effects as effects_table
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.processors import effects as effects_table
 
 #: What the seam between the engine and a Kafka client promises: on each client.
 pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]

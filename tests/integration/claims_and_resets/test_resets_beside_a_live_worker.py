@@ -14,8 +14,7 @@ import sqlalchemy as sa
 from kstore import InvalidOffsetError, Settings
 from kstore.db.store import Store, make_engine
 from kstore.ops.offsets import set_offsets
-
-from .harness import stored_offsets
+from tests.support.harness import stored_offsets
 
 
 @pytest.fixture

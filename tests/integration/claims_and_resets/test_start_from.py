@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 
 def test_start_from_latest_skips_what_was_there_before_the_claim(

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from kstore import __version__
-
-from .harness import REPO_DIR, TESTS_DIR
+from tests.support.harness import REPO_DIR, SUPPORT_DIR
 
 PASSWORD = "s3cret-Pa55word"
 
 
 def kstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=timeout, cwd=TESTS_DIR,
-        env={**os.environ, "PYTHONPATH": str(TESTS_DIR), "KSTORE_CONNECT_TIMEOUT_S": "3", **(env or {})},
+        [sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=timeout, cwd=SUPPORT_DIR,
+        env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), "KSTORE_CONNECT_TIMEOUT_S": "3", **(env or {})},
     )
 
 
@@ -54,7 +53,7 @@ def test_wrong_password_is_never_printed(postgresql_pw_proc: Any) -> None:
 def test_wrong_password_against_a_server_that_checks_it(postgresql_pw_proc: Any) -> None:
     """A server with password authentication: the right password migrates; a wrong one
     gets one clear line, and neither password appears in the output."""
-    from .conftest import PG_PASSWORD
+    from tests.conftest import PG_PASSWORD
 
     p = postgresql_pw_proc
     base = f"{p.host}:{p.port}/postgres"

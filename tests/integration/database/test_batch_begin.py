@@ -21,8 +21,7 @@ import sqlalchemy as sa
 from kstore import Settings
 from kstore.db.dbapi import BEGIN_BATCH, in_batch
 from kstore.db.store import make_engine
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 
 @pytest.fixture

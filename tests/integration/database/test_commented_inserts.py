@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 
 
 @pytest.mark.timeout(180)

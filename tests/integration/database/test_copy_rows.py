@@ -25,9 +25,8 @@ from kstore import Settings
 from kstore.db.session import batch_session
 from kstore.db.sqlerrors import transient
 from kstore.db.store import make_engine
-
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from .test_failures import dead_letter_rows
+from tests.integration.failures_and_dead_letters.test_failures import dead_letter_rows
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 
 metadata = sa.MetaData()
 kinds = sa.Table(

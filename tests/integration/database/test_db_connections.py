@@ -15,8 +15,7 @@ from kstore import Settings
 from kstore.db.deadline import Watchdog
 from kstore.db.sqlerrors import database_state, transient
 from kstore.db.store import Store, make_engine
-
-from .harness import stored_offsets, wait_until, with_driver
+from tests.support.harness import stored_offsets, wait_until, with_driver
 
 DRIVERS = ["psycopg2", "psycopg"]
 

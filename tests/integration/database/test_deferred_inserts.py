@@ -24,10 +24,9 @@ from kstore import Message, Processor, RetryPolicy, Settings, Worker
 from kstore.db.session import BatchSession, DeferredInsertError, DeferredResult, _deferrable, batch_session
 from kstore.db.store import make_engine
 from kstore.testing import make_message, run_batch
-
-from .harness import assert_exactly_once, effects, with_driver
-from .processors import effects as effects_table
-from .test_failures import dead_letter_rows
+from tests.integration.failures_and_dead_letters.test_failures import dead_letter_rows
+from tests.support.harness import assert_exactly_once, effects, with_driver
+from tests.support.processors import effects as effects_table
 
 
 class Base(DeclarativeBase):

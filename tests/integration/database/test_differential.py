@@ -34,8 +34,7 @@ from sqlalchemy.dialects import postgresql as pg
 from kstore import Settings
 from kstore.db.session import batch_session
 from kstore.db.store import make_engine
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 EXAMPLES = int(os.environ.get("KSTORE_DIFF_EXAMPLES", "0"))
 

@@ -28,8 +28,7 @@ from hypothesis import strategies as st
 
 from kstore.db import literals, manyrows
 from kstore.db.session import batch_session
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 
 class Level(enum.IntEnum):

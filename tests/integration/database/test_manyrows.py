@@ -20,8 +20,7 @@ from kstore import Settings
 from kstore.db.manyrows import execute_many
 from kstore.db.session import batch_session
 from kstore.db.store import make_engine
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 
 class Color(enum.Enum):

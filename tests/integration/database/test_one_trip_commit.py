@@ -4,7 +4,7 @@ The batch connection runs in psycopg2's autocommit mode with kstore's own BEGIN,
 ends with "<compare-and-set>; COMMIT" in one message. Checked on the wire (the fault proxy reads
 every message a worker sends), and at its edges: a fenced compare-and-set commits nothing, and no
 connection goes back to the pool inside a transaction kstore began. The commit in doubt is
-tests/test_worker_in_doubt.py's (the proxy cuts this message's answer there).
+tests/integration/faults_and_in_doubt/test_worker_in_doubt.py's (the proxy cuts this message's answer there).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from sqlalchemy.engine import make_url
 from kstore import Settings
 from kstore.db.dbapi import BEGIN_BATCH
 from kstore.db.store import FencedCommit, Store, TransactionEnded, make_engine
-
-from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from .processors import effects as effects_table
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.processors import effects as effects_table
 
 
 def is_one_trip_commit(sql: str) -> bool:

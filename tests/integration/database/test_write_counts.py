@@ -17,8 +17,7 @@ from kstore import Settings
 from kstore.db.session import batch_session
 from kstore.db.store import make_engine
 from kstore.errors import KstoreError, WriteCountError
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 metadata = sa.MetaData()
 dropping = sa.Table("dropping", metadata, sa.Column("id", sa.Integer, primary_key=True), sa.Column("n", sa.Integer))

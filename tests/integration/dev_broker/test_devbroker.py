@@ -18,7 +18,7 @@ from kafka.admin import NewTopic
 
 from kstore.dev.broker import Broker, Cluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _port_open(port: int) -> bool:

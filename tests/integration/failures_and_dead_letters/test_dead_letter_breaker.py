@@ -14,8 +14,7 @@ import sqlalchemy as sa
 
 from kstore.engine.failures import Breaker
 from kstore.retry import Failure, Reject
-
-from .harness import stored_offsets, wait_until
+from tests.support.harness import stored_offsets, wait_until
 
 
 class Rec:

@@ -17,14 +17,13 @@ import sqlalchemy as sa
 from kstore import Settings
 from kstore.db.deadletters import build_table
 from kstore.ops.offsets import set_offsets
-
-from .harness import TESTS_DIR, wait_until
+from tests.support.harness import SUPPORT_DIR, wait_until
 
 
 def kstore_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "kstore", *args], cwd=TESTS_DIR, text=True,
+    return subprocess.Popen([sys.executable, "-m", "kstore", *args], cwd=SUPPORT_DIR, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})})
+                            env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), **(env or {})})
 
 
 def kstore(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -74,7 +73,7 @@ def one_error_line(code: int, err: str, *needles: str) -> None:
 
 def test_a_second_operator_replaying_a_letter_being_replayed_is_refused(pg_dsn: str, tmp_path: Path) -> None:
     letter = add_letter(pg_dsn, "again", offset=5)
-    # The first replay's batch waits while the pause file exists (tests/processors.py's Recorder), inside
+    # The first replay's batch waits while the pause file exists (tests/support/processors.py's Recorder), inside
     # the replay's transaction, which holds the letter's lock from its start.
     pause = tmp_path / "pause"
     pause.touch()

@@ -28,11 +28,10 @@ from kstore.db.deadletters import (
 )
 from kstore.db.letterquery import LetterFilter, list_dead_letters
 from kstore.ops.replay import replay_dead_letters
-
-from .faultproxy import FaultProxy
-from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
-from .processors import Recorder
-from .test_cli import assert_one_clear_line, kstore
+from tests.integration.cli.test_cli import assert_one_clear_line, kstore
+from tests.support.faultproxy import FaultProxy
+from tests.support.lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
+from tests.support.processors import Recorder
 
 ME = f"{getpass.getuser()}@{socket.gethostname()}"
 REQUEST = re.compile(r"\b([0-9a-f]{32})\b")
@@ -217,7 +216,7 @@ def test_edit_options_are_checked_before_anything_runs(pg_dsn: str, tmp_path: Pa
 
 @pytest.fixture
 def lossy(monkeypatch: pytest.MonkeyPatch) -> Faults:
-    """Dead-letter commands in this process on lossy engines (tests/lossy.py)."""
+    """Dead-letter commands in this process on lossy engines (tests/support/lossy.py)."""
     faults = Faults()
     monkeypatch.setattr(dl, "make_engine", lambda s: lossy_engine(s, faults))
     return faults
@@ -282,7 +281,7 @@ def test_a_cli_change_that_cannot_be_read_back_is_one_line_and_exit_3(pg_dsn: st
 
 
 def test_a_resolve_through_a_real_cut_after_commit_lands_once(pg_dsn: str) -> None:
-    """Through tests/faultproxy.py: the COMMIT reaches the server, then the TCP connection is reset."""
+    """Through tests/support/faultproxy.py: the COMMIT reaches the server, then the TCP connection is reset."""
     a, b = add_letter(pg_dsn, "a"), add_letter(pg_dsn, "b", offset=8)
     url = sa.engine.make_url(pg_dsn)
     with FaultProxy(str(url.host), int(url.port or 5432)) as proxy:

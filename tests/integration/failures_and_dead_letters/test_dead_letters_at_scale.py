@@ -30,10 +30,9 @@ from kstore.db.letterquery import LetterFilter, discard_matching, list_dead_lett
 from kstore.errors import ConfigurationError, DatabaseError
 from kstore.ops.replay import replay_matching
 from kstore.retry import Failure
-
-from .harness import TESTS_DIR, wait_until
-from .processors import Recorder
-from .test_cli import assert_one_clear_line
+from tests.integration.cli.test_cli import assert_one_clear_line
+from tests.support.harness import SUPPORT_DIR, wait_until
+from tests.support.processors import Recorder
 
 POISON = {"KSTORE_TEST_FAIL_VALUE": "poison"}
 SHOWN = re.compile(r"^(\d+) of (\d+) shown \(ids (\d+)\.\.(\d+)\); (?:no more|(\d+) more: add --after (\d+))$")
@@ -42,7 +41,7 @@ SHOWN = re.compile(r"^(\d+) of (\d+) shown \(ids (\d+)\.\.(\d+)\); (?:no more|(\
 @pytest.fixture(autouse=True)
 def in_tests_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where `kstore dead-letters replay processors:Recorder` finds the processor, as from a shell there."""
-    monkeypatch.chdir(TESTS_DIR)
+    monkeypatch.chdir(SUPPORT_DIR)
 
 
 def kstore(*args: str, env: dict[str, str] | None = None, timeout: float = 0) -> subprocess.CompletedProcess[str]:
@@ -179,8 +178,8 @@ def test_a_walk_skips_the_letter_another_operator_is_replaying_and_goes_on(pg_ds
     pause.touch()
     first = subprocess.Popen(
         [sys.executable, "-m", "kstore", "dead-letters", "replay", "processors:Recorder", "--group", "g", "--id",
-         str(held), "--dsn", pg_dsn], cwd=TESTS_DIR, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(TESTS_DIR), "KSTORE_TEST_PAUSE_FILE": str(pause),
+         str(held), "--dsn", pg_dsn], cwd=SUPPORT_DIR, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), "KSTORE_TEST_PAUSE_FILE": str(pause),
              "KSTORE_IDLE_IN_TRANSACTION_TIMEOUT_MS": "120000"})
     try:
         wait_until(lambda: Path(f"{pause}.batch").exists() or first.poll() is not None, 60,

@@ -15,10 +15,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Retry, RetryPolicy, Settings, Worker
-
-from .harness import TESTS_DIR, assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
-from .processors import effects as effects_table
-from .test_cli import PASSWORD, assert_one_clear_line, kstore
+from tests.integration.cli.test_cli import PASSWORD, assert_one_clear_line, kstore
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
+from tests.support.processors import effects as effects_table
 
 
 def dead_letter_rows(dsn: str) -> list[Any]:
@@ -71,7 +70,7 @@ def test_poison_message_is_retried_then_dead_lettered_and_replayed_once(
 
 def _kstore_env(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=120,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **env})
+                          cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), **env})
 
 
 def test_undecodable_message_is_dead_lettered(pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:

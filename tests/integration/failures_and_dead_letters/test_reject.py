@@ -15,9 +15,8 @@ import sqlalchemy as sa
 
 from kstore import ConfigurationError, Worker
 from kstore.testing import make_message, run_batch
-
-from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until
-from .processors import AsyncHook
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, wait_until
+from tests.support.processors import AsyncHook
 
 
 def dead_letters(dsn: str, group: str) -> list[tuple[str, int, int, str]]:
@@ -58,8 +57,8 @@ def test_an_async_hook_kstore_cannot_run_is_refused_at_start() -> None:
     with pytest.raises(ConfigurationError, match=r"`async def`"):
         run_batch(AsyncHook(), [make_message("x")], "sqlite://")
     r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:AsyncHook", "--topic", "t"],
-                       capture_output=True, text=True, cwd=TESTS_DIR, timeout=60,
-                       env={"PYTHONPATH": str(TESTS_DIR), "PATH": "/usr/bin:/bin"})
+                       capture_output=True, text=True, cwd=SUPPORT_DIR, timeout=60,
+                       env={"PYTHONPATH": str(SUPPORT_DIR), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "is `async def`" in r.stderr and "Traceback" not in r.stderr
 

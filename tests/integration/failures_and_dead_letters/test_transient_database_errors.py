@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 CONTENDED = "promise_processors:Contended"
 ONE_ATTEMPT = ["--on-error", "dead_letter", "--max-attempts", "1"]

@@ -13,9 +13,8 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Message, Processor, ProcessorError, RetryPolicy, Settings, Worker
-
-from .harness import assert_exactly_once, effects, stored_offsets
-from .processors import effects as effects_table
+from tests.support.harness import assert_exactly_once, effects, stored_offsets
+from tests.support.processors import effects as effects_table
 
 
 class JsonCounting(Processor):

@@ -16,9 +16,8 @@ from kstore import Settings
 from kstore.cli import main
 from kstore.dev.broker import Cluster
 from kstore.ops.offsets import set_offsets, show_offsets
-
-from .conftest import BROKER_CONFIG, KAFKA_CLIENT, _has_leaders
-from .harness import wait_until
+from tests.conftest import BROKER_CONFIG, KAFKA_CLIENT, _has_leaders
+from tests.support.harness import wait_until
 
 
 def test_offsets_set_and_show_right_after_a_broker_started_ask_again(pg_dsn: str,

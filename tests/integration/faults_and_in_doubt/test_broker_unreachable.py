@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .test_cli import assert_one_clear_line, kstore
+from tests.integration.cli.test_cli import assert_one_clear_line, kstore
 
 #: What the seam between the engine and a Kafka client promises: on each client.
 pytestmark = [pytest.mark.contract, pytest.mark.usefixtures("kafka_client")]

@@ -15,8 +15,7 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.db.store import make_engine
-
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 
 DRIVERS = ["psycopg2", "psycopg"]
 CUT = "a database round trip got no answer within its deadline: cutting the connection"

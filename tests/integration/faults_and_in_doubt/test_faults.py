@@ -17,9 +17,8 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.db.store import Store, make_engine
-
-from .conftest import REBALANCE_PROTOCOLS
-from .harness import (
+from tests.conftest import REBALANCE_PROTOCOLS
+from tests.support.harness import (
     assert_claimed_before_committed,
     assert_exactly_once,
     effects,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import assert_exactly_once, effects, wait_until
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 # The database's promise (its idle-in-transaction timeout), on the default client: a SIGSTOPped
 # zombie fenced on each client is test_faults.py's contract test.

@@ -2,7 +2,7 @@
 
 Resets (``Store.reset``, ``kstore offsets set``) and dead-letter replays read the
 outcome back on a fresh connection; they never assume either way. The faults are
-real: see tests/lossy.py.
+real: see tests/support/lossy.py.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from kstore.db.deadletters import build_table
 from kstore.db.store import Store, make_engine
 from kstore.ops.offsets import set_offsets
 from kstore.ops.replay import replay_matching
-
-from .faultproxy import FaultProxy
-from .harness import REPO_DIR, TESTS_DIR, effects, stored_offsets
-from .lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
-from .processors import Recorder
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import REPO_DIR, SUPPORT_DIR, effects, stored_offsets
+from tests.support.lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
+from tests.support.processors import Recorder
 
 REQUEST_ID = re.compile(r"request id ([0-9a-f]{32})")
 
@@ -133,8 +132,8 @@ def assert_cut_the_reset(faults: Faults, *expected: str) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``args`` run with this checkout's kstore (whatever is installed) and tests/ importable."""
-    path = os.pathsep.join([str(TESTS_DIR), str(REPO_DIR)])
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=TESTS_DIR,
+    path = os.pathsep.join([str(SUPPORT_DIR), str(REPO_DIR)])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=SUPPORT_DIR,
                           env={**os.environ, "PYTHONPATH": path})
 
 
@@ -225,7 +224,7 @@ def test_replay_that_cannot_be_read_back_is_in_doubt(pg_dsn: str, lossy_admin: F
 
 
 def test_reset_through_a_real_cut_after_commit_lands_once(pg_dsn: str) -> None:
-    """The same through tests/faultproxy.py: the COMMIT reaches the server, then the TCP connection is reset."""
+    """The same through tests/support/faultproxy.py: the COMMIT reaches the server, then the TCP connection is reset."""
     url = sa.engine.make_url(pg_dsn)
     with FaultProxy(str(url.host), int(url.port or 5432)) as proxy:
         settings = Settings(dsn=proxy.dsn_through(pg_dsn))

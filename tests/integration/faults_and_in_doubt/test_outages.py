@@ -13,9 +13,8 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
 from kstore.dev.broker import Cluster
-
-from .harness import assert_exactly_once, effects, wait_until
-from .test_top import Terminal
+from tests.integration.operator_tools.test_top import Terminal
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 
 def test_handler_slower_than_max_poll_interval_is_not_evicted(pg_dsn: str, new_topic: Any, produce: Any,

@@ -1,5 +1,5 @@
 """Commits in doubt and silent databases, against real Kafka and a real PostgreSQL
-behind the fault-injecting proxy (tests/faultproxy.py).
+behind the fault-injecting proxy (tests/support/faultproxy.py).
 
 A COMMIT whose answer is lost may have landed. Each test here cuts the
 connection at exactly that byte (the server has committed, the worker never
@@ -27,12 +27,11 @@ import kstore.engine.worker
 from kstore import Message, Settings, Worker
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
-
-from .conftest import KAFKA_CLIENT
-from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from .lossy import Faults, lossy_engine
-from .processors import Recorder
+from tests.conftest import KAFKA_CLIENT
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.lossy import Faults, lossy_engine
+from tests.support.processors import Recorder
 
 pytestmark = pytest.mark.integration
 
@@ -333,7 +332,7 @@ def test_until_a_lost_commits_rows_can_be_read_nothing_else_is_processed(
         caplog: pytest.LogCaptureFixture) -> None:
     """docs/failures.md: after a batch's COMMIT lost its answer the worker reads its rows back, and
     "until the rows can be read, nothing else is processed". The COMMIT lands, its answer is lost,
-    and the database refuses every connection for a while (psycopg 3, tests/lossy.py): no message is
+    and the database refuses every connection for a while (psycopg 3, tests/support/lossy.py): no message is
     handed to the processor meanwhile, though a backlog waits; then the batch counts as landed."""
     caplog.set_level(logging.INFO, logger="kstore")
     faults = Faults(down_after_fault=True)

@@ -14,8 +14,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from .faultproxy import FaultProxy
-from .harness import wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from kafka import KafkaConsumer
 
-from .harness import wait_until
+from tests.support.harness import wait_until
 
 
 def test_kafka_to_postgres_round_trip(kafka: str, new_topic: Any, produce: Any, postgresql: psycopg.Connection) -> None:

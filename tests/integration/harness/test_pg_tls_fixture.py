@@ -7,7 +7,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from .conftest import PgTlsFiles
+from tests.conftest import PgTlsFiles
 
 
 def test_verify_full_connection_uses_tls(pg_tls_dsn: str) -> None:

@@ -18,10 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kstore import Settings
 from kstore.ops.lag import LagReader
-
-from .conftest import KAFKA_CLIENT
-from .faultproxy import FaultProxy
-from .harness import TESTS_DIR, WorkerProcess, stored_offsets, wait_until
+from tests.conftest import KAFKA_CLIENT
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import SUPPORT_DIR, WorkerProcess, stored_offsets, wait_until
 
 Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -72,7 +71,7 @@ def one(metrics: Metrics, name: str, **labels: str) -> float:
 
 def kstore(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=60,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR)})
+                          cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR)})
 
 
 def test_lag_of_a_group_with_no_worker_in_messages_and_seconds_then_zero_after_catching_up(

@@ -17,15 +17,14 @@ from kafka import TopicPartition
 
 from kstore import ConfigurationError, Settings
 from kstore.ops.offsets import set_offsets, show_offsets
-
-from .conftest import KAFKA_CLIENT
-from .harness import TESTS_DIR, effects, stored_offsets, wait_until
-from .test_cli import assert_one_clear_line
+from tests.conftest import KAFKA_CLIENT
+from tests.integration.cli.test_cli import assert_one_clear_line
+from tests.support.harness import SUPPORT_DIR, effects, stored_offsets, wait_until
 
 
 def kstore(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=120,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR)})
+                          cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR)})
 
 
 def history_reasons(dsn: str, group: str) -> list[str]:

@@ -22,9 +22,8 @@ from kstore import Settings
 from kstore.db.outbox import Outbox, shard_of
 from kstore.ops.outbox import ShardStatus, show_outbox
 from kstore.records import Produced
-
-from .harness import TESTS_DIR, WorkerProcess, stored_offsets, wait_until
-from .outbox_processors import copies, metadata
+from tests.support.harness import SUPPORT_DIR, WorkerProcess, stored_offsets, wait_until
+from tests.support.outbox_processors import copies, metadata
 
 BOOKER = "outbox_processors:Booker"
 COLUMNS = ["SHARD", "WAITING", "OLDEST", "NEXT_SEQ", "PUBLISHED_SEQ", "OWNER", "LEASE_LEFT"]
@@ -32,7 +31,7 @@ COLUMNS = ["SHARD", "WAITING", "OLDEST", "NEXT_SEQ", "PUBLISHED_SEQ", "OWNER", "
 
 def kstore(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=120,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR)})
+                          cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR)})
 
 
 def shown(dsn: str, group: str) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .harness import TESTS_DIR, stored_offsets, wait_until
+from tests.support.harness import SUPPORT_DIR, stored_offsets, wait_until
 
 #: Escape sequences (CSI ... final byte, and the few two-byte ones rich uses), to read the screen as text.
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
@@ -32,12 +32,12 @@ class Terminal:
 
     def __init__(self, args: list[str], columns: int = 200, rows: int = 40) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
-        env.update(TERM="xterm-256color", PYTHONPATH=str(TESTS_DIR))
+        env.update(TERM="xterm-256color", PYTHONPATH=str(SUPPORT_DIR))
         pid, fd = pty.fork()
         if pid == 0:  # the child: size the terminal, then become `kstore top`
             try:
                 fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-                os.chdir(TESTS_DIR)
+                os.chdir(SUPPORT_DIR)
                 os.execve(sys.executable, [sys.executable, "-m", "kstore", "top", *args], env)
             finally:
                 os._exit(127)
@@ -181,7 +181,7 @@ def test_top_once_prints_one_frame(pg_dsn: str, kafka: str, new_topic: Any, prod
 
     args = ["top", "--group", group, "--once", "--dsn", pg_dsn, "--bootstrap-servers", kafka]
     done = subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=60,
-                          cwd=TESTS_DIR)
+                          cwd=SUPPORT_DIR)
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout, "no escape codes when not on a terminal"
     lines = done.stdout.splitlines()
@@ -195,5 +195,5 @@ def test_top_once_prints_one_frame(pg_dsn: str, kafka: str, new_topic: Any, prod
 
     unreachable = subprocess.run([sys.executable, "-m", "kstore", *args[:-2], "--bootstrap-servers", kafka,
                                   "--dsn", "postgresql+psycopg2://kstore@127.0.0.1:1/kstore"],
-                                 capture_output=True, text=True, timeout=60, cwd=TESTS_DIR)
+                                 capture_output=True, text=True, timeout=60, cwd=SUPPORT_DIR)
     assert unreachable.returncode == 2 and unreachable.stderr.startswith("kstore: error: cannot connect"), unreachable

@@ -2,7 +2,7 @@
 
 Real ``kstore worker`` and ``kstore relay`` processes, a real broker and a real PostgreSQL (or
 SQLite). A ``read_committed`` reader of the output topic must see every expected record once,
-and per key in the order the batches committed (tests/outbox_processors.py says how that is told).
+and per key in the order the batches committed (tests/support/outbox_processors.py says how that is told).
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from kstore import Settings
 from kstore.dev.broker import Cluster
 from kstore.engine.relay import settled_members
 from kstore.kafka.clients import admin_reader
-
-from .conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
-from .faultproxy import FaultProxy
-from .harness import TESTS_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
-from .outbox_processors import check_outputs, metadata
-from .test_metrics import get, port_of, scrape, total
+from tests.conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
+from tests.integration.telemetry.test_metrics import get, port_of, scrape, total
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import SUPPORT_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
+from tests.support.outbox_processors import check_outputs, metadata
 
 BOOKER = "outbox_processors:Booker"
 
@@ -291,7 +290,7 @@ def test_records_that_could_never_be_published_dead_letter_their_message_alone(
     """A partition the output topic lacks, a record over the size limit, a value that is not JSON: each
     fails at produce(), its message is dead-lettered (on_error="dead_letter"), nothing of it is published,
     and every other message's record is published once; the relay is never stopped by them. (A topic the
-    cluster lacks is an outage instead: tests/test_output_topics.py.)"""
+    cluster lacks is an outage instead: tests/integration/outbox/test_output_topics.py.)"""
     source, out = new_topic(partitions=1), new_topic(partitions=1)
     bad = {"no-partition": "has 1 partition(s)", "huge": "over outbox_max_record_bytes",
            "unjson": "cannot serialize"}
@@ -321,7 +320,7 @@ def test_records_that_could_never_be_published_dead_letter_their_message_alone(
     env = {k: v for k, v in os.environ.items() if k != "KSTORE_BOOTSTRAP_SERVERS"}
     r = subprocess.run([sys.executable, "-m", "kstore", "dead-letters", "replay", "outbox_processors:Picky",
                         "--group", "picky", "--id", str(nowhere), "--dsn", pg_dsn, "--bootstrap-servers", kafka],
-                       capture_output=True, text=True, cwd=TESTS_DIR, timeout=120,
+                       capture_output=True, text=True, cwd=SUPPORT_DIR, timeout=120,
                        env={**env, "KSTORE_TEST_OUT_TOPIC": out})
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"dead letter {nowhere} failed again" in r.stderr and "has 1 partition(s)" in r.stderr, r.stderr

@@ -24,8 +24,7 @@ from kstore.db import outbox as outbox_module
 from kstore.db.outbox import Outbox, shard_of
 from kstore.db.store import make_engine
 from kstore.records import Produced
-
-from .harness import with_driver
+from tests.support.harness import with_driver
 
 pytestmark = pytest.mark.integration
 

@@ -26,13 +26,12 @@ from kstore import Message, MissingTopicError, Processor, ProduceError, Settings
 from kstore.dev.broker import Cluster
 from kstore.ops.replay import replay_matching
 from kstore.testing import make_message, run_batch
-
-from .conftest import BROKER_CONFIG, KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
-from .harness import WorkerProcess, effects, read_committed, stored_offsets, wait_until
-from .test_cli import assert_one_clear_line, kstore
-from .test_dead_letters_at_scale import dead_letter, rows
-from .test_metrics import get, port_of, scrape, total
-from .test_outbox import outbox_rows, wait_done
+from tests.conftest import BROKER_CONFIG, KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
+from tests.integration.cli.test_cli import assert_one_clear_line, kstore
+from tests.integration.failures_and_dead_letters.test_dead_letters_at_scale import dead_letter, rows
+from tests.integration.outbox.test_outbox import outbox_rows, wait_done
+from tests.integration.telemetry.test_metrics import get, port_of, scrape, total
+from tests.support.harness import WorkerProcess, effects, read_committed, stored_offsets, wait_until
 
 ANNOUNCER = "topic_processors:Announcer"
 

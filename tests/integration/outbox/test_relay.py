@@ -21,8 +21,7 @@ from kstore.engine.relay import Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, highest_mark
 from kstore.records import Produced
-
-from .harness import read_committed, wait_until
+from tests.support.harness import read_committed, wait_until
 
 GROUP = "relayed"
 #: The relay's Kafka client in the test running (relay_for's default): every test that publishes

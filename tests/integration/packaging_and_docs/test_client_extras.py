@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .harness import TESTS_DIR
+from tests.support.harness import SUPPORT_DIR
 
 #: The module each client's library is imported as.
 LIBRARY = {"confluent": "confluent_kafka", "kafka-python": "kafka"}
@@ -28,7 +28,7 @@ def python_without(libraries: tuple[str, ...], code: str, env: dict[str, str] | 
     """Run ``code`` in a new interpreter in which ``libraries`` cannot be imported."""
     blocked = f"import sys; sys.modules.update(dict.fromkeys({libraries!r}))\n"
     return subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, timeout=timeout,
-                          cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR),
+                          cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR),
                                               "KSTORE_CONNECT_TIMEOUT_S": "10", **(env or {})})
 
 

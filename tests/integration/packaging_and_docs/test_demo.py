@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import REPO_DIR, without_kafka_python
+from tests.support.harness import REPO_DIR, without_kafka_python
 
 
 def test_the_demo_runs_without_kafka_python(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 #: The pages a reader of the repository opens.
 PAGES = sorted([REPO_DIR / "README.md", REPO_DIR / "examples" / "README.md", *(REPO_DIR / "docs").glob("*.md")])

@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .harness import REPO_DIR, TESTS_DIR, read_committed, stored_offsets, wait_until
+from tests.support.harness import REPO_DIR, SUPPORT_DIR, read_committed, stored_offsets, wait_until
 
 EXAMPLES = REPO_DIR / "examples"
 Sent = tuple[str, int, int]
@@ -55,7 +55,7 @@ def replay(dsn: str, kafka: str, group: str, topic: str, shift: int) -> str:
     r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "set", "--group", group, "--topic", topic,
                         "--shift-by", str(shift), "--reason", "test replay", "--execute", "--dsn", dsn,
                         "--bootstrap-servers", kafka], capture_output=True, text=True, timeout=120,
-                       cwd=TESTS_DIR, env={**os.environ, "PYTHONPATH": str(TESTS_DIR)})
+                       cwd=SUPPORT_DIR, env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR)})
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 

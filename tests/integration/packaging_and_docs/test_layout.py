@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grimp
 
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 
 def test_the_import_contracts_are_kept() -> None:

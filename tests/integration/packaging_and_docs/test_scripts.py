@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 #: One quick test that needs no service, run by the nested pytest.
 ONE_TEST = "tests/test_units.py::test_safe_dsn_masks_the_password"

@@ -23,8 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 import kstore
-
-from .harness import REPO_DIR
+from tests.support.harness import REPO_DIR
 
 DRIVERS = ("psycopg2", "psycopg")
 

@@ -15,10 +15,9 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.masking import Masker
-
-from .conftest import KAFKA_CLIENT, PG_DRIVER, PG_PASSWORD
-from .harness import WorkerProcess
-from .test_cli import kstore
+from tests.conftest import KAFKA_CLIENT, PG_DRIVER, PG_PASSWORD
+from tests.integration.cli.test_cli import kstore
+from tests.support.harness import WorkerProcess
 
 #: One letter, a letter in nearly every word, a password equal to the user name, URL-special characters.
 PASSWORDS = ["p", "e", "postgres", "p@ss:w/rd %#?&=;"]

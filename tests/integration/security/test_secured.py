@@ -24,9 +24,8 @@ from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
 from kstore.dev.broker import SecuredEndpoints
-
-from .conftest import KAFKA_CLIENT
-from .harness import TESTS_DIR, assert_exactly_once, effects, wait_until, without_kafka_python
+from tests.conftest import KAFKA_CLIENT
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, wait_until, without_kafka_python
 
 Sent = set[tuple[str, int, int]]
 #: Long enough that an answer given only at the timeout is obvious; the probe answers in well under it.
@@ -115,7 +114,7 @@ def test_worker_drains_exactly_once_over_sasl_plaintext_plain(secure_kafka: Secu
 
 def test_worker_drains_exactly_once_over_oauthbearer(secure_kafka: SecuredEndpoints, secure_topic: Any,
                                                     pg_dsn: str, workers: Any) -> None:
-    """The token comes from a MODULE:CALLABLE (tests/processors.py:oauth_token)."""
+    """The token comes from a MODULE:CALLABLE (tests/support/processors.py:oauth_token)."""
     topic, sent = secure_topic([f"oauth{i}" for i in range(100)])
     drain(workers, pg_dsn, topic, sent,
           ["--bootstrap-servers", secure_kafka.sasl_plaintext, "--security-protocol", "SASL_PLAINTEXT",
@@ -142,9 +141,9 @@ def test_kafka_options_reach_the_consumer(secure_kafka: SecuredEndpoints, secure
 
 def kstore(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, cwd=TESTS_DIR,
+    r = subprocess.run([sys.executable, "-m", "kstore", *args], capture_output=True, text=True, cwd=SUPPORT_DIR,
                        timeout=CONNECT_TIMEOUT_S * 3,
-                       env={**os.environ, "PYTHONPATH": str(TESTS_DIR),
+                       env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR),
                             "KSTORE_CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S), **(env or {})})
     return r, time.monotonic() - started
 
@@ -163,7 +162,7 @@ def test_offsets_show_over_sasl_ssl(secure_kafka: SecuredEndpoints, secure_topic
     # A wrong password, where kafka-python (whose SASL mechanisms the probe logs in with) is not
     # installed: librdkafka's refusal is the answer, in one line, before the connect timeout.
     wrong = "not-the-Password-42"
-    path = os.pathsep.join([without_kafka_python(tmp_path), str(TESTS_DIR)])
+    path = os.pathsep.join([without_kafka_python(tmp_path), str(SUPPORT_DIR)])
     r, took = kstore("offsets", "show", "--group", f"g-{topic}", "--dsn", pg_dsn,
                      *scram_args(secure_kafka, tmp_path, password=wrong),
                      env={"PYTHONPATH": path, "KSTORE_KAFKA_CLIENT": "confluent"})
@@ -208,7 +207,7 @@ def test_wrong_sasl_password_without_kafka_python(secure_kafka: SecuredEndpoints
     """``pip install kstore`` has no kafka-python, whose SASL mechanisms the probe logs in with: then
     librdkafka's refusal ends the wait, as soon and in the same line."""
     wrong = "not-the-Password-42"
-    path = os.pathsep.join([without_kafka_python(tmp_path), str(TESTS_DIR)])
+    path = os.pathsep.join([without_kafka_python(tmp_path), str(SUPPORT_DIR)])
     r, took = refused(*scram_args(secure_kafka, tmp_path, password=wrong),
                       env={"PYTHONPATH": path, "KSTORE_KAFKA_CLIENT": "confluent"})
     assert_refused(r, took, "refused SASL SCRAM-SHA-512 authentication", repr(secure_kafka.scram_user),

@@ -12,9 +12,8 @@ import sqlalchemy as sa
 
 from kstore import Settings
 from kstore.db.store import make_engine
-
-from .harness import wait_until
-from .test_failures import dead_letter_rows
+from tests.integration.failures_and_dead_letters.test_failures import dead_letter_rows
+from tests.support.harness import wait_until
 
 #: The value of the message whose row the database refuses (a NOT NULL column left empty).
 CARD = "secret-card-4111"

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
-from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
-from .faultproxy import FaultProxy
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 
 def port_of(w: Any) -> int:
@@ -233,7 +233,7 @@ def test_a_metrics_host_that_is_not_this_hosts_is_one_line(sqlite_dsn: str, kafk
     r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:Recorder", "--dsn", sqlite_dsn,
                         "--bootstrap-servers", kafka, "--topic", new_topic(1), "--metrics-port", "0",
                         "--metrics-host", "192.0.2.1"], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parent)
+                       cwd=SUPPORT_DIR)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(
         "kstore: error: cannot serve /metrics on 192.0.2.1:0 (metrics_host, metrics_port): "), r.stderr

@@ -9,7 +9,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from .harness import assert_exactly_once, effects, wait_until
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN_ID = "00f067aa0ba902b7"

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from .harness import REPO_DIR, read_committed, stored_offsets, wait_until
-from .outbox_processors import products, stock_metadata
+from tests.support.harness import REPO_DIR, read_committed, stored_offsets, wait_until
+from tests.support.outbox_processors import products, stock_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +158,7 @@ def test_records_of_concurrent_handlers_are_published_in_the_order_of_their_data
 ) -> None:
     """Orders on few products, each its own key, so 16 run side by side; each handler awaits, takes one
     from its product's stock (``UPDATE ... RETURNING``), awaits again, and produces the stock left
-    keyed by the product (tests/outbox_processors.py's StockKeeper). Per product, a read_committed
+    keyed by the product (tests/support/outbox_processors.py's StockKeeper). Per product, a read_committed
     reader must see the stock going down one by one and ending where the database's is: the order of
     the writes, not the orders' offsets. A rejected order's record and a poison order's (its batch
     failed and ran again without it) are left out; nothing is published twice."""

@@ -15,10 +15,9 @@ import sqlalchemy as sa
 from kstore import ProcessorContractError
 from kstore.processor import check_returned
 from kstore.testing import make_message, run_batch
-
-from .contract_processors import WrappedCoroutine
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from .processors import metadata
+from tests.support.contract_processors import WrappedCoroutine
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.processors import metadata
 
 DRIVERS = ["psycopg2", "psycopg"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .harness import assert_exactly_once, effects, wait_until
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 
 def test_a_worker_on_another_protocol_than_its_groups_stops_with_one_line(pg_dsn: str, new_topic: Any, produce: Any,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .harness import assert_exactly_once, effects, wait_until
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 HOOKS = "promise_processors:HookLog"
 

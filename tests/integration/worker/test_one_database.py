@@ -23,13 +23,12 @@ from kstore.db.members import GroupMembers, Registered
 from kstore.engine.onedatabase import established_in_group, unknown_members
 from kstore.kafka.kafkapython.members import GroupMember
 from kstore.settings import default_rebalance_protocol
-
-from .harness import TESTS_DIR, assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, stored_offsets, wait_until
 
 
 def show(dsn: str, group: str, kafka: str) -> dict[int, Any]:
     r = subprocess.run([sys.executable, "-m", "kstore", "offsets", "show", "--group", group, "--dsn", dsn,
-                        "--bootstrap-servers", kafka, "--json"], capture_output=True, text=True, cwd=TESTS_DIR,
+                        "--bootstrap-servers", kafka, "--json"], capture_output=True, text=True, cwd=SUPPORT_DIR,
                        timeout=60)
     assert r.returncode == 0, r.stderr
     return {row["partition"]: row for row in json.loads(r.stdout)}

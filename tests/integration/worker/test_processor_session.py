@@ -11,7 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
 
 DEAD_LETTER = ["--on-error", "dead_letter", "--max-attempts", "1"]
 

@@ -18,9 +18,8 @@ from kstore.engine.worker import Worker
 from kstore.errors import ProcessorError
 from kstore.processor import call_setup
 from kstore.testing import run_batch
-
-from .harness import wait_until
-from .test_cli import kstore
+from tests.integration.cli.test_cli import kstore
+from tests.support.harness import wait_until
 
 #: Processes (threads here) starting setup() at the same moment, and how many times.
 RACERS = 6

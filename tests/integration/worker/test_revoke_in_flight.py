@@ -13,8 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Settings, Worker
-
-from .harness import wait_until
+from tests.support.harness import wait_until
 
 pytestmark = pytest.mark.integration
 

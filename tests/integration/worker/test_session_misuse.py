@@ -12,9 +12,8 @@ import sqlalchemy as sa
 
 from kstore import BatchRollbackError
 from kstore.testing import make_message, run_batch
-
-from .harness import assert_exactly_once, effects, wait_until
-from .processors import SessionMisuse, metadata
+from tests.support.harness import assert_exactly_once, effects, wait_until
+from tests.support.processors import SessionMisuse, metadata
 
 
 def test_closing_the_session_in_handle_keeps_its_writes(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .harness import assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
+from tests.support.harness import assert_exactly_once, effects, read_in_flight, stored_offsets, wait_until
 
 
 def hang_env(tmp_path: Path, seconds: float) -> tuple[Path, dict[str, str]]:

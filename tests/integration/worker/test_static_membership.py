@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kstore import ConfigurationError, Settings
-
-from .test_cli import assert_one_clear_line, kstore
+from tests.integration.cli.test_cli import assert_one_clear_line, kstore
 
 WHY = "the group's leader never checks which database it writes to"
 

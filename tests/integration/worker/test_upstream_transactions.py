@@ -16,10 +16,9 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from kstore import Settings
 from kstore.ops.lag import LagReader
-
-from .conftest import KAFKA_CLIENT
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from .test_metrics import by_partition, port_of, scrape
+from tests.conftest import KAFKA_CLIENT
+from tests.integration.telemetry.test_metrics import by_partition, port_of, scrape
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
 
 PARTITIONS = 3
 TRANSACTIONS = 20

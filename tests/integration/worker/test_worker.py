@@ -9,10 +9,9 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from kstore import Settings, Worker
-
-from .conftest import KAFKA_CLIENT
-from .harness import assert_exactly_once, effects, stored_offsets, wait_until
-from .processors import Recorder
+from tests.conftest import KAFKA_CLIENT
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.processors import Recorder
 
 
 def make_worker(dsn: str, kafka: str, topic: str, group: str = "g1", processor: Any = None, **kw: Any) -> Worker:

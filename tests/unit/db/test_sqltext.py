@@ -1,7 +1,7 @@
 """kstore.db.sqltext: what a ``text()`` is, judged by PostgreSQL's tokens (comments, literals, dollar quotes).
 
 Pure logic, no database: the verdicts the batch session and kstore.db.manyrows take from it. The
-differential test (tests/test_differential.py) runs the same shapes against PostgreSQL.
+differential test (tests/integration/database/test_differential.py) runs the same shapes against PostgreSQL.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from kstore.kafka.confluent.consumer import ConfluentSource, by_partition, group
 from kstore.kafka.kafkapython.consumer import KafkaPythonSource
 from kstore.kafka.seam import RECORD_OVERHEAD
 from kstore.rdkafkaoptions import LIBRDKAFKA_OPTIONS, check_librdkafka_options, librdkafka_name
-
-from .test_cli import assert_one_clear_line, kstore
+from tests.integration.cli.test_cli import assert_one_clear_line, kstore
 
 
 def test_every_option_name_kstore_accepts_is_known_to_the_installed_librdkafka() -> None:
@@ -183,7 +182,7 @@ def test_plaintext_has_no_tls_properties_and_reads_committed_records_only() -> N
 
 def test_an_oauth_token_provider_becomes_librdkafkas_callback() -> None:
     settings = Settings(kafka_client="confluent", security_protocol="SASL_PLAINTEXT", sasl_mechanism="OAUTHBEARER",
-                        sasl_oauth_token_provider="tests.test_kafka_settings:token")
+                        sasl_oauth_token_provider="tests.unit.kafka.test_kafka_settings:token")
     token, expires = librdkafka_config(settings)["oauth_cb"]("")
     assert token == "a.b.c" and expires > 0
 

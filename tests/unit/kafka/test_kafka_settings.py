@@ -22,7 +22,7 @@ SECRET = "pa55-w0rd-SECRET"
 
 
 def token() -> str:
-    """A token provider given as MODULE:CALLABLE (tests.test_kafka_settings:token)."""
+    """A token provider given as MODULE:CALLABLE (tests.unit.kafka.test_kafka_settings:token)."""
     return "a.b.c"
 
 
@@ -133,8 +133,8 @@ def test_no_secret_in_the_settings_repr() -> None:
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
-    ("tests.test_kafka_settings:token", "a.b.c"),
-    ("tests.test_kafka_settings:Provider", "from-a-class"),
+    ("tests.unit.kafka.test_kafka_settings:token", "a.b.c"),
+    ("tests.unit.kafka.test_kafka_settings:Provider", "from-a-class"),
 ])
 def test_token_providers_load_from_module_and_callable(spec: str, expected: str) -> None:
     provider = load_token_provider(spec)
@@ -142,8 +142,8 @@ def test_token_providers_load_from_module_and_callable(spec: str, expected: str)
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
-    ("tests.test_kafka_settings:token", "a.b.c"),
-    ("tests.test_kafka_settings:Provider", "from-a-class"),
+    ("tests.unit.kafka.test_kafka_settings:token", "a.b.c"),
+    ("tests.unit.kafka.test_kafka_settings:Provider", "from-a-class"),
 ])
 def test_the_probe_logs_in_with_the_token_the_provider_gives(spec: str, expected: str) -> None:
     """The probe's OAUTHBEARER login sends the provider's token, from a function as from a class."""
@@ -156,8 +156,8 @@ def test_the_probe_logs_in_with_the_token_the_provider_gives(spec: str, expected
 @pytest.mark.parametrize(("spec", "said"), [
     ("no_colon", "must be MODULE:CALLABLE"),
     ("tests.no_such_module:f", "cannot import token provider module"),
-    ("tests.test_kafka_settings:nothing", "has no 'nothing'"),
-    ("tests.test_kafka_settings:SECRET", "neither a function nor a token provider"),
+    ("tests.unit.kafka.test_kafka_settings:nothing", "has no 'nothing'"),
+    ("tests.unit.kafka.test_kafka_settings:SECRET", "neither a function nor a token provider"),
 ])
 def test_bad_token_providers_are_named(spec: str, said: str) -> None:
     with pytest.raises(ConfigurationError) as raised:
