@@ -10,7 +10,7 @@ import pytest
 from tests.support.harness import REPO_DIR
 
 #: One quick test that needs no service, run by the nested pytest.
-ONE_TEST = "tests/test_units.py::test_safe_dsn_masks_the_password"
+ONE_TEST = "tests/unit/test_settings.py::test_safe_dsn_masks_the_password"
 
 
 def scripts_test(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
