@@ -113,7 +113,7 @@ def services_for(args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]
 @contextlib.contextmanager
 def database_latency(dsn: str, one_way_s: float) -> Iterator[str]:
     """``dsn`` through a TCP proxy (the tests' fault proxy) that delays each direction by ``one_way_s``."""
-    from tests.faultproxy import FaultProxy
+    from tests.support.faultproxy import FaultProxy
 
     url = make_url(dsn)
     with FaultProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:

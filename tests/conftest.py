@@ -24,27 +24,26 @@ from pytest_postgresql import factories
 from kstore import Settings, migrate
 from kstore_devbroker.broker import Cluster, SecuredBroker, SecuredEndpoints
 from kstore_devbroker.certs import CertificateAuthority
-
-from .harness import TESTS_DIR, WorkerProcess, wait_until
-from .processors import metadata as effects_metadata
+from tests.support.harness import SUPPORT_DIR, WorkerProcess, wait_until
+from tests.support.processors import metadata as effects_metadata
 
 # PostgreSQL refuses to run as root; the wrapper runs only pg_ctl as `postgres`.
-postgresql_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"))
+postgresql_proc = factories.postgresql_proc(executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"))
 postgresql = factories.postgresql("postgresql_proc")
 #: A second server that checks passwords (initdb --auth=password), for the wrong-password case.
 PG_PASSWORD = "pg-s3cret-Pw"
-postgresql_pw_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"),
+postgresql_pw_proc = factories.postgresql_proc(executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"),
                                                password=PG_PASSWORD, port=None)
 #: A server of its own for the test that stops and starts PostgreSQL mid-run, so that a restart
 #: that goes wrong on a loaded machine cannot take every later test's database with it.
-postgresql_outage_proc = factories.postgresql_proc(executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"), port=None)
+postgresql_outage_proc = factories.postgresql_proc(executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"), port=None)
 postgresql_outage = factories.postgresql("postgresql_outage_proc")
 #: A third server with TLS (ssl=on). Its certificate and key are made by `pg_tls_files` before it
 #: starts, at a path fixed now because pytest-postgresql takes the server options when the
 #: fixture is defined (the pid keeps parallel sessions apart).
 _PG_TLS_DIR = Path(tempfile.gettempdir()) / f"kstore-pg-tls-{os.getpid()}"
 _postgresql_tls_server = factories.postgresql_proc(
-    executable=str(TESTS_DIR / "pg_ctl_as_postgres.sh"), port=None,
+    executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"), port=None,
     postgres_options=f"-c ssl=on -c ssl_cert_file={_PG_TLS_DIR / 'server.pem'} "
                      f"-c ssl_key_file={_PG_TLS_DIR / 'server.key'}",
 )
@@ -101,7 +100,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_report_header() -> str:
     """The versions the run is against, at the top of its output: SQLAlchemy's private names
-    (tests/test_sqlalchemy_names.py) and the drivers are checked on these."""
+    (tests/unit/db/test_sqlalchemy_names.py) and the drivers are checked on these."""
     import importlib.metadata
 
     def version(dist: str) -> str:
@@ -279,7 +278,7 @@ def pg_tls_files() -> Iterator[PgTlsFiles]:
     ca = CertificateAuthority.create(_PG_TLS_DIR, "kstore-pg-ca")
     server = ca.issue("server", sans=("IP:127.0.0.1", "DNS:localhost"))
     other = CertificateAuthority.create(_PG_TLS_DIR / "other", "kstore-pg-other-ca")
-    # The server runs as `postgres` when the tests run as root (tests/pg_ctl_as_postgres.sh), and
+    # The server runs as `postgres` when the tests run as root (tests/support/pg_ctl_as_postgres.sh), and
     # refuses a key that anyone but its owner can read: the key is postgres's, mode 0600.
     _PG_TLS_DIR.chmod(0o755)
     if os.geteuid() == 0:

@@ -990,7 +990,7 @@ class SecuredBroker(Broker):
 
     OAUTHBEARER uses Kafka's default *unsecured* validator: any unsigned JWT (``alg: none``)
     with a ``sub`` and an ``exp`` in the future is accepted (see ``unsecured_jwt`` in
-    tests/test_devbroker_secured.py).
+    tests/integration/dev_broker/test_devbroker_secured.py).
     """
 
     def __init__(

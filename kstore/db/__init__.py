@@ -21,7 +21,8 @@
 May import the shared vocabulary (settings, errors, :mod:`kstore.types`, the retry policy's
 ``Failure``); never the Kafka side, :mod:`kstore.processor`, :mod:`kstore.running`, the engine, the
 operator's tools or the CLI. Inside it, imports run from ``sqlerrors``, ``writes`` and ``sqltext`` up to
-``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle (tests/test_layout.py).
+``store``, ``migration``, ``deadletters`` and ``letterquery``, with no cycle
+(tests/integration/packaging_and_docs/test_layout.py).
 
 Invariants:
 

@@ -26,9 +26,9 @@ the connection's ``standard_conforming_strings`` is ``on`` (so a backslash is it
 (psycopg2's ``register_adapter`` and psycopg 3's ``adapters.register_dumper`` can replace them;
 psycopg 3's C and pure-Python dumpers write the same). Any other value (a
 subclass such as an ``IntEnum``, a ``Decimal``, a date, a non-ASCII string, a string with NUL,
-which both drivers refuse) makes its row go through ``mogrify``. tests/test_literals.py holds
+which both drivers refuse) makes its row go through ``mogrify``. tests/integration/database/test_literals.py holds
 every literal here to the driver's own, byte for byte, on generated values, and the differential
-tests (tests/test_differential.py) the rows written to the plain path's.
+tests (tests/integration/database/test_differential.py) the rows written to the plain path's.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ All of it under :attr:`Partitions.lock`. The client (:class:`~kstore.kafka.seam.
 holds none of this state: its callbacks only :meth:`~Partitions.post` events here, and it seeks,
 pauses and resumes when told.
 
-Invariants (stated here, kept here, tested in tests/test_partitions.py):
+Invariants (stated here, kept here, tested in tests/unit/engine/test_partitions.py):
 
 - **Owned <=> queued.** A partition has a queue exactly while it is in :attr:`owned`:
   :meth:`own` makes both, :meth:`disown` removes both. Records of a partition without a queue are

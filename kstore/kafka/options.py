@@ -11,7 +11,7 @@ imports this, below the rest of the Kafka side (pyproject.toml's import contract
 
 :data:`CONSUMER_OPTIONS` and :data:`SASL_MECHANISM_NAMES` are what kafka-python itself knows
 (``KafkaConsumer.DEFAULT_CONFIG`` and ``kafka.net.sasl.SASL_MECHANISMS``), written out; a test
-holds them equal to the installed kafka-python's (tests/test_kafka_settings.py).
+holds them equal to the installed kafka-python's (tests/unit/kafka/test_kafka_settings.py).
 """
 
 from __future__ import annotations

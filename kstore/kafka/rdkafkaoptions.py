@@ -6,7 +6,7 @@ are librdkafka's configuration properties (``fetch.max.bytes``, ``socket.keepali
 connects) and turns values into the text librdkafka parses; librdkafka itself checks the values
 when the consumer is made. Nothing here imports confluent-kafka: :data:`LIBRDKAFKA_OPTIONS` is
 librdkafka's own list of consumer and general properties (its CONFIGURATION.md), written out; a
-test holds every name to the installed librdkafka (tests/test_kafka_settings.py).
+test holds every name to the installed librdkafka (tests/unit/kafka/test_kafka_settings.py).
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ The real :class:`kstore.Worker` runs, driven one turn at a time (``fetch_once`` 
 - :mod:`.clock`: a scripted clock in place of ``time`` in kstore's modules.
 
 :mod:`.invariants` checks the journal and the deliveries after every action;
-:mod:`.schedule` generates, runs and shrinks schedules. ``tests/test_simulation.py``
-runs them under pytest. :mod:`.guards` scripts the schedules that reach each guard of
-exactly once, with guards switched off (``tests/test_guards.py``).
+:mod:`.schedule` generates, runs and shrinks schedules. ``tests/sim/test_simulation.py``
+runs them under pytest.
 
 Invisible to it: everything kstore does only on PostgreSQL (the one-trip commit of
 psycopg2, execute_batch pages, COPY, lock and idle-in-transaction timeouts, SQLSTATE

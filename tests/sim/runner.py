@@ -117,7 +117,7 @@ def replay_command(outcome: Outcome, actions: list[Action] | None = None) -> str
            f"KSTORE_SIM_SKIP={','.join(sorted(outcome.config.skip))}"]
     if actions is not None:
         env.append(f"KSTORE_SIM_ACTIONS='{json.dumps(actions)}'")
-    return " ".join(env) + " .venv/bin/python -m pytest tests/test_simulation.py -q"
+    return " ".join(env) + " .venv/bin/python -m pytest tests/sim/test_simulation.py -q"
 
 
 def explain(summary: Summary, directory: Path, shrink_budget: int) -> str:

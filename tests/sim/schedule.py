@@ -44,7 +44,7 @@ _WEIGHTS: list[tuple[float, str]] = [
 
 
 #: What a run may leave out: fault kinds, and parts of the world that a known bug breaks
-#: (see tests/test_simulation.py). "crash": a worker that raises dies (its session times
+#: (see tests/sim/test_simulation.py). "crash": a worker that raises dies (its session times
 #: out) instead of failing the schedule. "late_read_back": a batch re-delivered under its
 #: epoch below the stored offset, by a worker one of whose COMMITs landed after its answer
 #: was lost, is let through (it cannot commit: the journal still checks that it does not).

@@ -1,0 +1,1 @@
+"""Messages that fail: retries, rejects, isolation, dead letters and their commands."""

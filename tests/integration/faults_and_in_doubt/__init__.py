@@ -1,0 +1,1 @@
+"""Crashes, zombies, outages, lost COMMIT answers and silent databases: each effect lands once."""

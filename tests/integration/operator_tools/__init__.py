@@ -1,0 +1,1 @@
+"""The operator's commands: offsets, top, the exporter, outbox show."""

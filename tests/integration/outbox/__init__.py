@@ -1,0 +1,1 @@
+"""Kafka -> database -> Kafka: produce(), the outbox, its relay, declared output topics."""

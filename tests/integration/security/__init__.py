@@ -1,0 +1,1 @@
+"""Secured clusters, and secrets and message contents kept out of logs."""

@@ -1,0 +1,1 @@
+"""What a running worker reports: metrics, health probes, traces."""

@@ -1,0 +1,1 @@
+"""Pure logic, without a broker or PostgreSQL, by kstore package."""

@@ -1,0 +1,1 @@
+"""The benchmarks' own logic (``benchmarks/``): contenders, ratios, variants."""

@@ -1,0 +1,1 @@
+"""kstore.engine without a broker: partitions, failures, positions, the ledger's races, signals."""

@@ -1,0 +1,1 @@
+"""kstore.kafka without a broker: each client's settings, queues and workarounds."""
