@@ -32,7 +32,7 @@ def dead_letter_offsets(dsn: str) -> list[tuple[str, int, int]]:
 
 def test_poison_next_to_another_partitions_backlog_is_isolated_in_few_transactions(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """Defect 2: with a backlog on partition 0 and a poison message at the head of partition 1,
+    """With a backlog on partition 0 and a poison message at the head of partition 1,
     isolation batches mixed both partitions: the poison was never tried alone while partition 0
     had records, and partition 0 committed one message per two transactions (~2,000 commits here)."""
     topic = new_topic(2)
@@ -69,7 +69,7 @@ class FailsAfterHandle(Recorder):
 
 def test_database_errors_caused_by_a_message_are_isolated_and_dead_lettered(
         sqlite_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
-    """Defect 7: an OperationalError raised inside handle() and an error raised after it (the
+    """An OperationalError raised inside handle() and an error raised after it (the
     processor rolled the session back) were retried forever as a database outage, at full size."""
     topic = new_topic(1)
     good = set(produce(topic, [f"v{i}" for i in range(40)]))
@@ -89,7 +89,7 @@ def test_database_errors_caused_by_a_message_are_isolated_and_dead_lettered(
 
 def test_a_retry_backoff_with_records_queued_sleeps_instead_of_spinning(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any) -> None:
-    """Defect 7: while a failed message waited for its next attempt with records queued, the
+    """While a failed message waited for its next attempt with records queued, the
     main loop spun at 100% CPU. Measured as CPU time over wall time of the worker process."""
     topic = new_topic(1)
     produce(topic, ["poison"] + [f"v{i}" for i in range(200)])

@@ -65,8 +65,8 @@ def dead_letters(dsn: str) -> list[Any]:
 @pytest.mark.parametrize(("driver", "write"), [(d, w) for w in ("insert", "copy", "text") for d in DRIVERS])
 def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
                                                   produce: Any, workers: Any, driver: str, write: str) -> None:
-    """The defect the fault check found: 6 cut COMMITs made 800 duplicate effects on the old code.
-    On both drivers, and for each way the rows go in: a Core INSERT, COPY (session.copy_rows) and
+    """Cut COMMITs of the worker's batches land exactly once (without the read-back, 6 cut COMMITs
+    made 800 duplicate effects). On both drivers, and for each way the rows go in: a Core INSERT, COPY (session.copy_rows) and
     text() INSERTs deferred by the session (kstore's multi-row statements, kstore/db/manyrows.py)."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))

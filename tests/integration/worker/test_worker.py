@@ -158,7 +158,7 @@ class SessionInHooks(Recorder):
 @pytest.mark.integration
 def test_the_session_outside_a_batch_is_a_clear_error_and_does_not_stall_the_pipeline(
         sqlite_dsn: str, kafka: str, new_topic: Any, produce: Any) -> None:
-    """Defect 5: self.session used in on_committed began a transaction on the worker's
+    """self.session used in on_committed began a transaction on the worker's
     connection that nothing ended; every later batch failed ("already initialized a Transaction")."""
     topic = new_topic(1)
     sent = set(produce(topic, [f"v{i}" for i in range(300)]))
@@ -173,7 +173,7 @@ def test_the_session_outside_a_batch_is_a_clear_error_and_does_not_stall_the_pip
 @pytest.mark.integration
 def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: str, new_topic: Any,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """Defect 7: kafka-python 3 raises on seek/pause/resume of an unassigned partition; Kafka can
+    """kafka-python 3 raises on seek/pause/resume of an unassigned partition; Kafka can
     revoke one on its IO thread just before the worker acts on it, and the worker exited."""
     topic = new_topic(1)
     settings = Settings(bootstrap_servers=kafka)

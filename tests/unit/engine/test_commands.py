@@ -8,7 +8,7 @@ from kstore.cli import worker as kstore_cli
 
 
 def test_the_shutdown_alarm_repeats_after_the_first_timeout() -> None:
-    """Defect 7: the SIGALRM timer fired once; a batch begun after it was no longer bounded."""
+    """The SIGALRM timer fired once; a batch begun after it was no longer bounded."""
 
     class FakeWorker:
         busy = False

@@ -101,7 +101,7 @@ def parts(tmp_path: Path) -> tuple[Store, StubSource, Ledger]:
 
 def test_a_revoke_during_the_recheck_of_an_operators_reset_delivers_no_stale_record(
         parts: tuple[Store, StubSource, Ledger]) -> None:
-    """Defect 4. A batch of offsets 0..4 is in flight; an operator resets the partition to 100.
+    """A batch of offsets 0..4 is in flight; an operator resets the partition to 100.
     While the worker re-reads the row (without the lock), an eager rebalance revokes the
     partition and assigns it again. The old code placed it anyway, in a new queue whose
     generation restarted at 1, so the in-flight batch's requeue matched and offsets 0..4 sat
@@ -149,7 +149,7 @@ def test_generations_are_never_reused_for_a_partition(parts: tuple[Store, StubSo
 
 def test_an_operators_reset_fenced_by_another_claim_while_adopted_drops_the_partition(
         parts: tuple[Store, StubSource, Ledger]) -> None:
-    """Defect 7: an operator reset below the log start is adopted by storing the start policy's
+    """An operator reset below the log start is adopted by storing the start policy's
     offset under the row's epoch; another worker claiming the row in between made that write
     raise FencedError, which nothing caught: the worker exited."""
     store, source, ledger = parts
@@ -170,9 +170,9 @@ def test_an_operators_reset_fenced_by_another_claim_while_adopted_drops_the_part
 
 
 def test_a_fenced_partition_whose_row_cannot_be_read_now_stays_owned(parts: tuple[Store, StubSource, Ledger]) -> None:
-    """Defect 7: when re-reading a fenced partition's row failed (database away), the old code
-    dropped and paused it without marking it for a later claim: nobody consumed it again.
-    Now it stays as it is (its next commit is fenced again) and the database backoff retries."""
+    """When re-reading a fenced partition's row fails (database away), the partition is not dropped
+    and paused unmarked (nobody would consume it again): it stays as it is (its next commit is
+    fenced again) and the database backoff retries."""
     store, source, ledger = parts
 
     def recheck(_tps: list[tuple[str, int]]) -> None:
