@@ -66,8 +66,9 @@ def dead_letters(dsn: str) -> list[Any]:
 def test_batch_commits_in_doubt_land_exactly_once(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
                                                   produce: Any, workers: Any, driver: str, write: str) -> None:
     """Cut COMMITs of the worker's batches land exactly once (without the read-back, 6 cut COMMITs
-    made 800 duplicate effects). On both drivers, and for each way the rows go in: a Core INSERT, COPY (session.copy_rows) and
-    text() INSERTs deferred by the session (kstore's multi-row statements, kstore/db/manyrows.py)."""
+    made 800 duplicate effects). On both drivers, and for each way the rows go in: a Core INSERT,
+    COPY (session.copy_rows) and text() INSERTs deferred by the session (kstore's multi-row
+    statements, kstore/db/manyrows.py)."""
     topic = new_topic(4)
     expected = set(produce(topic, [f"m{i}" for i in range(1500)]))
     # No relay: its lease rounds commit too, and the COMMIT cut must be a batch's.
