@@ -89,6 +89,8 @@ class _Shard:
     single_until: int = 0
     #: Since when (monotonic) a Kafka call of the shard has been under way; None between calls.
     publishing_since: float | None = None
+    #: The relay's paused time (:attr:`Relay._paused_s`) when that call began.
+    paused_before: float = 0.0
     #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
     lost: bool = False
     last_error: str | None = None
@@ -135,6 +137,9 @@ class Relay:
         #: When the lease loop last turned, and whether it has read the shards (for the probes).
         self._turned_at = time.monotonic()
         self._running = False
+        #: Time the process was seen not running (SIGSTOP, a frozen VM): the lease loop turned
+        #: that much later than it can. Not counted against a Kafka transaction (see _check_stuck).
+        self._paused_s = 0.0
         #: The group's members when last described settled; a relay among them that is gone the
         #: next time has lost its worker (see group_changed). Only the departures thread uses it.
         self._in_group: set[str] = set()
@@ -172,7 +177,7 @@ class Relay:
         self._running = True
         try:
             while not self._stop.is_set():
-                self._turned_at = time.monotonic()
+                self._turn()
                 if self.error is not None:  # a shard's thread died: its shard would be held and never published
                     raise self.error
                 self._check_stuck()
@@ -211,18 +216,32 @@ class Relay:
         return True, held + (f", shard(s) {', '.join(map(str, blocked))} stopped on a row Kafka refused"
                              if blocked else "")
 
+    def _turn(self) -> None:
+        """The lease loop turns: a gap longer than a turn can take (its wait, then a heartbeat's
+        round trip to the database) is time the process was paused, and is added up."""
+        now = time.monotonic()
+        lease = self.settings.outbox_lease_s
+        longest = lease / 3 + (self.settings.db_timeout_s or lease) + 1.0
+        self._paused_s += max(0.0, now - self._turned_at - longest)
+        self._turned_at = now
+
     def _check_stuck(self) -> None:
         """A shard whose Kafka transaction has not returned long past its timeout stops the relay
         (and so the worker that runs it, for its supervisor to start again): its thread cannot be
         interrupted, and the lease this relay keeps renewing would hold the shard unpublished.
-        (The publishers give up on a call long past its timeout themselves: this is the last net.)"""
+        (The publishers give up on a call long past its timeout themselves: this is the last net.)
+        The time the process was paused is not counted: a worker woken after a SIGSTOP finds its
+        transaction fenced, it is not stuck."""
         limit = STUCK_AFTER_TIMEOUTS * self.settings.connect_timeout_s
         now = time.monotonic()
         for state in list(self._held.values()):
             since = state.publishing_since
-            if since is not None and now - since > limit:
+            if since is None:
+                continue
+            running = now - since - (self._paused_s - state.paused_before)
+            if running > limit:
                 raise RelayStuck(f"publishing outbox shard {state.shard} of group {self.group!r}: a Kafka "
-                                 f"transaction has not returned in {now - since:.0f}s (its timeout is "
+                                 f"transaction has not returned in {running:.0f}s (its timeout is "
                                  f"{self.settings.connect_timeout_s:g}s)")
 
     def wake(self) -> None:
@@ -432,7 +451,7 @@ class Relay:
         if not rows:
             self._mark(state, due=True)
             return False
-        state.publishing_since = time.monotonic()
+        state.publishing_since, state.paused_before = time.monotonic(), self._paused_s
         try:
             state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
         except Fenced as exc:

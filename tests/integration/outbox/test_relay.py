@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
+from kstore.engine import relay as relay_module
 from kstore.engine.relay import Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, highest_mark
@@ -200,6 +202,54 @@ def test_a_kafka_transaction_that_never_returns_stops_the_relay(
     finally:
         release.set()
         relay.close()
+
+
+def test_a_relay_paused_mid_transaction_is_not_judged_stuck_for_the_pause(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any) -> None:
+    """A process paused (SIGSTOP, a frozen VM) while a shard's transaction is under way wakes to a
+    clock far past the transaction's timeout. The pause is not the transaction's: the relay does
+    not stop with RelayStuck, and the transaction, once it returns, publishes. The pause is made
+    by moving the relay's clock on, as a woken process sees it."""
+    out = new_topic(partitions=1)
+    relay = relay_for(engine, kafka, pg_dsn, group="paused", outbox_shards=1, connect_timeout_s=5, db_timeout_s=2)
+    started, release = threading.Event(), threading.Event()
+    cls = publisher_class(_client[0])
+    publish = cls.publish
+
+    def slow_publish(self: Any, *args: Any, **kwargs: Any) -> None:
+        started.set()
+        release.wait(60)
+        publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "publish", slow_publish)
+    clock = _Clock()
+    monkeypatch.setattr(relay_module, "time", clock)
+    write_batch(engine, relay.outbox, [Produced(out, b"v", b"k")])
+    relay.start()
+    try:
+        assert started.wait(60), "the shard's transaction to begin"
+        clock.offset = 300.0  # the process was stopped for five minutes, 20 times the stuck limit
+        wait_until(lambda: relay._paused_s > 250, 30, what="the relay's lease loop to see the pause")
+        turned = relay._turned_at
+        wait_until(lambda: relay._turned_at > turned or relay.error is not None, 30,
+                   what="another turn of the lease loop, the stuck check included")
+        assert relay.error is None, relay.error
+        release.set()
+        wait_until(lambda: values(kafka, out) == [b"v"], 60, what="the transaction to publish")
+        assert relay.error is None, relay.error
+    finally:
+        release.set()
+        relay.close()
+
+
+class _Clock:
+    """``time`` as the relay sees it: monotonic time moved on by ``offset``."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
 
 
 def test_progress_left_in_kafka_by_another_database_counts_for_nothing(
