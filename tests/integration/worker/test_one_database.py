@@ -118,10 +118,16 @@ def group_leader(kafka: str, topic: str, group: str, dsns: Sequence[str], client
     consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=group, client_id=HOLDER, enable_auto_commit=False,
                              session_timeout_ms=6000, heartbeat_interval_ms=1000,
                              partition_assignment_strategy=[_HoldAll.named(assignor)])
+    # An assignor that runs before the holder's metadata knows the new topic assigns nothing, for good.
+    wait_until(lambda: consumer.partitions_for_topic(topic), 30, what="the topic in the holder's metadata")
     consumer.subscribe([topic])
     stop = threading.Event()
-    while not consumer.assignment():
+
+    def assigned() -> Any:
         consumer.poll(timeout_ms=100)
+        return consumer.assignment()
+
+    wait_until(assigned, 60, interval=0, what="the holder to lead the group and hold every partition")
     consumer.pause(*consumer.assignment())
 
     def keep_alive() -> None:
