@@ -18,15 +18,16 @@ pytestmark = pytest.mark.integration
 
 FOREIGN_TEST = '''
 import os
+import time
 from pathlib import Path
 
 def test_a_base_temp_of_its_own(tmp_path):
     probe = Path(os.environ["KSTORE_PROBE_DIR"])
     (probe / "foreign.up").touch()
-    deadline = __import__("time").monotonic() + 300
+    deadline = time.monotonic() + 300
     while not all((probe / f"{n}.checked").exists() for n in ("first", "second")):
-        assert __import__("time").monotonic() < deadline
-        __import__("time").sleep(0.1)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     (probe / "foreign.checked").touch()
 '''
 
