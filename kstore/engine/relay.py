@@ -11,9 +11,10 @@ progress commits inside each Kafka transaction, so it is never ahead of or behin
 published.
 
 Nothing here skips a row. A row Kafka refuses stops its shard (the reason logged, then tried
-again after :data:`BLOCKED_RETRY_S`); a broker or database outage leaves the rows waiting,
-retried with a backoff; a transaction whose outcome is unknown is settled by a new producer
-(``init_transactions``) and the progress read again from Kafka.
+again after a wait that doubles from :data:`BLOCKED_RETRY_FIRST_S` to :data:`BLOCKED_RETRY_S`);
+a broker or database outage leaves the rows waiting, retried with a backoff; a transaction
+whose outcome is unknown is settled by a new producer (``init_transactions``) and the progress
+read again from Kafka.
 
 **Threads.** :meth:`Relay.run` keeps the leases (a heartbeat every third of ``outbox_lease_s``)
 and LISTENs; each shard it holds is published by a thread of its own (:meth:`Relay._shard_loop`),
@@ -49,7 +50,10 @@ log = logging.getLogger(__name__)
 
 #: Rows per Kafka transaction, at most.
 MAX_ROWS_PER_TRANSACTION = 5000
-#: A shard stopped on a row Kafka refused is tried again after this long (the topic may be made).
+#: A shard stopped on a row Kafka refused is tried again after this long at first, the wait doubling
+#: each time up to BLOCKED_RETRY_S: a topic made again is published to at once, a row that stays
+#: refused costs a transaction every 30 s.
+BLOCKED_RETRY_FIRST_S = 1.0
 BLOCKED_RETRY_S = 30.0
 #: A Kafka transaction under way this many times ``connect_timeout_s`` stops the relay (RelayStuck).
 STUCK_AFTER_TIMEOUTS = 3
@@ -81,8 +85,9 @@ class _Shard:
     #: Not before this monotonic time is the shard tried again (a failure's backoff, a refused row).
     not_before: float = 0.0
     delay: float = RETRY_DELAY_S
-    #: The seq of the row Kafka refused, until the shard publishes again.
+    #: The seq of the row Kafka refused, until the shard publishes again, and the wait before the next try.
     blocked_on: int | None = None
+    blocked_delay: float = BLOCKED_RETRY_FIRST_S
     #: After a transaction in which Kafka refused a row, the shard publishes a row a transaction up
     #: to this seq: the rows before the refused one go out, and the one to blame is named exactly
     #: (a broker refuses a whole request of records for one record too large).
@@ -474,16 +479,18 @@ class Relay:
                 log.warning("outbox shard %d of group %r: Kafka refused a row of rows %d-%d (%s); publishing them "
                             "one a transaction to find it", shard, self.group, rows[0].seq, rows[-1].seq, exc)
                 return False
-            state.not_before = time.monotonic() + BLOCKED_RETRY_S
-            state.blocked_on = exc.seq
-            # Said every time (every BLOCKED_RETRY_S), not once: an operator must act on it.
+            wait = state.blocked_delay
+            state.not_before = time.monotonic() + wait
+            state.blocked_on, state.blocked_delay = exc.seq, min(wait * 2, BLOCKED_RETRY_S)
+            # Said at every try, not once: an operator must act on it.
             log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
-                      "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, BLOCKED_RETRY_S)
+                      "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, wait)
             return False
         finally:
             state.publishing_since = None
         state.published = rows[-1].seq
-        state.blocked_on, state.delay, state.last_error = None, RETRY_DELAY_S, None
+        state.blocked_on, state.blocked_delay = None, BLOCKED_RETRY_FIRST_S
+        state.delay, state.last_error = RETRY_DELAY_S, None
         self._shard_reason = None
         self.metrics.published(len(rows), rows[0].created_at)
         self._mark(state, due=False)

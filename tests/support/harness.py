@@ -19,6 +19,8 @@ from kafka import KafkaConsumer, TopicPartition
 # Worker subprocesses run here, with this folder on PYTHONPATH: processors are named `processors:Recorder`.
 SUPPORT_DIR = Path(__file__).resolve().parent
 REPO_DIR = SUPPORT_DIR.parents[1]
+#: The health server's access log line (kstore.telemetry.health), one per request.
+_HTTP_LINE = "kstore.telemetry.health: http: "
 
 
 def without_kafka_python(folder: Path) -> str:
@@ -113,8 +115,10 @@ class WorkerProcess:
             self.proc.kill()
             self.proc.wait(30)
             log = self.log
-            # What it logged last, then its threads' stacks (the dump SIGUSR1 asked for), each in full enough.
-            print(f"--- {self.log_path.name} (killed at teardown) ---\n{log[:before][-8000:]}\n"
+            # What it logged last, then its threads' stacks (the dump SIGUSR1 asked for), each in full
+            # enough. A test scraping /metrics makes most lines the health server's access log: left out.
+            said = "".join(line for line in log[:before].splitlines(keepends=True) if _HTTP_LINE not in line)
+            print(f"--- {self.log_path.name} (killed at teardown) ---\n{said[-8000:]}\n"
                   f"--- its stacks ---\n{log[before:][-8000:]}")
         self._log_file.close()
 

@@ -19,7 +19,7 @@ from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
 from kstore.engine import relay as relay_module
-from kstore.engine.relay import Relay, RelayStuck, share
+from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, highest_mark
 from kstore.types import Produced
@@ -176,6 +176,12 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     assert values(kafka, out) == [b"before"], "the rows before the refused one go out, none after it"
     assert state.published == 1
     assert not relay.turn(), "a blocked shard waits for its retry"
+    assert state.not_before - time.monotonic() <= BLOCKED_RETRY_FIRST_S, "first tried again soon"
+    state.not_before = 0.0  # its retry is due; the row is still refused, so the next wait is twice as long
+    wait_until(lambda: [relay.turn(), state.blocked_delay == 4 * BLOCKED_RETRY_FIRST_S][1], 60, interval=0.05,
+               what="the relay to stop on the refused row again")
+    assert state.blocked_on == 2 and values(kafka, out) == [b"before"]
+    assert BLOCKED_RETRY_FIRST_S < state.not_before - time.monotonic() <= 2 * BLOCKED_RETRY_FIRST_S
     admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, out, configs={"max.message.bytes": "1000000"})])
     state.not_before = 0.0  # its retry is due
     drain(relay)

@@ -118,8 +118,9 @@ def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     seen_bytes: list[float] = []
     seen_records: list[float] = []
     paused: list[float] = []
-    # Until the queues reached the bound, fetching paused and resumed after it (the worker's join
-    # and claim come first, slow on a loaded machine), then a few seconds more of draining.
+    # The worker's join and claim come first, slow on a loaded machine; then, until the queues
+    # reached the bound, fetching paused and resumed after it, and a few seconds more of draining.
+    w.wait_for_log(rf"claimed {re.escape(topic)}\[0\]", timeout=120)
     deadline = time.monotonic() + 90
     settled: float | None = None
     while time.monotonic() < (deadline if settled is None else min(deadline, settled)):
