@@ -85,8 +85,9 @@ class _Shard:
     #: Not before this monotonic time is the shard tried again (a failure's backoff, a refused row).
     not_before: float = 0.0
     delay: float = RETRY_DELAY_S
-    #: The seq of the row Kafka refused, until the shard publishes again, and the wait before the next try.
+    #: The seq of the row Kafka refused, until the shard publishes again.
     blocked_on: int | None = None
+    #: The wait after the next refusal: doubled by each, back to the first once the shard publishes.
     blocked_delay: float = BLOCKED_RETRY_FIRST_S
     #: After a transaction in which Kafka refused a row, the shard publishes a row a transaction up
     #: to this seq: the rows before the refused one go out, and the one to blame is named exactly

@@ -4,6 +4,7 @@ a relay stopped between Kafka's commit and the database's mark, leases and their
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -19,7 +20,7 @@ from kstore import Settings
 from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
 from kstore.engine import relay as relay_module
-from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, Relay, RelayStuck, share
+from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, highest_mark
 from kstore.types import Produced
@@ -155,11 +156,17 @@ def stopped_between_commit_and_mark(engine: Any, pg_dsn: str, kafka: str, new_to
     second.close()
 
 
+def refusal_waits(caplog: Any) -> list[float]:
+    """The waits the relay's ERROR lines for a refused row named, in order."""
+    return [r.args[-1] for r in caplog.records if r.name == relay_module.__name__ and "Kafka refused it" in r.msg]
+
+
 def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
-        engine: Any, pg_dsn: str, kafka: str, admin: Any, relay_client: str) -> None:
+        engine: Any, pg_dsn: str, kafka: str, admin: Any, relay_client: str, caplog: Any) -> None:
     """A record the topic refuses (larger than its max.message.bytes) aborts its transaction and
-    blocks the shard on that row, retried, never skipped; once the topic takes it, everything goes
-    out in order."""
+    blocks the shard on that row, retried after a wait that doubles each time, never skipped; once
+    the topic takes it, everything goes out in order."""
+    caplog.set_level(logging.ERROR, logger=relay_module.__name__)
     out = f"t-{uuid.uuid4().hex[:10]}"
     admin.create_topics([NewTopic(out, num_partitions=1, replication_factor=1,
                                   topic_configs={"max.message.bytes": "2000"})])
@@ -176,12 +183,13 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     assert values(kafka, out) == [b"before"], "the rows before the refused one go out, none after it"
     assert state.published == 1
     assert not relay.turn(), "a blocked shard waits for its retry"
-    assert state.not_before - time.monotonic() <= BLOCKED_RETRY_FIRST_S, "first tried again soon"
-    state.not_before = 0.0  # its retry is due; the row is still refused, so the next wait is twice as long
-    wait_until(lambda: [relay.turn(), state.blocked_delay == 4 * BLOCKED_RETRY_FIRST_S][1], 60, interval=0.05,
+    state.not_before = 0.0  # its retry is due; the row is still refused
+    wait_until(lambda: [relay.turn(), len(refusal_waits(caplog)) >= 2][1], 60, interval=0.05,
                what="the relay to stop on the refused row again")
     assert state.blocked_on == 2 and values(kafka, out) == [b"before"]
-    assert BLOCKED_RETRY_FIRST_S < state.not_before - time.monotonic() <= 2 * BLOCKED_RETRY_FIRST_S
+    waits = refusal_waits(caplog)
+    assert waits == [min(BLOCKED_RETRY_FIRST_S * 2**i, BLOCKED_RETRY_S) for i in range(len(waits))], (
+        "first tried again after BLOCKED_RETRY_FIRST_S, each wait twice the last")
     admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, out, configs={"max.message.bytes": "1000000"})])
     state.not_before = 0.0  # its retry is due
     drain(relay)
