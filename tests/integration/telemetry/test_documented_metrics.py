@@ -111,9 +111,12 @@ def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     (The record limit, twice the batch size, is set far above, so the bytes are what binds.)"""
     topic = new_topic(partitions=1)
     sent = produce(topic, (b"x" * VALUE_BYTES for _ in range(1500)), partition=0)
+    # Each batch outlasts the fetch after a resume: with 0.3 s batches, confluent's batches were once
+    # seen a whole second apart (a resumed partition fetched again about 0.7 s later), so the queues
+    # were full only between that fetch and the next batch taking them, and no scrape saw them full.
     w = workers(pg_dsn, topic, f"metrics-buffered-{topic}", args=["--metrics-port", "0", "--max-batch-size", "1000"],
                 env={"KSTORE_MAX_BUFFERED_BYTES": str(MAX_BUFFERED), "KSTORE_MAX_POLL_RECORDS": str(POLL_RECORDS),
-                     "KSTORE_TEST_BATCH_SLEEP": "0.3"})
+                     "KSTORE_TEST_BATCH_SLEEP": "1.5"})
     port = port_of(w)
     seen_bytes: list[float] = []
     seen_records: list[float] = []
