@@ -446,7 +446,7 @@ class Worker:
         if self._batches is not None and self._batches.paused is not None:
             return False, f"paused by the dead-letter breaker: {self._batches.paused}"
         if self._db_backoff.failing:
-            return False, "the database is not answering"
+            return False, self._db_backoff.away
         if self._batches is not None and self._batches.topic_wait.missing is not None:
             return False, self._batches.topic_wait.missing
         if self._outbox_backlog > self.settings.outbox_max_pending:
@@ -637,6 +637,12 @@ class Worker:
             offsets = ledger.offsets()
             log.info("claimed %s", ", ".join(
                 f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
+            if log.isEnabledFor(logging.DEBUG):
+                # The epoch each claim won: a commit logged after a revoke is the batch that was in
+                # flight only if it carries this epoch (the database fences any other).
+                with ledger.lock:
+                    epochs = {tp: ledger.owned[tp].epoch for tp in claimed if tp in ledger.owned}
+                log.debug("claim epochs: %s", ", ".join(f"{t}[{p}]@{e}" for (t, p), e in sorted(epochs.items())))
             call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
 
     def _follow_positions(self) -> bool:

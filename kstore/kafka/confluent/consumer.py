@@ -106,9 +106,9 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -131,6 +131,7 @@ from kstore.types import TopicPartition as TP
 from .connect import broker_error, describe, librdkafka_config, open_rd_consumer
 
 log = logging.getLogger("kstore.kafka.consumer")
+_T = TypeVar("_T")
 
 #: Where a newly assigned partition "is" until its claim seeks it: paused, never fetched from.
 PLACEHOLDER_OFFSET = 0
@@ -234,6 +235,9 @@ class ConfluentSource:
         self.joins = 0
         self.member_id: str | None = None
         self._admin: Any = None
+        #: Asks the brokers for the main thread (see the module's docstring): never subscribes; made
+        #: when first needed, and made anew after a failed question (see _ask).
+        self._querier: Consumer | None = None
         self._post: OnRebalance | None = None
         #: What the fetch thread is to do to the consumer before its next consume() (under
         #: _wishes_lock): the offset to seek each partition to, and whether to pause (True) or resume it.
@@ -284,14 +288,6 @@ class ConfluentSource:
                 "logger": self._client_log,
             },
         )
-        try:
-            #: Asks the brokers for the main thread (see the module's docstring): never subscribes.
-            self._querier = Consumer({**librdkafka_config(s), "group.id": f"{self.group}.kstore-queries",
-                                      "enable.auto.commit": False, "client.id": f"{consumer_id(s, self.worker_id)}-q",
-                                      "logger": self._client_log})
-        except BaseException:
-            consumer.close()
-            raise
         return consumer
 
     def check_topics(self) -> None:
@@ -594,26 +590,43 @@ class ConfluentSource:
         with self._state_lock:
             return set(self._assigned)
 
+    def _ask(self, what: str, question: Callable[[Consumer], _T]) -> _T:
+        """``question`` asked of the querier. Main thread. A handle that failed is closed and made
+        anew for the next question: one made before the group's coordinator broker died was seen to
+        answer "Unknown partition" for good, so a worker whose claim needs the log bounds never claimed."""
+        if self._querier is None:
+            s = self.settings
+            self._querier = Consumer({**librdkafka_config(s), "group.id": f"{self.group}.kstore-queries",
+                                      "enable.auto.commit": False, "client.id": f"{consumer_id(s, self.worker_id)}-q",
+                                      "logger": self._client_log})
+        try:
+            return question(self._querier)
+        except KafkaException as exc:
+            self._close_querier()
+            raise BrokerError(f"cannot {what}: {describe(exc)}") from exc
+
+    def _close_querier(self) -> None:
+        querier, self._querier = self._querier, None
+        if querier is not None:
+            querier.close()
+
     def log_bounds(self, tps: Sequence[TP]) -> dict[TP, tuple[int, int]]:
-        bounds: dict[TP, tuple[int, int]] = {}
-        for tp in tps:
-            try:
-                found = self._querier.get_watermark_offsets(TopicPartition(*tp), timeout=REQUEST_TIMEOUT_S)
-            except KafkaException as exc:
-                raise BrokerError(f"cannot read the log bounds of {len(tps)} partition(s): {describe(exc)}") from exc
-            if found is None:
-                raise BrokerError(f"cannot read the log bounds of {tp[0]}[{tp[1]}]: no answer")
-            bounds[tp] = (int(found[0]), int(found[1]))
-        return bounds
+        def ask(querier: Consumer) -> dict[TP, tuple[int, int]]:
+            bounds: dict[TP, tuple[int, int]] = {}
+            for tp in tps:
+                found = querier.get_watermark_offsets(TopicPartition(*tp), timeout=REQUEST_TIMEOUT_S)
+                if found is None:
+                    raise BrokerError(f"cannot read the log bounds of {tp[0]}[{tp[1]}]: no answer")
+                bounds[tp] = (int(found[0]), int(found[1]))
+            return bounds
+
+        return self._ask(f"read the log bounds of {len(tps)} partition(s)", ask)
 
     def offsets_for_times(self, targets: dict[TP, datetime]) -> dict[TP, int | None]:
         if not targets:
             return {}
         query = [TopicPartition(tp[0], tp[1], int(when.timestamp() * 1000)) for tp, when in targets.items()]
-        try:
-            found = self._querier.offsets_for_times(query, timeout=REQUEST_TIMEOUT_S)
-        except KafkaException as exc:
-            raise BrokerError(f"cannot look up offsets by time: {describe(exc)}") from exc
+        found = self._ask("look up offsets by time", lambda q: q.offsets_for_times(query, timeout=REQUEST_TIMEOUT_S))
         return {(k.topic, k.partition): (k.offset if k.offset >= 0 else None) for k in found}
 
     def group_members(self) -> GroupView:
@@ -638,7 +651,7 @@ class ConfluentSource:
         try:
             self.consumer.close()
         finally:
-            self._querier.close()
+            self._close_querier()
             self._admin = None  # confluent-kafka's AdminClient has no close: its handle goes with it
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka.admin import AdminClient
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
@@ -107,8 +108,10 @@ def test_single_broker_restart_mid_run(own_cluster: Cluster, pg_dsn: str, worker
 @pytest.mark.cluster
 @pytest.mark.parametrize("own_cluster", [3], indirect=True)
 def test_losing_one_broker_of_three_mid_run(own_cluster: Cluster, pg_dsn: str, workers: Any, tmp_path: Path) -> None:
-    """A broker of three is killed while a batch is in flight and messages of the backlog are
-    unprocessed: every message (those sent with the broker down too) lands once."""
+    """The broker of three that coordinates the group (and leads some partitions) is killed while a
+    batch is in flight and messages of the backlog are unprocessed. A second worker then joins and
+    leaves, so the first claims partitions again with the broker down (the claim reads the log
+    bounds of the brokers left), and every message (those sent with the broker down too) lands once."""
     admin = KafkaAdminClient(bootstrap_servers=own_cluster.bootstrap_servers)
     admin.create_topics([NewTopic("ha", num_partitions=6, replication_factor=3,
                                   topic_configs={"min.insync.replicas": "2"})])
@@ -116,15 +119,29 @@ def test_losing_one_broker_of_three_mid_run(own_cluster: Cluster, pg_dsn: str, w
     producer = _producer(own_cluster)
     sent = _send(producer, "ha", "a", 900)
     pause = tmp_path / "pause"
+    args = ["--bootstrap-servers", own_cluster.bootstrap_servers, "--max-batch-size", "20"]
     w = workers(pg_dsn, "ha", "ha", env={"KSTORE_TEST_BATCH_SLEEP": "0.1", "KSTORE_TEST_PAUSE_FILE": str(pause)},
-                args=["--bootstrap-servers", own_cluster.bootstrap_servers, "--max-batch-size", "20"])
+                args=args)
     wait_until(lambda: len(effects(pg_dsn)) >= 150, 60)
+    coordinator = _coordinator(own_cluster, "ha")
     hold_a_batch(pause, pg_dsn, len(sent))
-    own_cluster.stop_node(1, kill=True)
+    own_cluster.stop_node([n.node_id for n in own_cluster.nodes].index(coordinator), kill=True)
     pause.unlink()  # the held batch and the rest of the backlog go on with the broker down
     sent |= _send(producer, "ha", "b", 600)
     producer.close()
+    claims = w.log.count("claimed ")
+    w2 = workers(pg_dsn, "ha", "ha", env={"KSTORE_TEST_BATCH_SLEEP": "0.1"}, args=args)
+    w2.wait_for_log("claimed ", 90)
+    assert w2.terminate() == 0
+    w.wait_for_log("claimed ", 90, count=claims + 1)  # what the second worker gave back
     wait_until(lambda: len(effects(pg_dsn)) >= 1500, 120, what="all 1,500 effects with a broker down")
     time.sleep(1)
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
+
+
+def _coordinator(cluster: Cluster, group: str) -> int:
+    """The node id of the broker that coordinates ``group``."""
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers})
+    described = admin.describe_consumer_groups([group], request_timeout=30)[group].result(timeout=60)
+    return int(described.coordinator.id)
