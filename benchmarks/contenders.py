@@ -37,6 +37,9 @@ class Contender:
     #: (kafka-python), ``consume_batch`` (confluent-kafka's ``consume(num_messages)``), ``page_size``
     #: (``execute_values``' rows per statement; 0: the whole batch in one).
     tuning: dict[str, Any] = field(default_factory=dict)
+    #: Measured by its drain alone: it reads no Kafka while timed (the database's own limit), so it has
+    #: no latency phase.
+    throughput_only: bool = False
 
     @property
     def kstore_settings(self) -> dict[str, Any]:
@@ -129,6 +132,10 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender(26, "kafka-python-defaults", "raw kafka-python loop, defaults", "benchmarks.raw_loops:kafka_python"),
     Contender(27, "exactly-once-by-hand-defaults", "exactly-once by hand, defaults",
               "benchmarks.handwritten:exactly_once", writes_rows=True, own_offsets=True),
+    # The limit of the pipelines that COPY: PostgreSQL alone storing the same rows, read and encoded
+    # before the clock starts (benchmarks/database_copy.py).
+    Contender(28, "database-copy", "PostgreSQL alone: COPY from memory", "benchmarks.database_copy:run",
+              writes_rows=True, client="confluent", throughput_only=True),
 )
 
 BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
@@ -153,6 +160,7 @@ KAFKA_PYTHON = "kafka-python: against exactly-once by hand (12), raw kafka-pytho
 CONFLUENT = "confluent-kafka: against exactly-once by hand on it (19), raw confluent-kafka (2)"
 ACROSS = "across the clients"
 DEFAULTS = "the tuned loops against their libraries' defaults"
+DATABASE = "the pipelines that COPY against PostgreSQL's own COPY of the same rows (28)"
 
 #: On each client, every way of writing a kstore processor against the hand-written exactly-once loop
 #: on the same client (12, 19: the headlines), and the no-op against the raw loop on the same client;
@@ -186,6 +194,9 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(1, 26, None, DEFAULTS),
     Ratio(12, 27, None, DEFAULTS),
     Ratio(6, 27, None, DEFAULTS),
+    Ratio(25, 28, 0.85, DATABASE),
+    Ratio(14, 28, None, DATABASE),
+    Ratio(18, 28, None, DATABASE),
 )
 
 #: The raw loops, the ceilings the report names for each client.

@@ -122,7 +122,7 @@ def _ms(lat: dict[str, Any], key: str) -> str:
 
 def _noise(c: dict[str, Any]) -> str:
     """The larger share of a core other processes took during either phase (see noise.py)."""
-    shares = [p["noise"]["other_cores"] for p in (c, c["latency"]) if "noise" in p]
+    shares = [p["noise"]["other_cores"] for p in (c, c["latency"] or {}) if "noise" in p]
     return f"{max(shares):.2f}" if shares else "-"
 
 
@@ -138,11 +138,12 @@ def table(results: dict[str, Any]) -> str:
     ]
     for c in results["contenders"]:
         lat = c["latency"]
+        latency = (f"{lat['rate']:>8,.0f}/s {_ms(lat, 'p50_ms'):>8} {_ms(lat, 'p99_ms'):>8}" if lat
+                   else f"{'-':>10} {'-':>8} {'-':>8}")
         rows.append(
             f"{c['number']:>2}  {c['label']:<40} {c['messages']:>10,} {c['throughput_msgs_per_s']:>9,.0f} "
-            f"{c['peak_rss_mb']:>7.0f} {c['cpu_s']:>7.1f}   {lat['rate']:>8,.0f}/s {_ms(lat, 'p50_ms'):>8} "
-            f"{_ms(lat, 'p99_ms'):>8}  {'passed' if c['exactly_once']['passed'] else 'FAILED':<12}  "
-            f"{_noise(c):>9}"
+            f"{c['peak_rss_mb']:>7.0f} {c['cpu_s']:>7.1f}   {latency}  "
+            f"{'passed' if c['exactly_once']['passed'] else 'FAILED':<12}  {_noise(c):>9}"
         )
     tops = ceilings(results["contenders"])
     if tops:
@@ -157,7 +158,7 @@ def table(results: dict[str, Any]) -> str:
         target = "" if r["target"] is None else f">= {r['target']:.2f}"
         rows.append(f"  {r['ratio']:>5}  {r['numerator']:<30} / {r['denominator']:<30} {r['value']:>6.2f}  "
                     f"{target:>8}  {_met(r['met'])}")
-    if any(not c["latency"].get("kept_up", True) for c in results["contenders"]):
+    if any(c["latency"] and not c["latency"].get("kept_up", True) for c in results["contenders"]):
         rows.append("  * fell behind the offered rate: its latency measures a growing backlog (see docs)")
     for t in results.get("latency_target", []):
         each = (f" (medians of {_each(t['p99_ms_each'])} and {_each(t['baseline_p99_ms_each'])})"
@@ -252,15 +253,20 @@ def _latency_note(lat: dict[str, Any], rate: float) -> str:
 
 
 def _latency_bars(ax: Any, labels: list[str], contenders: list[dict[str, Any]], rate: float) -> None:
-    y = range(len(labels))
-    p50 = [c["latency"]["p50_ms"] for c in contenders]
-    p99 = [c["latency"]["p99_ms"] for c in contenders]
-    ax.barh([i + 0.2 for i in y], p50, height=0.4, label="p50", color="#55A868")
-    bars = ax.barh([i - 0.2 for i in y], p99, height=0.4, label="p99", color="#C44E52")
-    notes = [_latency_note(c["latency"], rate) for c in contenders]
+    timed = [(i, c["latency"]) for i, c in enumerate(contenders) if c["latency"]]  # 28 has no latency phase
+    if not timed:
+        return
+    p50 = [lat["p50_ms"] for _, lat in timed]
+    p99 = [lat["p99_ms"] for _, lat in timed]
+    ax.barh([i + 0.2 for i, _ in timed], p50, height=0.4, label="p50", color="#55A868")
+    bars = ax.barh([i - 0.2 for i, _ in timed], p99, height=0.4, label="p99", color="#C44E52")
+    notes = [_latency_note(lat, rate) for _, lat in timed]
     ax.bar_label(bars, notes, padding=3, fontsize=7)
     _plain_log_axis(ax)
     ax.set_xlim(min(p50) / 2, max(p99) * 20)
+    for i, c in enumerate(contenders):
+        if not c["latency"]:
+            ax.text(min(p50) / 2, i, "  no latency phase: reads no Kafka while timed", fontsize=7, va="center")
     ax.set_title(f"latency at {rate:,.0f} msg/s, ms (log scale)", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax.tick_params(labelsize=8)

@@ -163,6 +163,9 @@ class Runner:
     def run(self, c: Contender) -> dict[str, Any]:
         """Both phases of one contender; raises :class:`BenchmarkError` if either fails."""
         drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
+        if c.throughput_only:
+            return {"number": c.number, "name": c.name, "label": c.label, "client": c.client, **drained,
+                    "latency": None}
         rate = latency_rate(self.opts.rate, drained["throughput_msgs_per_s"])
 
         def phase(rep: str) -> dict[str, Any]:
