@@ -5,20 +5,20 @@ parses them without planning an INSERT per page of rows. Inside the batch's
 transaction it is as exactly-once as any other write: the rows and the offsets
 commit together, or neither does.
 
-- psycopg 3: the driver's own ``cursor.copy()`` and ``write_row`` adapt each value.
-- psycopg2: the rows are written here in COPY's text format (tab-separated,
-  ``\\N`` for NULL, backslash escapes), from the value types listed in
-  :func:`_text_field`, and sent with ``copy_expert``.
+- psycopg2, and psycopg 3 for the value types listed in :func:`_text_field`: the rows are
+  written here in COPY's text format (tab-separated, ``\\N`` for NULL, backslash escapes),
+  checked whole, then encoded and sent a piece at a time, so the server parses one piece
+  while the next is encoded (``copy_expert``; psycopg 3's ``cursor.copy()``).
+- psycopg 3, for any other type: the driver's ``write_row`` adapts each value.
 - SQLite (no COPY): the same rows as one multi-row INSERT, so a processor runs
   unchanged on the embedded default.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import date, datetime, time, timedelta, tzinfo
 from decimal import Decimal
 from functools import partial
@@ -35,9 +35,6 @@ from sqlalchemy.types import JSON, DateTime, TypeDecorator
 from kstore.errors import WriteCountError
 
 from .manyrows import COUNT_HINT, connection_encoding
-
-#: Bytes psycopg2 reads from the COPY data per call (its default is 8 KiB).
-COPY_CHUNK = 1 << 20
 
 # COPY's text format: backslash, tab, newline and carriage return are escaped.
 _ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
@@ -96,30 +93,56 @@ _COLUMN_FORMATS: dict[type, Callable[[list[Any]], Iterable[str]]] = {
     bytes: lambda col: map("\\\\x".__add__, map(bytes.hex, col)),
 }
 
+#: Rows encoded at a time while a COPY is sent: the server parses one piece while kstore encodes
+#: the next, where encoding the whole batch first left the server idle meanwhile.
+COPY_PIECE_ROWS = 500
 
-def _text_column(col: list[Any]) -> Iterable[str]:
-    """A column's values in COPY's text format: by a C loop when they are all of one common type."""
+
+def _text_column(col: list[Any], encoding: str) -> Callable[[slice], Iterable[str]]:
+    """A column's values in COPY's text format, a slice of rows at a time: by a C loop when they
+    are all of one common type. Whatever can fail is found here, before a byte is sent (a COPY
+    that fails midway leaves the transaction aborted): a type COPY cannot take (TypeError), a
+    NUL in a text value (ValueError, as psycopg2 refuses it in an INSERT; the server would refuse
+    it in a COPY, with another error than the INSERT's), a character the connection's encoding
+    lacks (UnicodeEncodeError). Bytes go as hex, numbers and JSON hold no NUL."""
     kinds = set(map(type, col))
-    if len(kinds) == 1:
-        fast = _COLUMN_FORMATS.get(kinds.pop())
-        if fast is not None:
-            return fast(col)
-    return map(_text_field, col)
+    kind = kinds.pop() if len(kinds) == 1 else None
+    fast = _COLUMN_FORMATS.get(kind) if kind is not None else None
+    if fast is None:
+        col, fast, kind = list(map(_text_field, col)), list, str
+    if kind is str:
+        text = "".join(col)
+        if "\x00" in text:
+            raise ValueError("A string literal cannot contain NUL (0x00) characters.")
+        if not text.isascii():
+            text.encode(encoding)
+    return lambda rows: fast(col[rows])
 
 
-def _text_copy(rows: Sequence[Sequence[Any]], encoding: str) -> bytes:
-    """The rows in COPY's text format, built column by column, encoded once for the connection.
+def _text_pieces(rows: Sequence[Sequence[Any]], encoding: str) -> Iterator[bytes]:
+    """The rows in COPY's text format, built column by column and encoded for the connection,
+    :data:`COPY_PIECE_ROWS` rows a piece. Every value is checked before the first piece (see
+    :func:`_text_column`): only what is sent is left to the iterator."""
+    columns = [_text_column(list(col), encoding) for col in zip(*rows, strict=True)]
 
-    A text value with a NUL character raises ValueError, as psycopg2 refuses it in an INSERT (the
-    server would refuse it in a COPY, with another error than the INSERT's): no other value's
-    encoding has a NUL byte (bytes go as hex, JSON escapes it)."""
-    columns = [_text_column(list(col)) for col in zip(*rows, strict=True)]
-    lines = list(map("\t".join, zip(*columns, strict=True)))
-    lines.append("")
-    data = "\n".join(lines).encode(encoding)
-    if b"\x00" in data:
-        raise ValueError("A string literal cannot contain NUL (0x00) characters.")
-    return data
+    def pieces() -> Iterator[bytes]:
+        for start in range(0, len(rows), COPY_PIECE_ROWS):
+            part = slice(start, start + COPY_PIECE_ROWS)
+            lines = list(map("\t".join, zip(*(column(part) for column in columns), strict=True)))
+            lines.append("")
+            yield "\n".join(lines).encode(encoding)
+
+    return pieces()
+
+
+class _PieceReader:
+    """The file psycopg2's ``copy_expert`` reads: each ``read()`` is the next piece, encoded then."""
+
+    def __init__(self, pieces: Iterator[bytes]) -> None:
+        self._pieces = pieces
+
+    def read(self, _size: int) -> bytes:
+        return next(self._pieces, b"")
 
 
 def copy_rows(
@@ -146,10 +169,9 @@ def copy_rows(
         if dialect.driver == "psycopg":
             copied = _psycopg_copy(dbapi, sql, values, connection_encoding(conn))
         else:
-            data = io.BytesIO(_text_copy(values, connection_encoding(conn)))
+            data = _PieceReader(_text_pieces(values, connection_encoding(conn)))
             with dbapi.cursor() as cur:
-                # Bytes, in large pieces: psycopg2 reads a file 8 KiB at a time by default.
-                cur.copy_expert(sql, data, size=COPY_CHUNK)
+                cur.copy_expert(sql, data)
                 copied = cur.rowcount
     except dialect.loaded_dbapi.Error as exc:
         # As SQLAlchemy itself would raise it (IntegrityError, OperationalError...), and a
@@ -171,19 +193,22 @@ def _psycopg_copy(dbapi: Any, sql: str, values: Sequence[Sequence[Any]], encodin
     """psycopg 3: kstore's text encoding when it knows every value's type (whole columns by C
     loops, faster than a ``write_row`` per row); otherwise psycopg's own adaptation, row by row."""
     try:
-        data: bytes | None = _text_copy(values, encoding)
+        pieces: Iterator[bytes] | None = _text_pieces(values, encoding)
+    except UnicodeEncodeError:  # (a ValueError, but not a NUL)
+        raise
     except ValueError:  # a NUL in a text value: psycopg 3's own error for it in an INSERT
         import psycopg
 
         raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes") from None
     except TypeError:
-        data = None
+        pieces = None
         if any(type(v) in _JSON for row in values for v in row):
             values = [[json.dumps(v) if type(v) in _JSON else v for v in row] for row in values]
     with dbapi.cursor() as cur:
         with cur.copy(sql) as copy:
-            if data is not None:
-                copy.write(data)
+            if pieces is not None:
+                for piece in pieces:
+                    copy.write(piece)
             else:
                 write = copy.write_row
                 for row in values:

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
 from kstore import Settings
+from kstore.db.copy import COPY_PIECE_ROWS
 from kstore.db.session import batch_session
 from kstore.db.sqlerrors import transient
 from kstore.db.store import make_engine
@@ -88,6 +89,34 @@ def test_columns_of_one_type_read_back_as_written(engine: sa.Engine) -> None:
     rows = [(i, f"{TRICKY} {i}", bytes([i % 256]) * (i % 7) + b"\\\t\n") for i in range(300)]
     copy_in_batch(engine, rows, columns=["i", "s", "b"])
     assert [(r["i"], r["s"], r["b"]) for r in read(engine)] == rows
+
+
+def test_rows_sent_in_many_pieces_read_back_as_written(engine: sa.Engine) -> None:
+    """A COPY of more rows than a piece (some columns of one type, some mixed, NULLs among them)
+    is encoded and sent a piece at a time, and every row reads back as written, in order."""
+    n = 3 * COPY_PIECE_ROWS + 7
+    rows = [(i, f"{TRICKY} {i}", bytes([i % 256]) * (i % 5), None if i % 3 else Decimal(i) / 7, i % 2 == 0)
+            for i in range(n)]
+    assert copy_in_batch(engine, rows, columns=["i", "s", "b", "d", "ok"]) == n
+    got = [(r["i"], r["s"], r["b"], r["d"], r["ok"]) for r in read(engine)]
+    assert got == [(i, s, b, d if d is None else d.quantize(Decimal("0.000001")), ok) for i, s, b, d, ok in rows]
+
+
+@pytest.mark.parametrize("bad", ["type", "nul", "encoding"])
+def test_a_value_it_cannot_send_in_a_late_piece_fails_before_anything_is_sent(pg_dsn: str, bad: str) -> None:
+    """The value that cannot be sent sits in the third piece: the error comes before the COPY
+    starts (a COPY failed midway would leave the transaction aborted), so the transaction goes on."""
+    eng = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
+    metadata.create_all(eng)
+    value = {"type": object(), "nul": "a\x00b", "encoding": "lone \ud800 surrogate"}[bad]
+    error = {"type": TypeError, "nul": ValueError, "encoding": UnicodeEncodeError}[bad]
+    rows = [{"i": i, "s": value if i == 2 * COPY_PIECE_ROWS + 3 else "fine"} for i in range(3 * COPY_PIECE_ROWS)]
+    with eng.connect() as conn, conn.begin(), batch_session(conn) as session:
+        with pytest.raises(error):
+            session.copy_rows(kinds, rows)
+        session.execute(kinds.insert(), {"i": -1})  # the transaction was not aborted
+    assert [r["i"] for r in read(eng)] == [-1]
+    eng.dispose()
 
 
 def test_tuples_in_the_tables_or_the_given_column_order(engine: sa.Engine) -> None:
