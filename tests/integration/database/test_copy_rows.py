@@ -102,18 +102,23 @@ def test_rows_sent_in_many_pieces_read_back_as_written(engine: sa.Engine) -> Non
     assert got == [(i, s, b, d if d is None else d.quantize(Decimal("0.000001")), ok) for i, s, b, d, ok in rows]
 
 
-@pytest.mark.parametrize("bad", ["type", "nul", "encoding"])
-def test_a_value_it_cannot_send_in_a_late_piece_fails_before_anything_is_sent(pg_dsn: str, bad: str) -> None:
+@pytest.mark.parametrize(("driver", "bad"), [("psycopg2", "type"), ("psycopg2", "nul"), ("psycopg2", "encoding"),
+                                           ("psycopg", "nul"), ("psycopg", "encoding")])
+def test_a_value_it_cannot_send_in_a_late_piece_fails_before_anything_is_sent(pg_dsn: str, driver: str,
+                                                                               bad: str) -> None:
     """The value that cannot be sent sits in the third piece: the error comes before the COPY
-    starts (a COPY failed midway would leave the transaction aborted), so the transaction goes on."""
-    eng = make_engine(Settings(dsn=with_driver(pg_dsn, "psycopg2")))
+    starts (a COPY failed midway would leave the transaction aborted), so the transaction goes on.
+    (psycopg 3 adapts a type kstore's encoding does not know itself, row by row: above.)"""
+    eng = make_engine(Settings(dsn=with_driver(pg_dsn, driver)))
     metadata.create_all(eng)
     value = {"type": object(), "nul": "a\x00b", "encoding": "lone \ud800 surrogate"}[bad]
-    error = {"type": TypeError, "nul": ValueError, "encoding": UnicodeEncodeError}[bad]
+    error = {"type": TypeError, "nul": ValueError if driver == "psycopg2" else sa.exc.DataError,
+             "encoding": UnicodeEncodeError}[bad]
     rows = [{"i": i, "s": value if i == 2 * COPY_PIECE_ROWS + 3 else "fine"} for i in range(3 * COPY_PIECE_ROWS)]
     with eng.connect() as conn, conn.begin(), batch_session(conn) as session:
-        with pytest.raises(error):
+        with pytest.raises(error) as raised:
             session.copy_rows(kinds, rows)
+        assert bad != "encoding" or "NUL" not in str(raised.value)
         session.execute(kinds.insert(), {"i": -1})  # the transaction was not aborted
     assert [r["i"] for r in read(eng)] == [-1]
     eng.dispose()
