@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from kafka import KafkaConsumer
 
-from tests.support.harness import wait_until
+from tests.support.harness import assert_claimed_before_committed, wait_until
 
 
 def test_kafka_to_postgres_round_trip(kafka: str, new_topic: Any, produce: Any, postgresql: psycopg.Connection) -> None:
@@ -79,3 +79,23 @@ def test_another_pytest_session_leaves_this_sessions_postgresql_running(postgres
         cur.execute("CHECKPOINT")
         cur.execute("SELECT 1")
         assert cur.fetchone() == (1,)
+
+
+def test_the_claim_check_lets_only_the_batch_in_flight_at_a_revoke_commit_after_it() -> None:
+    """A revoke logged while a batch's last round trip is out: that batch may still commit the
+    partition under the epoch it was held by; any other commit of it, or one under another epoch, fails."""
+    def log(*lines: str) -> str:
+        return "\n".join(f"2026-12-07 00:00:00,000 {line}" for line in lines)
+
+    claimed = ("INFO kstore.engine.worker: claimed t[0]@0, t[1]@0",
+               "DEBUG kstore.engine.worker: claim epochs: t[0]@4, t[1]@4",
+               "DEBUG kstore.engine.batches: committed 2 messages: t[0]->1@4, t[1]->1@4",
+               "INFO kstore.engine.worker: revoked t[1]")
+    in_flight = "DEBUG kstore.engine.batches: committed 2 messages: t[0]->2@4, t[1]->2@4"
+    assert assert_claimed_before_committed(log(*claimed, in_flight)) == 4
+    with pytest.raises(AssertionError, match=r"committed \[\('t', 1\)\] without holding"):
+        assert_claimed_before_committed(log(*claimed, in_flight.replace("t[1]->2@4", "t[1]->2@5")))
+    with pytest.raises(AssertionError, match=r"committed \[\('t', 1\)\] without holding"):
+        assert_claimed_before_committed(log(*claimed, in_flight, in_flight.replace("->2@", "->3@")))
+    with pytest.raises(AssertionError, match=r"committed \[\('t', 2\)\] without holding"):
+        assert_claimed_before_committed(log(claimed[0], "DEBUG kstore.engine.batches: committed 1 messages: t[2]->1@1"))
