@@ -40,6 +40,18 @@ class MissingTopicError(BrokerError):
     """
 
 
+class RegistryUnavailableError(KstoreError):
+    """The schema registry cannot be reached, timed out, refused kstore's credentials or answered
+    with a server error.
+
+    An outage, never the message's fault: a batch that met it is rolled back and retried after a
+    backoff, and nothing is dead-lettered (``/readyz`` says why meanwhile). At a worker's start, a
+    registry that does not answer is an error instead (one line, exit 2).
+    """
+
+    exit_code = 2
+
+
 class InvalidOffsetError(KstoreError):
     """A reset target lies outside the partition's log (raised in strict mode)."""
 

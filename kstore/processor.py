@@ -11,12 +11,12 @@ use is a clear error), and :meth:`Processor.produce` only works inside one.
 from __future__ import annotations
 
 import inspect
-import json
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kstore.errors import KstoreError, ProcessorContractError
 from kstore.retry import RetryPolicy
+from kstore.schemas.formats import formats_of
 from kstore.types import Format, OnError, Ordering
 from kstore.types import Message as Message  # re-exported: users import it from here
 
@@ -24,18 +24,10 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from kstore.db.session import BatchSession
+    from kstore.schemas import Schema
     from kstore.types import TopicPartition
 
 __all__ = ["Message", "Processor"]
-
-
-def _decode(data: bytes | None, fmt: Format) -> Any:
-    """Turn raw bytes into the value a processor asked for with ``key_format``/``value_format``."""
-    if data is None or fmt == "bytes":
-        return data
-    if fmt == "str":
-        return data.decode("utf-8")
-    return json.loads(data)
 
 
 def _check_returned(processor: Processor, hook: str, result: Any) -> None:
@@ -90,9 +82,21 @@ class Processor:
     produces: ClassVar[Sequence[str] | None] = None
     #: The pipeline's name: the Kafka group id and the key of its stored offsets.
     group: ClassVar[str | None] = None
-    #: How :meth:`deserialize` turns keys and values into Python values.
+    #: How :meth:`deserialize` turns keys and values into Python values: ``bytes``, ``str``, ``json``, or
+    #: through a schema registry (``schema_registry_url``) ``avro``, ``protobuf``, ``json-schema``.
     key_format: ClassVar[Format] = "bytes"
     value_format: ClassVar[Format] = "bytes"
+    #: A pydantic model or a dataclass each value is made into (``msg.value`` is an instance), from
+    #: ``json``, ``avro`` or ``json-schema``; a value that does not fit is the message's fault
+    #: (a :class:`~kstore.DeserializationError`). With ``protobuf``: the generated message class.
+    value_model: ClassVar[Any] = None
+    #: With ``value_format = "avro"``: the schema values are read as (JSON text), resolved from the
+    #: schema each was written with (Avro's schema evolution); None: as written.
+    value_schema: ClassVar[str | None] = None
+    #: The schema :meth:`produce` writes each output topic's values (and keys) with, by topic; a
+    #: ``schema=`` (``key_schema=``) given to ``produce()`` wins. See :mod:`kstore.schemas`.
+    output_schemas: ClassVar[Mapping[str, Schema]] = {}
+    output_key_schemas: ClassVar[Mapping[str, Schema]] = {}
     #: How a failing message is retried (attempts, backoff); see :mod:`kstore.retry`.
     retry: ClassVar[RetryPolicy] = RetryPolicy()
     #: After the last attempt: ``"stop"`` the worker (offset stays before the message) or
@@ -141,7 +145,7 @@ class Processor:
 
     def produce(self, topic: str, value: Any, *, key: Any = None,
                 headers: Sequence[tuple[str, Any]] | dict[str, Any] | None = None,
-                partition: int | None = None) -> None:
+                partition: int | None = None, schema: Schema | None = None, key_schema: Schema | None = None) -> None:
         """Produce a record to Kafka, exactly once: it is published if and only if this batch commits.
 
         The record is written to kstore's outbox in the batch's own transaction; a relay (in
@@ -152,8 +156,11 @@ class Processor:
         they follow (each right after its handler's last statement; docs/concurrency.md).
 
         ``value`` and ``key``: bytes as they are, ``str`` as UTF-8, None as none (a value of
-        None is a tombstone), anything else as JSON. ``headers``: ``(name, value)`` pairs or a
-        dict. ``partition``: the output partition (default: by key, as Kafka's producer does).
+        None is a tombstone), anything else as JSON; with a ``schema`` (``key_schema``), or one in
+        :attr:`output_schemas` for the topic, in that schema's format through the schema registry (a
+        dict, a dataclass, a pydantic model; a value that does not fit fails the batch, by policy).
+        ``headers``: ``(name, value)`` pairs or a dict. ``partition``: the output partition (default:
+        by key, as Kafka's producer does).
         A record that can never be published raises :class:`~kstore.ProduceError` here. A topic not in
         :attr:`produces` (when declared) raises :class:`~kstore.UndeclaredTopicError`, which stops
         the worker; one the cluster does not have, :class:`~kstore.MissingTopicError`, which makes
@@ -164,11 +171,14 @@ class Processor:
         if outgoing is None:
             raise KstoreError("Processor.produce() only works inside handle()/handle_batch(): what it "
                               "produces is published when (and only if) the batch commits")
-        outgoing.add(topic, value, key, headers, partition)
+        outgoing.add(topic, value, key, headers, partition,
+                     self.output_schemas.get(topic) if schema is None else schema,
+                     self.output_key_schemas.get(topic) if key_schema is None else key_schema)
 
     def deserialize(self, key: bytes | None, value: bytes | None) -> tuple[Any, Any]:
-        """Turn a record's raw key and value into what :meth:`handle` receives."""
-        return _decode(key, self.key_format), _decode(value, self.value_format)
+        """Turn a record's raw key and value into what :meth:`handle` receives (by ``key_format``,
+        ``value_format`` and ``value_model``)."""
+        return formats_of(self).decode(key, value)
 
     def handle(self, msg: Message) -> Awaitable[None] | None:
         """Process one message; write its effects through :attr:`session`. May be ``async def``:

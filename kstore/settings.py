@@ -26,7 +26,7 @@ KAFKA_ENV_PREFIX = "KSTORE_KAFKA_"
 _KAFKA_SETTINGS = ("KSTORE_KAFKA_CLIENT",)
 #: Settings that hold a secret: never in repr, logs or errors; each can be read from a
 #: file (``KSTORE_<NAME>_FILE``, or ``<name>_file=`` given to from_env), the container convention.
-SECRETS = ("dsn", "sasl_password", "ssl_key_password")
+SECRETS = ("dsn", "sasl_password", "ssl_key_password", "schema_registry_password")
 # Variables under the prefix that belong to tools around kstore, not to Settings.
 _FOREIGN_ENV = ("KSTORE_TEST_", "KSTORE_SIM_", "KSTORE_CACHE_DIR", "KSTORE_DEBUG", "KSTORE_LOG_FORMAT")
 START_POLICIES = ("earliest", "latest")
@@ -63,6 +63,21 @@ class Settings:
     ssl_key_password: str | None = field(default=None, repr=False)
     #: Check that a broker's certificate is for the host connected to. Leave it on.
     ssl_check_hostname: bool = True
+    #: The schema registry (Confluent's API: Confluent Schema Registry, Apicurio's ``/apis/ccompat/v7``,
+    #: Karapace), ``http(s)://host:port[/path]``; comma-separated for several. Needed by the formats
+    #: ``avro``, ``protobuf`` and ``json-schema`` and by ``produce()`` with a schema.
+    schema_registry_url: str | None = None
+    #: HTTP basic authentication with the registry (Confluent Cloud: the API key and its secret).
+    schema_registry_username: str | None = None
+    #: Its password; better from a file (``KSTORE_SCHEMA_REGISTRY_PASSWORD_FILE``).
+    schema_registry_password: str | None = field(default=None, repr=False)
+    #: The CA certificate(s) of the registry's TLS certificate, PEM; default: the system's.
+    schema_registry_cafile: str | None = None
+    #: Mutual TLS with the registry: the client certificate and its key (PEM).
+    schema_registry_certfile: str | None = None
+    schema_registry_keyfile: str | None = None
+    #: How long one request to the registry may take before it counts as an outage.
+    schema_registry_timeout_s: float = 10.0
     #: Any other consumer option of the Kafka client by name: librdkafka's, e.g.
     #: ``{"fetch.max.bytes": 1048576}``, or with ``kafka_client="kafka-python"`` kafka-python's, e.g.
     #: ``{"fetch_max_bytes": 1048576}``; names are checked (and kafka-python's text values converted
@@ -226,7 +241,8 @@ class Settings:
         if self.dsn.startswith(("postgres://", "postgres+")):  # libpq's and Heroku's spelling
             object.__setattr__(self, "dsn", "postgresql" + self.dsn[len("postgres"):])
         check_security(self)
-        for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms", "topic_recheck_s"):
+        for name in ("max_batch_size", "max_poll_records", "poll_timeout_ms", "session_timeout_ms", "topic_recheck_s",
+                     "schema_registry_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, got {getattr(self, name)}")
         parse_start_policy(self.start_from)
@@ -261,7 +277,7 @@ class Settings:
     def secrets(self) -> list[str]:
         """Every secret value these settings hold (the DSN's password too): what a
         :class:`~kstore.cli.masking.Masker` needs to find where one ends in a driver's text."""
-        found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password]
+        found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password, self.schema_registry_password]
         return [str(v) for v in found if v]
 
     def replace(self, **changes: Any) -> Settings:

@@ -47,6 +47,8 @@ from kstore.processor import Processor
 from kstore.retry import DeserializationError
 from kstore.running.handler import NOT_THE_MESSAGE, Outgoing, produce_check, run_handler
 from kstore.running.hooks import call_hook, check_processor, declared_topics, deserialized, to_ms
+from kstore.schemas import Registry, Schema
+from kstore.schemas.formats import bind as bind_formats
 from kstore.settings import Settings
 from kstore.types import Message, OnError, Produced
 
@@ -106,8 +108,41 @@ def make_message(
     return RawMessage(topic, partition, offset, key, value, tuple(headers), ms)
 
 
+class InMemoryRegistry:
+    """A schema registry in memory, for :func:`run_batch` with a processor that reads or writes schemas:
+    the test's schemas go in as records are encoded with them (:meth:`encode`), and what the processor
+    produced is read back with :meth:`decode`::
+
+        registry = InMemoryRegistry()
+        raw = registry.encode("orders", {"id": 1, "customer": "c1", "amount": 9.5}, Avro(ORDER))
+        outcome = run_batch(Orders(), [make_message(raw, topic="orders", raw=True)], engine, registry=registry)
+        assert registry.decode(outcome.produced[0].value) == {"order_id": 1, "total_cents": 950}
+
+    It is confluent-kafka's own in-memory client, so ids, subjects and the wire format are the real ones.
+    """
+
+    def __init__(self) -> None:
+        self.registry = Registry.in_memory()
+
+    def encode(self, topic: str, value: Any, schema: Schema, *, key: bool = False) -> bytes:
+        """``value`` in ``schema``'s wire format, as a producer would write it to ``topic`` (its schema registered)."""
+        from kstore.schemas import Formats
+
+        encoded = Formats(registry=lambda: self.registry).encode(topic, value, schema, key)
+        if encoded is None:
+            raise TypeError("InMemoryRegistry.encode(): None is not encoded (a tombstone stays None)")
+        return encoded
+
+    def decode(self, data: bytes, fmt: str = "avro", model: Any = None) -> Any:
+        """A produced key or value read back (``fmt``: ``avro``, ``json-schema``; ``protobuf`` with its ``model``)."""
+        from kstore.schemas import Formats
+
+        return Formats(value_format=fmt, value_model=model, registry=lambda: self.registry).decode(None, data)[1]
+
+
 def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine | str, *,
-              on_error: OnError | None = None, settings: Settings | None = None) -> Outcome:
+              on_error: OnError | None = None, settings: Settings | None = None,
+              registry: InMemoryRegistry | None = None) -> Outcome:
     """Run ``processor.handle_batch(messages)`` in one committed transaction on ``engine`` (or a URL).
 
     ``on_error`` (default: the processor's) as the worker applies it: with ``"stop"`` whatever the
@@ -122,8 +157,12 @@ def run_batch(processor: Processor, messages: Sequence[Message], engine: Engine 
     ``outbox_max_record_bytes`` (of ``settings``, default :class:`~kstore.settings.Settings`' own) is a
     :class:`~kstore.ProduceError`, and a topic missing from a declared ``produces`` raises
     :class:`~kstore.UndeclaredTopicError`, whatever ``on_error`` says.
+
+    ``registry``: where a processor with schemas (``value_format = "avro"``, ``output_schemas``) finds
+    them, an :class:`InMemoryRegistry`; without it, the registry of ``settings`` (if any).
     """
     check_processor(processor)
+    bind_formats(processor, settings or Settings(), registry.registry if registry is not None else None)
     check = produce_check(None, (settings or Settings()).outbox_max_record_bytes, produces=declared_topics(processor))
     if isinstance(engine, str):
         engine = create_engine(engine)

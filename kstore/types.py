@@ -19,7 +19,7 @@ from typing import Any, Literal, NamedTuple, Protocol, cast
 TopicPartition = tuple[str, int]
 
 #: How :meth:`kstore.Processor.deserialize` turns keys and values into Python values.
-Format = Literal["bytes", "str", "json"]
+Format = Literal["bytes", "str", "json", "avro", "protobuf", "json-schema"]
 #: What happens after a message's last attempt: stop the worker, or dead-letter it.
 OnError = Literal["stop", "dead_letter"]
 #: Which messages of an async processor's batch run one after another (``ordering``).

@@ -33,6 +33,7 @@ from kstore.errors import (
     MissingTopicError,
     ProcessorContractError,
     ProcessorError,
+    RegistryUnavailableError,
     TooManyDeadLettersError,
 )
 from kstore.kafka.seam import ConsumerSource
@@ -49,7 +50,7 @@ from kstore.types import TopicPartition as TP
 from .backoff import Backoff
 from .failures import Breaker, Failures, MessageKey
 from .ownership import Ledger, fmt
-from .topicwait import TopicWait
+from .waits import OutageWait
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,9 @@ class Batches:
         #: Shared with the worker's claims and checks: one database, one backoff.
         self.db_backoff = db_backoff
         #: A topic the processor produces to is missing: batches wait for it, as for the database.
-        self.topic_wait = TopicWait(self.metrics)
+        self.topic_wait = OutageWait(self.metrics, "missing_topic", "the output topic is back")
+        #: The schema registry does not answer (reading a record's schema, or producing with one): the same.
+        self.registry_wait = OutageWait(self.metrics, "schema_registry", "the schema registry answers again")
         self._recheck = recheck
         policy = processor.retry
         if settings.max_attempts is not None:
@@ -194,7 +197,7 @@ class Batches:
     def ready(self) -> bool:
         """False while a failed message or the database waits for its next attempt, or the breaker paused."""
         return (self.paused is None and self.failures.ready() and self.db_backoff.ready()
-                and self.topic_wait.ready())
+                and self.topic_wait.ready() and self.registry_wait.ready())
 
     def close(self) -> None:
         self._drop_batch_connection()
@@ -224,12 +227,13 @@ class Batches:
         except _CommitInDoubt as exc:
             self.in_doubt = _InDoubt(taken, exc.msgs, _cause(exc), "a batch", exc.letters)
             return self._resolve()
-        except (_HandlerFailed, SQLAlchemyError, MissingTopicError) as exc:
+        except (_HandlerFailed, SQLAlchemyError, MissingTopicError, RegistryUnavailableError) as exc:
             if not self._failed(taken, _cause(exc), "process a batch"):
                 self._requeue(taken)
             return False
         self.db_backoff.succeeded()
         self.topic_wait.succeeded()
+        self.registry_wait.succeeded()
         if fenced:
             self.metrics.rolled_back("fenced")
             self._on_fenced(fenced, taken.positions)
@@ -352,6 +356,9 @@ class Batches:
         """
         if isinstance(cause, MissingTopicError):  # an outage too, never a message's fault: waited out
             self.topic_wait.failed(cause)
+            return False
+        if isinstance(cause, RegistryUnavailableError):  # the same
+            self.registry_wait.failed(cause)
             return False
         if transient(cause):
             key = _first(taken)
@@ -694,6 +701,8 @@ class Batches:
                 key, value = deserialize(r.key, r.value)
             except Retry as exc:
                 raise _HandlerFailed(str(exc)) from exc
+            except RegistryUnavailableError:
+                raise  # an outage: the batch waits (never the record's fault)
             except Exception as exc:
                 undecodable.append((r, DeserializationError.of(exc)))
                 continue

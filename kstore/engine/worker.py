@@ -50,6 +50,7 @@ from kstore.processor import Processor
 from kstore.running.concurrency import close_loop
 from kstore.running.handler import produce_check
 from kstore.running.hooks import call_hook, call_setup, check_processor, declared_topics
+from kstore.schemas.formats import bind as bind_formats
 from kstore.settings import Settings
 from kstore.targets import Target
 from kstore.telemetry.health import HealthServer, app
@@ -105,6 +106,8 @@ class Worker:
         check_processor(processor)
         self.processor = processor
         self.settings = settings or Settings()
+        #: How the processor's keys and values are read and written (a registry, if they need one).
+        self._formats = bind_formats(processor, self.settings)
         group = self.settings.group or processor.group
         topics = list(self.settings.topics or processor.topics)
         name = type(processor).__name__
@@ -170,6 +173,8 @@ class Worker:
         try:
             store.check_reachable()
             check_migrated(engine, self.settings)
+            if self._formats.uses_registry or self.processor.output_schemas or self.processor.output_key_schemas:
+                self._formats.registry().check()
             factory = self.source_factory or source_class(self.settings)
             source = factory(self.settings, self.group, self.topics, self.worker_id)
             source.check_topics()
@@ -447,8 +452,9 @@ class Worker:
             return False, f"paused by the dead-letter breaker: {self._batches.paused}"
         if self._db_backoff.failing:
             return False, self._db_backoff.away
-        if self._batches is not None and self._batches.topic_wait.missing is not None:
-            return False, self._batches.topic_wait.missing
+        for wait in (self._batches.topic_wait, self._batches.registry_wait) if self._batches is not None else ():
+            if wait.missing is not None:
+                return False, wait.missing
         if self._outbox_backlog > self.settings.outbox_max_pending:
             return False, (f"{self._outbox_backlog} produced records wait to be published "
                            f"(outbox_max_pending={self.settings.outbox_max_pending})")

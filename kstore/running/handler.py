@@ -21,9 +21,11 @@ from typing import Any, NamedTuple, Protocol, cast
 from sqlalchemy import Connection
 
 from kstore.db.session import BatchSession, batch_session
-from kstore.errors import MissingTopicError, ProcessorContractError, UndeclaredTopicError
+from kstore.errors import MissingTopicError, ProcessorContractError, RegistryUnavailableError, UndeclaredTopicError
 from kstore.processor import Processor
 from kstore.retry import ProduceError
+from kstore.schemas import Formats, Schema
+from kstore.schemas.formats import formats_of
 from kstore.types import Message, Ordering, Produced
 
 from .concurrency import AsyncSession, current_slot, lanes, run_lanes, run_on_loop, set_slot
@@ -59,8 +61,9 @@ def _headers(headers: Any) -> tuple[tuple[str, bytes | None], ...]:
 
 
 #: What :meth:`~kstore.Processor.produce` raises that is neither a message's fault nor to be caught by the
-#: processor: a topic missing from ``produces`` (a programming error) or from the cluster (an outage).
-NOT_THE_MESSAGE = (ProcessorContractError, MissingTopicError)
+#: processor: a topic missing from ``produces`` (a programming error), or an outage (a topic missing
+#: from the cluster, a schema registry that does not answer).
+NOT_THE_MESSAGE = (ProcessorContractError, MissingTopicError, RegistryUnavailableError)
 
 
 def produce_check(partitions: Callable[[str], int | None] | None, max_bytes: int,
@@ -109,24 +112,37 @@ class Outgoing:
         self.records: list[Produced] = []
         self._check = check
         self.refused: Exception | None = None
+        #: The processor's formats, for records produced with a schema (set by :func:`run_handler`).
+        self.formats: Formats | None = None
 
-    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
-        self.records.append(self.make(topic, value, key, headers, partition))
+    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None,
+            schema: Schema | None = None, key_schema: Schema | None = None) -> None:
+        self.records.append(self.make(topic, value, key, headers, partition, schema, key_schema))
 
-    def make(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> Produced:
+    def make(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None,
+             schema: Schema | None = None, key_schema: Schema | None = None) -> Produced:
         """The record, serialized and checked (:class:`ProduceError` if it could never be published)."""
         if not isinstance(topic, str) or not topic:
             raise ProduceError(f"produce() needs a topic name, got {topic!r}")
         if partition is not None and (not isinstance(partition, int) or partition < 0):
             raise ProduceError(f"produce(): partition must be a non-negative int, got {partition!r}")
-        record = Produced(topic, encode(value, "value"), encode(key, "key"), _headers(headers), partition)
-        if self._check is not None:
-            try:
+        try:
+            value_bytes = self._encode(topic, value, schema, False)
+            key_bytes = self._encode(topic, key, key_schema, True)
+            record = Produced(topic, value_bytes, key_bytes, _headers(headers), partition)
+            if self._check is not None:
                 self._check(record)
-            except NOT_THE_MESSAGE as exc:
-                self.refused = self.refused or exc
-                raise
+        except NOT_THE_MESSAGE as exc:
+            self.refused = self.refused or exc
+            raise
         return record
+
+    def _encode(self, topic: str, data: Any, schema: Schema | None, is_key: bool) -> bytes | None:
+        if schema is None:
+            return encode(data, "key" if is_key else "value")
+        if self.formats is None:
+            raise ProcessorContractError("produce() with a schema: this runner binds no formats")
+        return self.formats.encode(topic, data, schema, is_key)
 
 
 class _InWriteOrder:
@@ -147,8 +163,9 @@ class _InWriteOrder:
         self.made: list[tuple[int, int, int | None, Produced]] = []
         self.dropped: set[int] = set()
 
-    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None) -> None:
-        record = self.outgoing.make(topic, value, key, headers, partition)
+    def add(self, topic: str, value: Any, key: Any, headers: Any, partition: int | None,
+            schema: Schema | None = None, key_schema: Schema | None = None) -> None:
+        record = self.outgoing.make(topic, value, key, headers, partition, schema, key_schema)
         slot = current_slot()
         self.made.append((self.session.position(slot), len(self.made), slot, record))
 
@@ -206,6 +223,7 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
             processor.session = session
             if outgoing is not None:
                 vars(processor)["_outgoing"] = outgoing
+                outgoing.formats = formats_of(processor)
             with span.batch(msgs) if span is not None else contextlib.nullcontext():
                 if is_async_processor(processor):
                     _run_async(processor, session, msgs, span, rejects, outgoing,

@@ -37,7 +37,7 @@ LAG_MESSAGES_HELP = "Messages in the log not yet committed: log end minus the st
 LAG_SECONDS_HELP = "Age of the oldest message not yet committed (0 when caught up)."
 
 #: Why a batch's transaction was rolled back (the ``reason`` label).
-ROLLBACK_REASONS = ("error", "fenced", "database", "missing_topic", "in_doubt", "shutdown")
+ROLLBACK_REASONS = ("error", "fenced", "database", "missing_topic", "schema_registry", "in_doubt", "shutdown")
 #: Why kstore placed a partition again because its position left the log (the ``reason`` label;
 #: see kstore.engine.positions): moved to start_from, or held for an operator.
 POSITION_RESET_REASONS = ("below_log_start", "past_log_end", "truncated")
@@ -100,8 +100,8 @@ class Metrics:
         self._messages = Counter("kstore_messages_committed", "Messages whose effects and offsets committed.",
                                  ["group", "topic", "partition"], registry=r)
         self._batches = Counter("kstore_batches_committed", "Batches (transactions) committed.", g, registry=r)
-        self._rolled_back = Counter("kstore_batches_rolled_back", "Batches rolled back, by reason (database and "
-                                    "missing_topic: an outage, waited out).",
+        self._rolled_back = Counter("kstore_batches_rolled_back", "Batches rolled back, by reason (database, "
+                                    "missing_topic and schema_registry: an outage, waited out).",
                                     ["group", "reason"], registry=r)
         self._batch_size = Histogram("kstore_batch_size_messages", "Messages per committed batch.", g,
                                      buckets=_SIZE_BUCKETS, registry=r)

@@ -163,7 +163,7 @@ def test_a_topic_deleted_while_the_worker_runs_is_waited_for_then_produced_to_ex
     assert dead_letters(pg_dsn) == 0
     assert not topic_exists(kafka_admin, out), "something recreated the deleted topic"
     assert w.proc.poll() is None
-    assert "does not exist" in w.log and "waits for it (nothing is dead-lettered)" in w.log
+    assert "does not exist" in w.log and "waits (nothing is dead-lettered)" in w.log
 
     create_topic(kafka_admin, out, 2)
     wait_done(pg_dsn, "announcer", before + during)
