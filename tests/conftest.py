@@ -24,6 +24,7 @@ from pytest_postgresql import factories
 from kstore import Settings, migrate
 from kstore_devbroker.broker import Cluster, SecuredBroker, SecuredEndpoints
 from kstore_devbroker.certs import CertificateAuthority
+from kstore_devbroker.registry import DevRegistry
 from tests.support.harness import SUPPORT_DIR, WorkerProcess, wait_until
 from tests.support.processors import metadata as effects_metadata
 
@@ -185,6 +186,20 @@ def secure_kafka() -> Iterator[SecuredEndpoints]:
         yield broker.endpoints
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRegistry]:
+    """A real schema registry (Apicurio Registry) with Confluent's API at ``.url``, one per test process.
+
+    Its schemas live in a file: ``stop()`` then ``start()`` brings it back at the same ``url`` with
+    the same schema ids. A test that stops it starts it again, in a ``finally``."""
+    registry = DevRegistry(data_dir=tmp_path_factory.mktemp("schema-registry"))
+    registry.start()
+    try:
+        yield registry
+    finally:
+        registry.stop()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ Command line::
     python -m kstore_devbroker stop [--state-file PATH]
     python -m kstore_devbroker run [--brokers 3]                          # foreground, Ctrl-C
     python -m kstore_devbroker start --secured      # TLS/SASL listeners; prints SecuredEndpoints as JSON
+    python -m kstore_devbroker fetch-registry | run-registry   # a schema registry (kstore_devbroker.registry)
 
 :class:`SecuredBroker` adds TLS and SASL listeners to one node, with throwaway certificates
 (:mod:`kstore_devbroker.certs`) and users, for testing clients' security settings.
@@ -1263,6 +1264,10 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop what 'start' started")
     stop.add_argument("--state-file", default=str(DEFAULT_STATE_FILE))
     stop.set_defaults(func=_cmd_stop)
+    # Imported here: the registry module imports this one.
+    from kstore_devbroker.registry import add_registry_commands
+
+    add_registry_commands(sub)
     return parser
 
 
