@@ -70,11 +70,33 @@ def kafka_connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--ssl-check-hostname/--no-ssl-check-hostname", default=None,
                      help="Check the broker certificate's host name [env KSTORE_SSL_CHECK_HOSTNAME; default on]"),
         click.option("--kafka-client", default=None, type=click.Choice(KAFKA_CLIENTS, case_sensitive=False),
-                     help="The worker's Kafka consumer [env KSTORE_KAFKA_CLIENT; default kafka-python]"),
+                     help="The worker's Kafka consumer [env KSTORE_KAFKA_CLIENT; default confluent]"),
         click.option("--kafka-option", "kafka_options", multiple=True, metavar="NAME=VALUE",
                      callback=_parse_kafka_options,
                      help="Any other consumer option of the Kafka client (kafka-python's, or librdkafka's "
                           "with --kafka-client confluent), repeatable [env KSTORE_KAFKA_<NAME>]"),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def schema_registry_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """How to reach the schema registry (the formats avro, protobuf and json-schema)."""
+    for decorator in reversed([
+        click.option("--schema-registry-url", default=None, metavar="URL",
+                     help="Schema registry (Confluent's API), http(s)://HOST:PORT[/PATH][,...] "
+                          "[env KSTORE_SCHEMA_REGISTRY_URL]"),
+        click.option("--schema-registry-username", default=None,
+                     help="HTTP basic auth user (Confluent Cloud: the API key) [env KSTORE_SCHEMA_REGISTRY_USERNAME]"),
+        click.option("--schema-registry-password-file", default=None, metavar="PATH",
+                     help="Read its password from this file [env KSTORE_SCHEMA_REGISTRY_PASSWORD_FILE, or "
+                          "KSTORE_SCHEMA_REGISTRY_PASSWORD]"),
+        click.option("--schema-registry-cafile", default=None, metavar="PATH",
+                     help="CA certificate(s) of the registry, PEM [env KSTORE_SCHEMA_REGISTRY_CAFILE]"),
+        click.option("--schema-registry-certfile", default=None, metavar="PATH",
+                     help="Client certificate for mutual TLS, PEM [env KSTORE_SCHEMA_REGISTRY_CERTFILE]"),
+        click.option("--schema-registry-keyfile", default=None, metavar="PATH",
+                     help="Its private key, PEM [env KSTORE_SCHEMA_REGISTRY_KEYFILE]"),
     ]):
         f = decorator(f)
     return f

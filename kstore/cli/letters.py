@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from kstore.cli.common import dsn_option, group_connection_options, iso_time, run, table
+from kstore.cli.common import dsn_option, group_connection_options, iso_time, run, schema_registry_options, table
 from kstore.db import deadletters
 from kstore.db.letterquery import (
     MAX_PAGE,
@@ -33,6 +33,8 @@ from kstore.db.letterquery import (
 from kstore.errors import ConfigurationError
 from kstore.ops import replay as replays
 from kstore.running.loading import load_processor
+from kstore.schemas import Registry, UnknownSchemaError, WireFormatError
+from kstore.schemas.formats import decoded_for_display
 from kstore.settings import Settings
 
 
@@ -119,14 +121,25 @@ def _page_note(page: LetterPage, after: int) -> str:
 
 @dead_letters.command("show")
 @dsn_option
+@schema_registry_options
 @click.argument("dead_letter_id", type=int)
+@click.option("--raw", is_flag=True, help="With a schema registry: also the key's and value's bytes as stored.")
 @click.pass_context
-def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> None:
-    """One dead letter in full: the message, the error, its history (who changed it, when, why) and traceback."""
-    d, changes = run(ctx, lambda: Settings.from_env(**db), lambda s: deadletters.show_dead_letter(s, dead_letter_id))
+def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, raw: bool, **db: Any) -> None:
+    """One dead letter in full: the message, the error, its history (who changed it, when, why) and traceback.
+
+    With --schema-registry-url, a key or value in the registry's wire format (Avro, JSON Schema) is
+    shown decoded with the schema it names."""
+    def show(s: Settings) -> tuple[Any, Any, list[tuple[str, str]]]:
+        d, changes = deadletters.show_dead_letter(s, dead_letter_id)
+        return d, changes, _decoded(s, [("key", d.key), ("value", d.value)], raw)
+
+    d, changes, fields = run(ctx, lambda: Settings.from_env(**db), show)
     for name, value in d.summary().items():
         click.echo(f"{name}: {value}")
-    click.echo(f"key: {d.key!r}\nvalue: {d.value!r}\nheaders: {list(d.headers)!r}")
+    for name, text in fields:
+        click.echo(f"{name}: {text}")
+    click.echo(f"headers: {list(d.headers)!r}")
     click.echo("history:" if changes else "history: none (waiting since it was dead-lettered)")
     for c in changes:
         click.echo(f"  {c.at:%Y-%m-%d %H:%M:%S}  {c.from_status} -> {c.to_status}  by {c.by}  "
@@ -139,9 +152,33 @@ def dead_letters_show(ctx: click.Context, /, dead_letter_id: int, **db: Any) -> 
     click.echo(f"traceback:\n{d.traceback}")
 
 
+def _decoded(settings: Settings, fields: list[tuple[str, bytes | None]], raw: bool) -> list[tuple[str, str]]:
+    """Each field as shown: decoded with the schema it names (with a registry), else as stored."""
+    if not settings.schema_registry_url:
+        return [(name, repr(data)) for name, data in fields]
+    registry = Registry.of(settings)
+    shown = []
+    for name, data in fields:
+        try:
+            found = decoded_for_display(registry, data)
+        except (UnknownSchemaError, WireFormatError) as exc:
+            found, data_note = None, f"  (not decoded: {exc})"
+        else:
+            data_note = ""
+        if found is None:
+            shown.append((name, f"{data!r}{data_note}"))
+            continue
+        described, value = found
+        shown.append((name, f"({described}) {json.dumps(value, default=str)}"))
+        if raw:
+            shown.append((f"{name} bytes", repr(data)))
+    return shown
+
+
 @dead_letters.command("replay")
 @click.argument("processor")
 @group_connection_options
+@schema_registry_options
 @click.option("--id", "ids", type=int, multiple=True,
               help="Replay these at once (repeatable); without it, every waiting letter the filters match.")
 @_filter_options

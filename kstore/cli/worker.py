@@ -23,6 +23,7 @@ from kstore.cli.common import (
     kafka_connection_options,
     log,
     run,
+    schema_registry_options,
     stop_on_signals,
 )
 from kstore.db.migration import check_migrated
@@ -38,6 +39,7 @@ from kstore.telemetry.health import HealthServer, app
 @click.argument("processor")
 @dsn_option
 @kafka_connection_options
+@schema_registry_options
 @click.option("--group", default=None, help="Pipeline name (Kafka group id); overrides the processor's.")
 @click.option("--topic", "topics", multiple=True, help="Topic to consume (repeatable); overrides the processor's.")
 @click.option("--rebalance-protocol", type=click.Choice(["eager", "cooperative", "consumer"], case_sensitive=False),

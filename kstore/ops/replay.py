@@ -34,6 +34,8 @@ from kstore.kafka.clients import partition_counts
 from kstore.processor import Processor
 from kstore.running.handler import NOT_THE_MESSAGE, Outgoing, produce_check, run_handler
 from kstore.running.hooks import call_hook, call_setup, declared_topics, deserialized, to_ms
+from kstore.schemas.formats import bind as bind_formats
+from kstore.schemas.formats import encode_like, formats_of
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -48,6 +50,10 @@ def replay(letters: DeadLetters, processor: Processor, letter: DeadLetter, edit:
     is committed then); see :meth:`~kstore.db.deadletters.DeadLetters.replay` for the rest.
     """
     raw = edit.apply(letter) if edit else (letter.key, letter.value)
+    if edit:  # an edit of a registry format is given decoded: written with the schema of the original
+        formats = formats_of(processor)
+        raw = (raw[0] if edit.key is None else encode_like(formats, letter.key, edit.key, True),
+               raw[1] if edit.value is None else encode_like(formats, letter.value, edit.value, False))
     msg = deserialized(processor, letter.topic, letter.partition_id, letter.offset, *raw, letter.headers,
                        to_ms(letter.timestamp))
     settings = letters.settings
@@ -137,6 +143,7 @@ def _replaying(letters: DeadLetters, processor: Processor, group: str) -> Iterat
     """The processor's ``setup`` (under the group's setup lock, as a worker's) and ``teardown``
     around replays, and the check of what they produce."""
     settings = letters.settings
+    bind_formats(processor, settings)
     call_setup(processor, letters.engine, group)
     partitions = partition_counts(settings)
     try:

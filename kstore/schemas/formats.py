@@ -204,8 +204,8 @@ class Formats:
                     registry, JSONDeserializer(None, schema_registry_client=registry.client, conf=NO_SUBJECT), what)
             from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
 
-            return _deserializer_reader(
-                registry, ProtobufDeserializer(model, {**NO_SUBJECT, "use.deprecated.format": False}, registry.client), what)
+            conf = {**NO_SUBJECT, "use.deprecated.format": False}
+            return _deserializer_reader(registry, ProtobufDeserializer(model, conf, registry.client), what)
         except ImportError:
             raise needs_extras() from None
 
@@ -293,3 +293,55 @@ def bind(processor: Any, settings: Settings, registry: Registry | None = None) -
     first)."""
     formats = vars(processor)["_formats"] = Formats.of(processor, settings, registry)
     return formats
+
+
+def _writer_schema(registry: Registry, data: bytes | None, what: str) -> tuple[int, Any]:
+    if data is None:
+        raise WireFormatError(f"the dead letter has no {what} to take the schema from")
+    sid = schema_id(data, what)
+    return sid, registry.schema(sid)
+
+
+def encode_like(formats: Formats, original: bytes | None, edited: bytes, is_key: bool) -> bytes:
+    """An operator's edit of a key or value (``kstore dead-letters replay --value``) in a registry format,
+    given decoded (as JSON text), written with the schema the original carries: the processor reads
+    the edit as it read the original. Bytes already in the wire format, and other formats, stay as given."""
+    fmt = formats.key_format if is_key else formats.value_format
+    what = "key" if is_key else "value"
+    if fmt not in REGISTRY_FORMATS or edited[:1] == b"\x00":
+        return edited
+    if fmt == "protobuf":
+        raise ConfigurationError(f"a protobuf {what} is edited as its wire bytes: give them with --value-file")
+    try:
+        data = json.loads(edited)
+    except ValueError as exc:
+        raise ConfigurationError(f"the edited {what} is the decoded {fmt} as JSON text, which this is not: "
+                                 f"{exc}") from None
+    sid, schema = _writer_schema(formats.registry(), original, what)
+    header = b"\x00" + sid.to_bytes(4, "big")
+    if fmt == "json-schema":
+        return header + json.dumps(data, separators=(",", ":")).encode()
+    from fastavro import parse_schema, schemaless_writer
+
+    out = io.BytesIO()
+    try:
+        schemaless_writer(out, parse_schema(json.loads(schema.schema_str or "null")), data)
+    except Exception as exc:  # fastavro's validation raises several kinds
+        raise ConfigurationError(
+            f"the edited {what} does not fit its Avro schema (id {sid}): {_mismatch(exc)}") from None
+    return header + out.getvalue()
+
+
+def decoded_for_display(registry: Registry, data: bytes | None) -> tuple[str, Any] | None:
+    """A dead letter's key or value decoded with the schema it names, for an operator to read:
+    ``(description, value)``; None if it is not in the wire format, or is Protobuf (which needs its class)."""
+    if data is None or len(data) < 5 or data[0] != 0:
+        return None
+    sid = schema_id(data, "value")
+    schema = registry.schema(sid)
+    kind = (schema.schema_type or "AVRO").upper()
+    if kind == "AVRO":
+        return f"avro, schema id {sid}", _AvroReader(registry, None, "value")(data)
+    if kind == "JSON":
+        return f"json-schema, schema id {sid}", json.loads(data[5:])
+    return None
