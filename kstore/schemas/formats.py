@@ -130,6 +130,21 @@ def _deserializer_reader(registry: Registry, deserializer: Callable[[bytes, Any]
     return read
 
 
+class _KnownIds:
+    """A reader that first checks the record's schema id is in the registry (asked once per id)."""
+
+    def __init__(self, registry: Registry, read: Reader, what: str) -> None:
+        self._registry, self._read, self._what = registry, read, what
+        self._known: set[int] = set()
+
+    def __call__(self, data: bytes) -> Any:
+        sid = schema_id(data, self._what)
+        if sid not in self._known:
+            self._registry.schema(sid)
+            self._known.add(sid)
+        return self._read(data)
+
+
 class Formats:
     """One processor's formats, bound to a registry when one of them needs it."""
 
@@ -204,8 +219,11 @@ class Formats:
                     registry, JSONDeserializer(None, schema_registry_client=registry.client, conf=NO_SUBJECT), what)
             from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
 
+            # The generated class reads the payload; the registry is only asked whether the id exists
+            # (once per id), as JSON text: some registries (Apicurio) cannot serve a Protobuf schema in
+            # the serialized form confluent-kafka's deserializer asks for.
             conf = {**NO_SUBJECT, "use.deprecated.format": False}
-            return _deserializer_reader(registry, ProtobufDeserializer(model, conf, registry.client), what)
+            return _KnownIds(registry, _deserializer_reader(registry, ProtobufDeserializer(model, conf), what), what)
         except ImportError:
             raise needs_extras() from None
 

@@ -14,7 +14,7 @@ from kstore.errors import ConfigurationError, RegistryUnavailableError
 from kstore.schemas import Avro, EncodeError, Formats, JsonSchema, ModelError, Protobuf, Registry, WireFormatError
 from kstore.schemas.registry import UnknownSchemaError
 from kstore.settings import Settings
-from tests.support.schemas import (
+from tests.support.schema_data import (
     ORDER_EVENT,
     ORDER_JSON_SCHEMA,
     ORDER_NEEDS_COUPON,
@@ -155,6 +155,14 @@ def test_protobuf_round_trips(registry: Registry) -> None:
                                     is_key=False)
     value = formats(registry, value_format="protobuf", value_model=order_class).decode(None, data)[1]
     assert isinstance(value, order_class) and (value.id, value.customer, value.amount) == (7, "c7", 12.5)
+
+
+def test_a_protobuf_record_with_an_unknown_schema_id_is_the_records_fault(registry: Registry) -> None:
+    order_class = protobuf_order_class()
+    payload = order_class(id=7, customer="c7", amount=12.5).SerializeToString()
+    reader = formats(registry, value_format="protobuf", value_model=order_class)
+    with pytest.raises(UnknownSchemaError):
+        reader.decode(None, b"\x00" + (4242).to_bytes(4, "big") + b"\x00" + payload)
 
 
 def test_protobuf_needs_its_message_class() -> None:
