@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -117,7 +120,18 @@ def check_outcome(dsn: str, group: str, sent: Sequence[tuple[str, int, int]], go
 def start_worker(workers: Any, dsn: str, topic: str, group: str, processor: str, registry_url: str,
                  out: str) -> Any:
     return workers(dsn, topic, group, processor, env={"KSTORE_TEST_OUT_TOPIC": out},
-                   args=["--schema-registry-url", registry_url, "--max-batch-size", "500"])
+                   args=["--schema-registry-url", registry_url, "--max-batch-size", "500", "--metrics-port", "0"])
+
+
+def health(w: Any, path: str) -> tuple[int, str]:
+    """What the worker's ``path`` (/readyz, /metrics) answers."""
+    w.wait_for_log(r"serving /metrics, /livez and /readyz on http://[^:]+:\d+")
+    port = re.search(r"serving /metrics, /livez and /readyz on http://[^:]+:(\d+)", w.log).group(1)  # type: ignore[union-attr]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 @pytest.mark.long
@@ -161,6 +175,10 @@ def test_avro_orders_exactly_once_through_evolution_bad_records_a_registry_outag
         letters_before = len(dead_letters(pg_dsn, "avro-orders"))
         time.sleep(OUTAGE_S)  # the outage lasts: nothing of the second half may be dead-lettered meanwhile
         assert len(dead_letters(pg_dsn, "avro-orders")) == letters_before == 50
+        status, why = health(w1, "/readyz")
+        assert status == 503 and "the schema registry" in why and "does not answer" in why, (status, why)
+        assert re.search(r'kstore_batches_rolled_back_total\{group="avro-orders",reason="schema_registry"\} [1-9]',
+                         health(w1, "/metrics")[1])
     finally:
         schema_registry.start()
     w1.wait_for_log(r"the schema registry answers again", timeout=60)
