@@ -207,3 +207,21 @@ def test_credentials_never_show_in_the_registrys_url() -> None:
                                     schema_registry_password="other-secret"))
     assert registry.url == "https://registry.example:8081/api"
     assert "s3cret" not in repr(Settings(schema_registry_password="s3cret"))
+
+
+def test_an_edit_given_decoded_is_written_with_the_schema_of_the_original(registry: Registry) -> None:
+    from kstore.schemas.formats import encode_like
+
+    original = formats(registry).encode("orders", ORDER, Avro(ORDER_V1), is_key=False)
+    assert original is not None
+    reader = formats(registry, value_format="avro")
+    edited = encode_like(reader, original, json.dumps({**ORDER, "id": 8}).encode(), is_key=False)
+    assert edited[:5] == original[:5]  # the same schema id
+    assert reader.decode(None, edited)[1] == {**ORDER, "id": 8}
+    assert encode_like(reader, original, original, is_key=False) == original  # wire bytes stay as given
+    with pytest.raises(ConfigurationError, match="does not fit its Avro schema"):
+        encode_like(reader, original, b'{"id": "eight"}', is_key=False)
+    with pytest.raises(ConfigurationError, match="decoded avro as JSON text"):
+        encode_like(reader, original, b"{oops", is_key=False)
+    plain = formats(registry, value_format="json")
+    assert encode_like(plain, b"{}", b'{"a": 1}', is_key=False) == b'{"a": 1}'  # not a registry format
