@@ -43,6 +43,7 @@ from kstore.errors import (
     NotMigratedError,
     ProcessorContractError,
     ProcessorError,
+    RegistryUnavailableError,
     TooManyDeadLettersError,
     UndeclaredTopicError,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "InvalidOffsetError",
     "KstoreError",
     "MissingTopicError",
+    "RegistryUnavailableError",
     "NotMigratedError",
     "ProcessorContractError",
     "ProcessorError",
