@@ -19,7 +19,6 @@ import click
 from kstore.cli.common import (
     LOG_CONTEXT,
     dsn_option,
-    group_connection_options,
     kafka_connection_options,
     log,
     run,
@@ -90,17 +89,22 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
 
 
 @click.command()
-@group_connection_options
+@click.option("--group", "--outbox", "group", required=True,
+              help="The pipeline (Kafka group id) whose outbox to publish, or an application's outbox "
+                   "(kstore.outbox.Outbox) by its name.")
+@dsn_option
+@kafka_connection_options
 @click.option("--metrics-port", type=int, default=None,
               help="Serve /metrics, /livez and /readyz on this port [env KSTORE_METRICS_PORT; default off]")
 @click.option("--metrics-host", default=None, metavar="ADDRESS",
               help="The address the metrics port listens on [env KSTORE_METRICS_HOST; default 0.0.0.0]")
 @click.pass_context
 def relay(ctx: click.Context, /, **options: Any) -> None:
-    """Publish a group's outbox (what its processor produced) to Kafka until SIGTERM/SIGINT.
+    """Publish an outbox to Kafka until SIGTERM/SIGINT: a group's (what its processor produced), or an
+    application's (--outbox NAME, what kstore.outbox.Outbox produced in its transactions).
 
-    Workers publish their own outbox by default; run this apart (with ``kstore worker
-    --no-relay``, or beside them) to scale publishing apart. Relays of one group share its
+    Workers publish their own group's outbox by default; run this apart (with ``kstore worker
+    --no-relay``, or beside them) to scale publishing apart. Relays of one outbox share its
     shards; each shard has one publisher at a time, fenced in the database and in Kafka.
     """
     def start(settings: Settings) -> None:

@@ -1,0 +1,191 @@
+"""Exactly-once events from application code: a web request (or any transaction) writes to kstore's
+outbox in its own transaction, and a relay publishes what committed, once.
+
+::
+
+    from kstore.outbox import Outbox
+
+    events = Outbox("shop-web")       # published by: kstore relay --outbox shop-web
+
+    with Session(engine) as session, session.begin():
+        session.add(order)
+        events.produce(session, "order-placed", {"id": order.id}, key=str(order.id))
+
+What it promises is what a processor's ``produce()`` does: a ``read_committed`` reader sees each
+record of a committed transaction once, nothing of a rolled-back one, and one key's records in the
+order their transactions committed.
+
+**Concurrency.** Records are spread over the outbox's shards by key; a transaction holds the row
+lock of each shard it writes from its records' write to its COMMIT, which numbers them in commit
+order. On a SQLAlchemy ``Session`` (or ``AsyncSession``) the records wait in the session and are
+written in its ``before_commit``, in shard order: the lock is held only for the commit itself, and
+two transactions never deadlock on it. So up to ``shards`` transactions commit records at once
+(transactions whose keys fall in different shards never wait for each other), and a commit pays one
+``SELECT ... FOR UPDATE`` of its shards, an ``UPDATE`` of each and one ``INSERT`` more. On a
+``Connection`` the records are written at once (the lock is held from there to COMMIT): give a
+transaction's records in one :meth:`Outbox.produce_many`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.orm import Session
+
+from kstore.db.outbox import Outbox as _Tables
+from kstore.errors import KstoreError
+from kstore.running.handler import Outgoing, produce_check
+from kstore.schemas import Formats, Schema
+from kstore.settings import Settings
+from kstore.types import Produced
+
+__all__ = ["Outbox", "Record"]
+
+#: Where a Session keeps the records of its transaction that wait for its commit, by outbox.
+_PENDING = "kstore.outbox"
+
+
+class Record(NamedTuple):
+    """One record for :meth:`Outbox.produce_many`: the arguments of :meth:`Outbox.produce` but the first."""
+
+    topic: str
+    value: Any
+    key: Any = None
+    headers: Any = None
+    partition: int | None = None
+    schema: Schema | None = None
+    key_schema: Schema | None = None
+
+
+class Outbox:
+    """An application's outbox, under a name of its choosing (published by ``kstore relay --outbox NAME``;
+    a worker's relay publishes it too if the name is the worker's group).
+
+    ``shards``: how many transactions can commit records at once (see the module's docstring), made
+    by the first :meth:`setup` (or ``produce()``, or relay) and fixed from then on: a relay started
+    first makes its own ``outbox_shards``, so call :meth:`setup` at the application's start.
+    ``settings``: its ``table_prefix`` and ``schema`` (kstore's tables), ``outbox_max_record_bytes``,
+    and the schema registry for records produced with a schema; default: :class:`~kstore.settings.Settings`' own.
+    """
+
+    #: Shards of an application's outbox unless given: concurrent requests commit side by side.
+    DEFAULT_SHARDS = 8
+
+    def __init__(self, name: str, settings: Settings | None = None, *, shards: int = DEFAULT_SHARDS) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise KstoreError(f"an outbox needs a name, got {name!r}")
+        if shards < 1:
+            raise KstoreError(f"an outbox needs at least one shard, got {shards}")
+        self.name = name
+        self.shards = shards
+        self.settings = settings or Settings()
+        self._formats = Formats.of(_NoFormats, self.settings)
+        self._check = produce_check(None, self.settings.outbox_max_record_bytes)
+        #: The outbox's statements, by engine (an application may have more than one database).
+        self._tables: weakref.WeakKeyDictionary[Engine, _Tables] = weakref.WeakKeyDictionary()
+
+    def setup(self, engine: Engine) -> int:
+        """Make the outbox's shards if it has none; return how many it has. Call it at the application's
+        start (``produce()`` does it otherwise, at its first record, in a transaction of its own)."""
+        return self._of(engine, make=True).shards
+
+    def produce(self, target: Session | Connection | Any, topic: str, value: Any, *, key: Any = None,
+                headers: Any = None, partition: int | None = None, schema: Schema | None = None,
+                key_schema: Schema | None = None) -> None:
+        """Produce a record in ``target``'s transaction (a ``Session``, an ``AsyncSession`` or a ``Connection``
+        with a transaction begun): published once if, and only if, that transaction commits.
+
+        ``value``, ``key``, ``headers``, ``partition``, ``schema`` and ``key_schema`` as for
+        :meth:`kstore.Processor.produce`. A record that can never be published raises
+        :class:`~kstore.ProduceError` here."""
+        self.produce_many(target, [Record(topic, value, key, headers, partition, schema, key_schema)])
+
+    def produce_many(self, target: Session | Connection | Any, records: Iterable[Record]) -> None:
+        """Produce several records in ``target``'s transaction, in the order given (see :meth:`produce`)."""
+        made = self._make(records)
+        if not made:
+            return
+        session = getattr(target, "sync_session", target)  # an AsyncSession's own Session
+        if isinstance(session, Session):
+            # The shards are known (or made) now, not in the commit: on SQLite a transaction of its own
+            # could not write while the session's holds the database's lock.
+            bind = session.get_bind()
+            self._of(bind.engine if isinstance(bind, Connection) else bind)
+            self._wait_for_commit(session, made)
+        elif isinstance(target, Connection):
+            if not target.in_transaction():
+                raise KstoreError("Outbox.produce() needs a transaction begun on the connection: its records are "
+                                  "published if, and only if, that transaction commits")
+            self._of(target.engine).write(target, made)
+        else:
+            raise KstoreError(f"Outbox.produce() writes in a SQLAlchemy Session, AsyncSession or Connection, "
+                              f"not a {type(target).__name__}")
+
+    def _make(self, records: Iterable[Record]) -> list[Produced]:
+        outgoing = Outgoing(self._check)
+        outgoing.formats = self._formats
+        for r in records:
+            outgoing.add(r.topic, r.value, r.key, r.headers, r.partition, r.schema, r.key_schema)
+        return outgoing.records
+
+    def _wait_for_commit(self, session: Session, made: Sequence[Produced]) -> None:
+        """Keep the records in the session, with the (sub)transaction they were produced in, until its
+        ``before_commit`` writes them (listened to once per session)."""
+        pending: list[tuple[Outbox, Any, list[Produced]]] | None = session.info.get(_PENDING)
+        if pending is None:
+            pending = session.info[_PENDING] = []
+            event.listen(session, "before_commit", _write_pending)
+            event.listen(session, "after_soft_rollback", _drop_rolled_back)
+        transaction = session.get_nested_transaction() or session.get_transaction()
+        if transaction is None:
+            transaction = session.begin()  # autobegin would too, at the first statement
+        pending.append((self, transaction, list(made)))
+
+    def _of(self, engine: Engine, make: bool = False) -> _Tables:
+        tables = self._tables.get(engine)
+        if tables is None:
+            tables = _Tables(engine, self.name, self.settings.table_prefix, self.settings.schema)
+            self._tables[engine] = tables
+        if not tables.shards or make:
+            tables.ensure_shards(self.shards)
+        return tables
+
+    def __repr__(self) -> str:
+        return f"Outbox({self.name!r})"
+
+
+class _NoFormats:
+    """What :class:`Formats` reads of a processor: an application's outbox reads nothing."""
+
+    key_format = value_format = "bytes"
+
+
+def _write_pending(session: Session) -> None:
+    """A session's ``before_commit``: its transaction's records, into their outboxes, each outbox's in one
+    write (in shard order: the shards' locks are taken in one order by every transaction)."""
+    pending: list[tuple[Outbox, Any, list[Produced]]] = session.info.get(_PENDING) or []
+    by_outbox: dict[Outbox, list[Produced]] = {}
+    for outbox, _, records in pending:
+        by_outbox.setdefault(outbox, []).extend(records)
+    pending.clear()
+    for outbox, records in by_outbox.items():
+        conn = session.connection()
+        outbox._of(conn.engine).write(conn, records)
+
+
+def _drop_rolled_back(session: Session, previous_transaction: Any) -> None:
+    """The records produced in a rolled-back transaction (or a savepoint, or inside one) are never written."""
+    pending: list[tuple[Outbox, Any, list[Produced]]] = session.info.get(_PENDING) or []
+    kept = [entry for entry in pending if not _within(entry[1], previous_transaction)]
+    pending[:] = kept
+
+
+def _within(transaction: Any, ended: Any) -> bool:
+    while transaction is not None:
+        if transaction is ended:
+            return True
+        transaction = transaction.parent
+    return False
