@@ -102,6 +102,12 @@ class Processor:
     #: After the last attempt: ``"stop"`` the worker (offset stays before the message) or
     #: ``"dead_letter"`` it (into kstore_dead_letters, in the transaction that moves past it).
     on_error: ClassVar[OnError] = "stop"
+    #: With ``on_error = "dead_letter"``: a Kafka topic each dead letter is also produced to, through the
+    #: outbox in the transaction that writes it, so the topic holds each letter exactly once: the
+    #: original key, value and headers, and headers naming the error, the source topic, partition
+    #: and offset, and the attempts (Spring Kafka's ``kafka_dlt-*``). The letter in the database stays
+    #: what ``kstore dead-letters`` replays. None: no topic.
+    dead_letter_topic: ClassVar[str | None] = None
     #: Send one-row INSERTs executed through :attr:`session` together, as multi-row
     #: INSERTs, when anything else needs the database (see :mod:`kstore.db.session`).
     defer_inserts: ClassVar[bool] = True

@@ -113,10 +113,15 @@ class Failure:
     traceback: str = ""
     #: The last error was final (:class:`Reject`, or one the policy gives up on): no more attempts.
     final: bool = False
+    #: The last error's class, by its full name (``module.Class``), and its message.
+    kind: str = ""
+    message: str = ""
 
     def record(self, exc: BaseException, logged: str | None = None) -> None:
         self.attempts += 1
         self.last_at = datetime.now(timezone.utc)
+        self.kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        self.message = str(exc)
         self.error = f"{type(exc).__name__}: {exc}"
         self.logged = one_line(exc) if logged is None else logged
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

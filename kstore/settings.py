@@ -107,6 +107,9 @@ class Settings:
     start_from: str = "earliest"
     #: Overrides the processor's ``on_error``: "stop" or "dead_letter".
     on_error: str | None = None
+    #: Overrides the processor's ``dead_letter_topic``: the Kafka topic each dead letter is also produced
+    #: to, exactly once, in the transaction that writes it (``""``: none, whatever the processor says).
+    dead_letter_topic: str | None = None
     #: Async processors (``async def handle``): overrides the processor's ``max_concurrency``, the
     #: most messages of a batch handled at once.
     max_concurrency: int | None = None

@@ -50,6 +50,9 @@ from kstore.telemetry.health import HealthServer, app
 @click.option("--on-error", type=click.Choice(["stop", "dead_letter"]), default=None,
               help="After the last attempt: stop, or dead-letter the message; overrides the processor's.")
 @click.option("--max-attempts", type=int, default=None, help="Attempts per failing message; overrides the processor's.")
+@click.option("--dead-letter-topic", default=None, metavar="TOPIC",
+              help="Also produce each dead letter to this Kafka topic, exactly once; overrides the processor's "
+                   "(\"\" for none) [env KSTORE_DEAD_LETTER_TOPIC]")
 @click.option("--max-consecutive-dead-letters", type=int, default=None,
               help="Messages in a row dead-lettered after every attempt failed, none handled between, that trip "
                    "the dead-letter breaker; 0: never [env KSTORE_MAX_CONSECUTIVE_DEAD_LETTERS; default 20]")

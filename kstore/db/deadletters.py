@@ -56,7 +56,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
 from kstore.retry import Failure
 from kstore.settings import Settings
-from kstore.types import Record, ms_to_datetime, timestamp_ms
+from kstore.types import Produced, Record, ms_to_datetime, timestamp_ms
 
 from . import indoubt
 from .migration import check_migrated
@@ -220,8 +220,9 @@ def _decode_headers(raw: str) -> tuple[tuple[str, bytes | None], ...]:
     return tuple((k, None if v is None else base64.b64decode(v)) for k, v in json.loads(raw))
 
 
-def write(conn: Connection, table: Table, group: str, record: Record, failure: Failure) -> None:
-    """Dead-letter a message; the caller's transaction also moves the offset past it.
+def write(conn: Connection, table: Table, group: str, record: Record, failure: Failure) -> bool:
+    """Dead-letter a message; the caller's transaction also moves the offset past it. True if a new
+    letter was written.
 
     If the message already has a waiting letter (it was processed again after the offsets were
     moved back over it), that letter takes the new failure: its attempts are added, its error,
@@ -234,7 +235,7 @@ def write(conn: Connection, table: Table, group: str, record: Record, failure: F
     ).values(attempts=t.c.attempts + failure.attempts, error=failure.error, traceback=failure.traceback,
              last_failure_at=failure.last_at)).rowcount
     if updated:
-        return
+        return False
     conn.execute(table.insert().values(
         consumer_group=group, topic=record.topic, partition_id=record.partition, offset=record.offset,
         key=record.key, value=record.value, headers=_encode_headers(record.headers or ()),
@@ -242,6 +243,34 @@ def write(conn: Connection, table: Table, group: str, record: Record, failure: F
         attempts=failure.attempts, first_failure_at=failure.first_at, last_failure_at=failure.last_at,
         status=DEAD,
     ))
+    return True
+
+
+#: The headers a dead-letter topic's record carries besides the original's: Spring Kafka's names and
+#: encodings (its ``DeadLetterPublishingRecoverer``), which its tools and consumers read, and the
+#: attempts as kstore counted them.
+DLT_HEADERS = ("kafka_dlt-exception-fqcn", "kafka_dlt-exception-message", "kafka_dlt-exception-stacktrace",
+               "kafka_dlt-original-topic", "kafka_dlt-original-partition", "kafka_dlt-original-offset",
+               "kafka_dlt-original-timestamp", "kafka_dlt-original-consumer-group", "kstore_dlt-attempts")
+#: The stack trace header is cut to this many bytes: a dead letter's record must stay publishable.
+DLT_STACKTRACE_BYTES = 8192
+
+
+def topic_record(topic: str, group: str, record: Record, failure: Failure) -> Produced:
+    """A dead letter as its dead-letter topic's record: the original key, value and headers, and headers
+    naming the error, where the message came from and its attempts (see :data:`DLT_HEADERS`; the
+    partition is a 4-byte and the offset and timestamp 8-byte big-endian integers, as Spring writes them)."""
+    stamp = timestamp_ms(record)
+    added = dict(zip(DLT_HEADERS, (
+        failure.kind.encode(), failure.message.encode("utf-8", "replace"),
+        failure.traceback.encode("utf-8", "replace")[-DLT_STACKTRACE_BYTES:],
+        record.topic.encode(), record.partition.to_bytes(4, "big", signed=True),
+        record.offset.to_bytes(8, "big", signed=True),
+        (stamp if stamp is not None else -1).to_bytes(8, "big", signed=True),
+        group.encode(), str(failure.attempts).encode(),
+    ), strict=True))
+    headers = tuple((name, value) for name, value in (record.headers or ()) if name not in added)
+    return Produced(topic, record.value, record.key, (*headers, *added.items()), None)
 
 
 def _ids(ids: Sequence[int]) -> str:

@@ -177,6 +177,11 @@ class Batches:
         self._raw = (type(processor).deserialize is Processor.deserialize
                      and processor.key_format == "bytes" and processor.value_format == "bytes")
         self._dead_letters = deadletters.build_table(settings.table_prefix, settings.schema)
+        #: Where each new dead letter is also produced, through the outbox in its transaction (None: nowhere).
+        chosen = settings.dead_letter_topic if settings.dead_letter_topic is not None else processor.dead_letter_topic
+        self.dead_letter_topic = chosen or None
+        if self.dead_letter_topic is not None and outbox is None:
+            raise ProcessorContractError("dead_letter_topic needs the outbox: this runner has none")
         #: True while a batch's transaction is open (for the CLI's shutdown timeout).
         self.busy = False
         #: The last batch taken was at least half of the batch size: a backlog, where batches linger.
@@ -429,8 +434,7 @@ class Batches:
         """Write the message to the dead letters in the same transaction that moves its offset past it."""
         record = taken.records[0]
         try:
-            fenced = self._commit_with(
-                taken.positions, lambda conn: deadletters.write(conn, self._dead_letters, self.group, record, failure))
+            fenced = self._commit_with(taken.positions, lambda conn: self._write_letter(conn, record, failure))
         except _CommitInDoubt as exc:
             self.in_doubt = _InDoubt(taken, (), _cause(exc), "a dead letter", [(record, failure)])
             return True
@@ -448,6 +452,14 @@ class Batches:
                     record.offset, failure.attempts, failure.logged, extra=_fields(record))
         self._count_letters(taken.records, [(record, failure)])
         return True
+
+    def _write_letter(self, conn: Connection, record: Record, failure: Failure) -> None:
+        """A dead letter, and (new, with a dead-letter topic) its topic's record in the outbox, in ``conn``'s
+        transaction. A letter already waiting for the message took the new failure: its record was produced."""
+        if deadletters.write(conn, self._dead_letters, self.group, record, failure) and self.dead_letter_topic:
+            assert self.outbox is not None
+            self.outbox.write(conn, [deadletters.topic_record(self.dead_letter_topic, self.group, record, failure)])
+            self._produced_now = 1
 
     def _count_letters(self, records: Sequence[Record], letters: Sequence[tuple[Record, Failure]]) -> None:
         """A batch of ``records`` committed with ``letters`` dead-lettered: past the breaker's limits
@@ -485,7 +497,7 @@ class Batches:
             nonlocal msgs
             self._handle(conn, msgs, rejects, outgoing)
             if rejects or decoded.undecodable:
-                msgs = self._dead_letter_rejects(conn, decoded, rejects or [], letters)
+                msgs = self._dead_letter_rejects(conn, decoded, rejects or [], letters, outgoing)
             self._write_outgoing(conn, outgoing)
 
         self.busy = True
@@ -529,7 +541,7 @@ class Batches:
             self.outbox.write(conn, outgoing.records)
 
     def _dead_letter_rejects(self, conn: Connection, decoded: _Decoded, rejects: list[tuple[int, Exception]],
-                             letters: list[tuple[Record, Failure]]) -> list[Message]:
+                             letters: list[tuple[Record, Failure]], outgoing: Outgoing | None) -> list[Message]:
         """Final errors raised before the message did anything, and messages that could not be
         deserialized: dead-lettered in this same transaction, which commits the rest of the batch
         and moves past them (in offset order). Returns the messages that were handled."""
@@ -538,7 +550,10 @@ class Batches:
             failure = Failure(final=True)
             failure.record(error)
             letters.append((record, failure))
-            deadletters.write(conn, self._dead_letters, self.group, record, failure)
+            written = deadletters.write(conn, self._dead_letters, self.group, record, failure)
+            if written and self.dead_letter_topic and outgoing is not None:
+                # With the batch's own records, written last before the offsets.
+                outgoing.records.append(deadletters.topic_record(self.dead_letter_topic, self.group, record, failure))
         rejected = {index for index, _ in rejects}
         return [m for i, m in enumerate(decoded.msgs) if i not in rejected]
 

@@ -209,16 +209,21 @@ class Worker:
     def _check_output_topics(self, partitions: PartitionCounts) -> None:
         """The topics the processor declares it produces to exist, checked before it starts as its input
         topics are (a topic made later is found: a missing one is looked up again at each attempt)."""
-        declared = declared_topics(self.processor)
-        for topic in sorted(declared or ()):
+        declared = {topic: f"declared in {type(self.processor).__name__}.produces"
+                    for topic in declared_topics(self.processor) or ()}
+        dead_letter_topic = (self.settings.dead_letter_topic if self.settings.dead_letter_topic is not None
+                             else self.processor.dead_letter_topic)
+        if dead_letter_topic:
+            declared[dead_letter_topic] = "the dead-letter topic"
+        for topic, why in sorted(declared.items()):
             count = partitions.count(topic)
             if count is None:
                 raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} did not say whether output "
                                   f"topic {topic!r} exists")
             if count == 0:
                 raise ConfigurationError(
-                    f"output topic {topic!r} does not exist at {self.settings.bootstrap_servers} (declared in "
-                    f"{type(self.processor).__name__}.produces): create it (kstore topics create PROCESSOR)")
+                    f"output topic {topic!r} does not exist at {self.settings.bootstrap_servers} ({why}): "
+                    "create it (kstore topics create PROCESSOR)")
 
     def _ensure_shards(self, outbox: Outbox) -> None:
         """The group's outbox shards, made if it has none (two workers may make them at once)."""

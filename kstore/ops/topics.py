@@ -35,6 +35,9 @@ def _roles(settings: Settings, processor: Processor) -> dict[str, str]:
     roles = {t: "input" for t in inputs}
     for topic in outputs:
         roles[topic] = "input, output" if topic in roles else "output"
+    dead_letters = settings.dead_letter_topic if settings.dead_letter_topic is not None else processor.dead_letter_topic
+    if dead_letters:
+        roles[dead_letters] = "dead letters"
     if not roles:
         raise ConfigurationError(f"{type(processor).__name__} declares no topics (topics = [...], produces = [...])")
     return roles

@@ -1,0 +1,91 @@
+"""Dead-letter topics: each dead letter is also produced, through the outbox in the transaction that
+writes it, to the processor's dead-letter topic, so the topic holds each letter exactly once (with
+Spring Kafka's ``kafka_dlt-*`` headers), across a SIGKILL of the worker; the database letters stay."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from kafka import KafkaConsumer, TopicPartition
+
+from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def read_with_headers(kafka: str, topic: str, expected: int, timeout: float = 90) -> list[Any]:
+    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
+                             group_id=None, consumer_timeout_ms=1000)
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < expected and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                out.extend(records)
+        time.sleep(1)
+        for records in consumer.poll(timeout_ms=1000).values():  # a duplicate would be here
+            out.extend(records)
+        return out
+    finally:
+        consumer.close()
+
+
+def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
+        pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
+    source, dlt = new_topic(partitions=3), new_topic(partitions=2)
+    values: list[bytes] = []
+    bad: dict[int, str] = {}  # position -> the error class the letter must name
+    for n in range(3000):
+        kind = "reject" if n % 97 == 5 else "crash" if n % 131 == 7 else "ok"
+        if n % 113 == 9:
+            bad[len(values)] = "kstore.retry.DeserializationError"
+            values.append(b"{not json")
+        if kind != "ok":
+            bad[len(values)] = "kstore.retry.Reject" if kind == "reject" else "builtins.RuntimeError"
+        values.append(json.dumps({"n": n, "kind": kind}).encode())
+    sent = produce(source, values)
+    env = {"KSTORE_TEST_DLT_TOPIC": dlt}
+    w1 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
+    w1.wait_for_log(r"dead-lettered .* after 2 attempt\(s\)", timeout=90)
+    w1.kill()
+    w2 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
+    ends: dict[tuple[str, int], int] = {}
+    for t, p, o in sent:
+        ends[(t, p)] = max(ends.get((t, p), 0), o + 1)
+    wait_until(lambda: all((stored_offsets(pg_dsn, "lettered").get(tp) or 0) >= e for tp, e in ends.items()),
+               180, interval=0.5, what="every message committed")
+
+    good = {sent[i] for i in range(len(values)) if i not in bad}
+    assert_exactly_once(effects(pg_dsn), good)
+    engine = sa.create_engine(pg_dsn)
+    with engine.connect() as conn:
+        letters = {(r.topic, r.partition_id, r.offset): r.attempts for r in conn.execute(sa.text(
+            'SELECT topic, partition_id, "offset", attempts FROM kstore_dead_letters'))}
+    engine.dispose()
+    assert set(letters) == {sent[i] for i in bad}
+
+    records = read_with_headers(kafka, dlt, expected=len(bad))
+    by_source = {}
+    for r in records:
+        headers = dict(r.headers)
+        where = (headers["kafka_dlt-original-topic"].decode(),
+                 int.from_bytes(headers["kafka_dlt-original-partition"], "big", signed=True),
+                 int.from_bytes(headers["kafka_dlt-original-offset"], "big", signed=True))
+        assert where not in by_source, f"{where} is in the dead-letter topic twice"
+        by_source[where] = (r, headers)
+    assert set(by_source) == {sent[i] for i in bad}, "a letter is missing from its topic, or one is extra"
+    for i, kind in bad.items():
+        record, headers = by_source[sent[i]]
+        assert record.value == values[i], "the letter's record carries the original value"
+        assert headers["kafka_dlt-exception-fqcn"].decode() == kind
+        assert headers["kafka_dlt-original-consumer-group"] == b"lettered"
+        assert int(headers["kstore_dlt-attempts"]) == letters[sent[i]]
+        assert b"Traceback" in headers["kafka_dlt-exception-stacktrace"]
+    assert w2.terminate() == 0
