@@ -280,7 +280,8 @@ class Settings:
     def secrets(self) -> list[str]:
         """Every secret value these settings hold (the DSN's password too): what a
         :class:`~kstore.cli.masking.Masker` needs to find where one ends in a driver's text."""
-        found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password, self.schema_registry_password]
+        found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password, self.schema_registry_password,
+                 *_url_passwords(self.schema_registry_url)]
         return [str(v) for v in found if v]
 
     def replace(self, **changes: Any) -> Settings:
@@ -312,6 +313,13 @@ class Settings:
         if unknown:
             raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+
+def _url_passwords(urls: str | None) -> list[str]:
+    """The passwords written into a comma-separated list of URLs (``https://user:password@host``)."""
+    from urllib.parse import urlsplit
+
+    return [p for p in (urlsplit(u.strip()).password for u in (urls or "").split(",")) if p]
 
 
 def _check_breaker(max_dead_letters: int, max_rejects: int, breaker: str) -> None:

@@ -47,6 +47,10 @@ def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> Non
         # reports what matters itself (and everything shows with --debug).
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        # The schema registry's HTTP client logs every request at INFO (their URLs, never their answers):
+        # kstore says what matters of the registry itself.
+        for name in ("httpx", "httpx2", "httpcore", "httpcore2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top, topics):

@@ -225,3 +225,9 @@ def test_an_edit_given_decoded_is_written_with_the_schema_of_the_original(regist
         encode_like(reader, original, b"{oops", is_key=False)
     plain = formats(registry, value_format="json")
     assert encode_like(plain, b"{}", b'{"a": 1}', is_key=False) == b'{"a": 1}'  # not a registry format
+
+
+def test_a_password_in_the_registrys_url_is_a_secret_to_mask() -> None:
+    settings = Settings(schema_registry_url="https://key:s3cret@a.example,https://b.example",
+                        schema_registry_password="other")
+    assert {"s3cret", "other"} <= set(settings.secrets)
