@@ -15,9 +15,10 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from kstore_devbroker.broker import DEFAULT_VERSION
+from kstore_devbroker.registry import REGISTRY_VERSION
 
 from . import report, services
-from .contenders import CONTENDERS, select
+from .contenders import CONTENDERS, Contender, select
 from .profiling import py_spy
 from .runner import Options, Runner, say
 from .spawn import BenchmarkError
@@ -52,6 +53,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
              "much: a database on another machine (default 0: none)")
     add("--bootstrap-servers", default=None, help="use this Kafka instead of starting a local one")
     add("--dsn", default=None, help="use this PostgreSQL (postgresql+psycopg2://...) instead of a throwaway one")
+    add("--schema-registry-url", default=None,
+        help="the Avro contenders (29, 30): use this schema registry (Confluent's API) instead of starting a "
+             "local one (Apicurio Registry, needs Java 21+); nothing is started when no Avro contender runs")
     add("--out", type=Path, default=DEFAULT_OUT, help="where the JSON, the chart and the logs go")
     add("--only", default=None, help="comma-separated contender names or numbers, e.g. 1,4 or kstore-noop")
     add("--timeout", type=float, default=3600.0, help="seconds a contender may take to drain (default 3600)")
@@ -111,6 +115,20 @@ def services_for(args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]
 
 
 @contextlib.contextmanager
+def registry_for(args: argparse.Namespace, contenders: list[Contender]) -> Iterator[str | None]:
+    """The schema registry's URL when an Avro contender runs: the one given, or a local one started
+    (and stopped) here; None when none runs."""
+    if not any(c.workload == "avro" for c in contenders):
+        yield None
+    elif args.schema_registry_url:
+        yield args.schema_registry_url
+    else:
+        say(f"starting a local schema registry (Apicurio Registry {REGISTRY_VERSION}, kstore_devbroker.registry)")
+        with services.local_registry() as url:
+            yield url
+
+
+@contextlib.contextmanager
 def database_latency(dsn: str, one_way_s: float) -> Iterator[str]:
     """``dsn`` through a TCP proxy (the tests' fault proxy) that delays each direction by ``one_way_s``."""
     from tests.support.faultproxy import FaultProxy
@@ -136,6 +154,9 @@ def _parameters(opts: Options, args: argparse.Namespace) -> dict[str, Any]:
         "kafka": "external (--bootstrap-servers)" if args.bootstrap_servers else
                  f"local Apache Kafka {DEFAULT_VERSION} (kstore_devbroker.broker)",
         "database": "external (--dsn)" if args.dsn else "throwaway local PostgreSQL, default settings",
+        "schema_registry": None if not any(c.workload == "avro" for c in select(opts.only)) else
+                           "external (--schema-registry-url)" if args.schema_registry_url else
+                           f"local Apicurio Registry {REGISTRY_VERSION} (kstore_devbroker.registry)",
         "database_latency_ms_each_way": args.db_latency_ms,
     }
 
@@ -186,8 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     code = 0
     try:
-        with services_for(args) as (bootstrap, dsn, service_pids):
-            runner = Runner(opts, bootstrap, dsn, service_pids)
+        with services_for(args) as (bootstrap, dsn, service_pids), \
+                registry_for(args, select(opts.only)) as registry_url:
+            runner = Runner(opts, bootstrap, dsn, service_pids, registry_url)
             results["machine"]["postgresql"] = runner.server_version()
             try:
                 _run_all(runner, opts, results)

@@ -40,6 +40,10 @@ class Contender:
     #: Measured by its drain alone: it reads no Kafka while timed (the database's own limit), so it has
     #: no latency phase.
     throughput_only: bool = False
+    #: What its topics hold: ``bytes`` (stamped filler, ``workload.make_value``) or ``avro`` (records in
+    #: the Confluent wire format, registered in the run's schema registry: ``benchmarks.avro``; its
+    #: effects table has the record's fields as columns).
+    workload: str = "bytes"
 
     @property
     def kstore_settings(self) -> dict[str, Any]:
@@ -136,6 +140,14 @@ CONTENDERS: tuple[Contender, ...] = (
     # before the clock starts (benchmarks/database_copy.py).
     Contender(28, "database-copy", "PostgreSQL alone: COPY from memory", "benchmarks.database_copy:run",
               writes_rows=True, client="confluent", throughput_only=True),
+    # Avro values through a schema registry (benchmarks/avro.py), each decoded and its fields written
+    # as the row: contender 19 decoding with confluent-kafka's AvroDeserializer, as its docs show,
+    # against contender 23 with value_format = "avro" (kstore's own decoding).
+    Contender(29, "exactly-once-by-hand-confluent-avro", "exactly-once by hand, confluent, Avro",
+              "benchmarks.avro_loops:exactly_once", writes_rows=True, own_offsets=True, client="confluent",
+              tuning=TUNED_CONFLUENT, workload="avro"),
+    Contender(30, "kstore-batch-confluent-avro", "kstore, bulk INSERT, confluent, Avro",
+              "benchmarks.kstore_loop:batch_avro", writes_rows=True, kstore=True, client="confluent", workload="avro"),
 )
 
 BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
@@ -161,6 +173,7 @@ CONFLUENT = "confluent-kafka: against exactly-once by hand on it (19), raw confl
 ACROSS = "across the clients"
 DEFAULTS = "the tuned loops against their libraries' defaults"
 DATABASE = "the pipelines that COPY against PostgreSQL's own COPY of the same rows (28)"
+AVRO = "Avro values through a schema registry: against exactly-once by hand with AvroDeserializer (29)"
 
 #: On each client, every way of writing a kstore processor against the hand-written exactly-once loop
 #: on the same client (12, 19: the headlines), and the no-op against the raw loop on the same client;
@@ -197,6 +210,9 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(25, 28, 0.85, DATABASE),
     Ratio(14, 28, None, DATABASE),
     Ratio(18, 28, None, DATABASE),
+    Ratio(30, 29, 1.0, AVRO),
+    Ratio(29, 19, None, AVRO),
+    Ratio(30, 23, None, AVRO),
 )
 
 #: The raw loops, the ceilings the report names for each client.

@@ -14,10 +14,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore import Settings
 
 
-def create_table(engine: sa.Engine, name: str) -> None:
+def create_table(engine: sa.Engine, name: str, columns: str = "payload bytea") -> None:
+    """An effects table: ``partition_id`` and ``kafka_offset``, then ``columns`` (the value: its bytes,
+    or the Avro workload's fields, ``avro.COLUMNS_SQL``)."""
     with engine.begin() as conn:
         conn.execute(sa.text(
-            f"CREATE TABLE {name} (partition_id integer NOT NULL, kafka_offset bigint NOT NULL, payload bytea)"
+            f"CREATE TABLE {name} (partition_id integer NOT NULL, kafka_offset bigint NOT NULL, {columns})"
         ))
 
 

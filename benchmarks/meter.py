@@ -58,9 +58,13 @@ class Meter:
 
     def stamp(self, values: Iterable[bytes]) -> None:
         """These messages are done now (latency phase only)."""
+        self.stamp_ns(int(v[:STAMP_DIGITS]) for v in values)
+
+    def stamp_ns(self, produced: Iterable[int]) -> None:
+        """The messages produced at these times (``time.time_ns()``) are done now (latency phase only)."""
         now = time.time_ns()
         before = len(self._produced)
-        self._produced.extend(int(v[:STAMP_DIGITS]) for v in values)
+        self._produced.extend(produced)
         self._done.extend([now] * (len(self._produced) - before))
 
     def batch_done(self, rows: Sequence[tuple[Any, Any, bytes]], after: Callable[[], None] | None) -> bool:

@@ -13,7 +13,7 @@ from .contenders import BY_KEY, CEILINGS, LATENCY_JUDGED, RATIOS, RSS_TARGET_MB
 
 #: Recorded with each run (None: not installed); kstore depends on neither driver, so all their packages.
 PACKAGES = ("kstore", "kafka-python", "confluent-kafka", "SQLAlchemy", "psycopg2-binary", "psycopg2", "psycopg",
-            "psycopg-binary")
+            "psycopg-binary", "fastavro")
 
 
 def machine() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from sqlalchemy.engine import make_url
 
 from kstore import Settings, migrate
 
-from . import effects, workload
+from . import avro, effects, workload
 from .contenders import Contender
 from .handsql import offsets_table
 from .noise import WARN_CORES, Noise
@@ -114,8 +114,11 @@ def libpq_params(dsn: str) -> dict[str, Any]:
 class Runner:
     """Runs contenders against one broker and one database; see the module docstring."""
 
-    def __init__(self, opts: Options, bootstrap: str, dsn: str, service_pids: list[int]) -> None:
+    def __init__(self, opts: Options, bootstrap: str, dsn: str, service_pids: list[int],
+                 registry_url: str | None = None) -> None:
         self.opts = opts
+        #: The schema registry of the Avro workload (None: no contender of this run needs one).
+        self.registry_url = registry_url
         self.noise = Noise(service_pids)
         self.bootstrap = bootstrap
         self.dsn = dsn
@@ -125,27 +128,33 @@ class Runner:
         self.settings = Settings.from_env(dsn=dsn)
         self.logs = opts.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.backlogs: dict[int, tuple[str, dict[int, int]]] = {}
+        #: ``{(workload, messages): (topic, end offsets)}``.
+        self.backlogs: dict[tuple[str, int], tuple[str, dict[int, int]]] = {}
         self.topics: list[str] = []
         self.checkpoints = True
 
     # -- preparation ----------------------------------------------------------------
 
     def prepare(self, contenders: list[Contender]) -> None:
-        """kstore's tables, and one pre-filled topic per backlog size the contenders drain."""
+        """kstore's tables, and one pre-filled topic per workload and backlog size the contenders drain."""
+        if any(c.workload == "avro" for c in contenders) and not self.registry_url:
+            raise BenchmarkError("the Avro contenders need a schema registry (registry_url)")
         migrate(self.settings)
-        sizes = sorted({self.messages_for(c) for c in contenders}, reverse=True)
-        for n in sizes:
-            self.backlogs[n] = self._fill_backlog(n)
+        backlogs = sorted({(c.workload, self.messages_for(c)) for c in contenders},
+                          key=lambda b: (b[0] != "bytes", -b[1]))
+        for kind, n in backlogs:
+            self.backlogs[kind, n] = self._fill_backlog(kind, n)
 
     def messages_for(self, c: Contender) -> int:
         return self.opts.txn_messages if c.small else self.opts.messages
 
-    def _fill_backlog(self, n: int) -> tuple[str, dict[int, int]]:
-        topic = self._new_topic(f"backlog-{n}")
+    def _fill_backlog(self, kind: str, n: int) -> tuple[str, dict[int, int]]:
+        topic = self._new_topic(f"backlog-{n}" if kind == "bytes" else f"backlog-{kind}-{n}")
         started = time.monotonic()
-        say(f"filling {topic} with {n:,} messages of {self.opts.size} bytes on {self.opts.partitions} partitions")
-        workload.prefill(self.bootstrap, topic, self.opts.partitions, n, self.opts.size)
+        what = "messages" if kind == "bytes" else f"{kind} records"
+        say(f"filling {topic} with {n:,} {what} of {self.opts.size} bytes on {self.opts.partitions} partitions")
+        workload.prefill(self.bootstrap, topic, self.opts.partitions, n, self.opts.size,
+                         self._values(kind, topic))
         ends = workload.end_offsets(self.bootstrap, topic, self.opts.partitions)
         if sum(ends.values()) != n:
             raise BenchmarkError(f"{topic} holds {sum(ends.values())} messages, expected {n}")
@@ -157,6 +166,14 @@ class Runner:
         workload.create_topic(self.bootstrap, topic, self.opts.partitions)
         self.topics.append(topic)
         return topic
+
+    def _values(self, kind: str, topic: str) -> workload.Values | None:
+        """How ``topic``'s values are made: the bytes workload's own (None), or Avro records of the
+        schema registered for the topic now."""
+        if kind == "bytes":
+            return None
+        assert kind == "avro" and self.registry_url, kind
+        return avro.AvroValues(avro.register(self.registry_url, topic), self.opts.size)
 
     # -- one contender --------------------------------------------------------------
 
@@ -202,14 +219,19 @@ class Runner:
             say(f"  waited {waited:.0f} s for other processes to quieten down")
 
     def _config(self, c: Contender, phase: str, topic: str, messages: int, tag: str) -> dict[str, Any]:
+        registry = self.registry_url if c.workload != "bytes" else None
+        settings = c.kstore_settings if c.kstore else {}
+        if c.kstore and registry:
+            settings = {**settings, "schema_registry_url": registry}
         return {
             "contender": c.name, "entry": c.entry, "phase": phase,
             "bootstrap": self.bootstrap, "topic": topic, "partitions": self.opts.partitions,
             "group": f"bench-{self.run_id}-{tag}", "messages": messages,
-            "table": table_name(self.run_id, tag) if c.writes_rows else None,
+            "table": table_name(self.run_id, tag) if c.writes_rows else None, "workload": c.workload,
             "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn),
-            "kstore_settings": c.kstore_settings if c.kstore else {}, "tuning": c.tuning,
+            "kstore_settings": settings, "tuning": c.tuning,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
+            **({"schema_registry_url": registry} if registry else {}),
         }
 
     def drain(self, c: Contender, suffix: str = "") -> dict[str, Any]:
@@ -221,7 +243,7 @@ class Runner:
 
     def _throughput(self, c: Contender, suffix: str = "") -> dict[str, Any]:
         messages = self.messages_for(c)
-        topic, ends = self.backlogs[messages]
+        topic, ends = self.backlogs[c.workload, messages]
         tag = f"{c.number}-{c.name}-throughput{suffix}"
         config = self._config(c, "throughput", topic, messages, tag)
         self._fresh_state(config)
@@ -261,6 +283,7 @@ class Runner:
         tag = f"{c.number}-{c.name}-{name}{suffix}"
         config = self._config(c, "latency", topic, messages, tag)
         config["ready_file"] = str(self.logs / f"{tag}.ready")
+        values = self._values(c.workload, topic)
         Path(config["ready_file"]).unlink(missing_ok=True)
         self._fresh_state(config)
         profile = self.opts.out / f"profile-{tag}.txt" if self.opts.profile and name == "latency" else None
@@ -269,7 +292,7 @@ class Runner:
             child.wait_ready(Path(config["ready_file"]), READY_TIMEOUT_S)
             self.noise.start()
             took = workload.produce_at_rate(self.bootstrap, topic, self.opts.partitions, messages,
-                                            self.opts.size, rate)
+                                            self.opts.size, rate, values)
             outcome: Outcome = child.wait(took + 120)
         finally:
             child.kill()
@@ -297,7 +320,10 @@ class Runner:
         """An empty effects table, and the database's dirty pages of earlier runs flushed."""
         if config["table"]:
             effects.drop_table(self.engine, config["table"])
-            effects.create_table(self.engine, config["table"])
+            if config["workload"] == "avro":
+                effects.create_table(self.engine, config["table"], avro.COLUMNS_SQL)
+            else:
+                effects.create_table(self.engine, config["table"])
         if self.checkpoints and not effects.checkpoint(self.engine):
             self.checkpoints = False
             say("note: CHECKPOINT was refused (not a superuser): earlier runs' writes may slow later ones")

@@ -1,7 +1,8 @@
-"""The services a benchmark run needs: a local Kafka broker and a throwaway PostgreSQL.
+"""The services a benchmark run needs: a local Kafka broker, a throwaway PostgreSQL, and a schema
+registry when an Avro contender runs.
 
-Both are optional: ``--bootstrap-servers`` and ``--dsn`` point the run at ones
-that already exist, and then nothing is started here.
+All are optional: ``--bootstrap-servers``, ``--dsn`` and ``--schema-registry-url`` point the run
+at ones that already exist, and then nothing is started here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def local_kafka() -> Iterator[str]:
         yield cluster.bootstrap_servers
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def local_registry() -> Iterator[str]:
+    """A schema registry with Confluent's API (kstore_devbroker.registry: Apicurio Registry, Java 21+,
+    fetched and cached at its first use) for the Avro contenders; yields its URL."""
+    from kstore_devbroker.registry import DevRegistry
+
+    with DevRegistry() as registry:  # its schemas in a temporary folder, deleted when it stops
+        yield registry.url
 
 
 def pg_bin_dir() -> Path:

@@ -10,7 +10,7 @@ than kafka-python's, so it disturbs the contender less.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import Producer
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -92,18 +92,31 @@ def _flush(producer: Producer) -> None:
         raise RuntimeError(f"{left} messages were not delivered to Kafka within 120 s")
 
 
-def prefill(bootstrap: str, topic: str, partitions: int, messages: int, size: int) -> None:
-    """Write ``messages`` values round-robin over the partitions, as fast as the broker takes them."""
+#: Makes the next value, stamped with the current time (the Avro workload's: ``avro.AvroValues``).
+Values = Callable[[], bytes]
+
+
+def _values(size: int, values: Values | None) -> Values:
+    return values if values is not None else lambda: make_value(size)
+
+
+def prefill(bootstrap: str, topic: str, partitions: int, messages: int, size: int,
+            values: Values | None = None) -> None:
+    """Write ``messages`` values (``make_value(size)``, or ``values()``) round-robin over the partitions,
+    as fast as the broker takes them."""
     producer = _producer(bootstrap, linger_ms=20)
+    make = _values(size, values)
     for i in range(messages):
-        _send(producer, topic, make_value(size), i % partitions)
+        _send(producer, topic, make(), i % partitions)
         if i % 10_000 == 0:
             producer.poll(0)
     _flush(producer)
 
 
-def produce_at_rate(bootstrap: str, topic: str, partitions: int, messages: int, size: int, rate: float) -> float:
-    """Send ``messages`` values at ``rate`` per second (stamped as sent); returns the seconds it took.
+def produce_at_rate(bootstrap: str, topic: str, partitions: int, messages: int, size: int, rate: float,
+                    values: Values | None = None) -> float:
+    """Send ``messages`` values (as :func:`prefill`) at ``rate`` per second (stamped as sent); returns
+    the seconds it took.
 
     Paced on an absolute schedule (message ``i`` is due at ``start + i / rate``),
     so a slow tick is caught up rather than stretching the run. The measured
@@ -111,12 +124,13 @@ def produce_at_rate(bootstrap: str, topic: str, partitions: int, messages: int, 
     the same for every contender.
     """
     producer = _producer(bootstrap, linger_ms=LATENCY_LINGER_MS)
+    make = _values(size, values)
     start = time.monotonic()
     sent = 0
     while sent < messages:
         due = min(messages, int((time.monotonic() - start) * rate) + 1)
         while sent < due:
-            _send(producer, topic, make_value(size), sent % partitions)
+            _send(producer, topic, make(), sent % partitions)
             sent += 1
         producer.poll(0)
         time.sleep(max(0.0, start + sent / rate - time.monotonic()))

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from benchmarks.cli import database_latency, parse
 from benchmarks.contenders import BY_KEY, RATIOS
+from kstore_devbroker.registry import DevRegistry
 from tests.support.harness import REPO_DIR
 
 pytestmark = pytest.mark.integration
@@ -33,21 +34,26 @@ CONTENDERS = [
     "exactly-once-by-hand-confluent", "at-least-once-confluent", "kstore-noop-confluent", "kstore-handle-confluent",
     "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
     "kafka-python-defaults", "exactly-once-by-hand-defaults", "database-copy",
+    "exactly-once-by-hand-confluent-avro", "kstore-batch-confluent-avro",
 ]
 
 
-def run_benchmark(kafka: str, dsn: str, out: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--bootstrap-servers", kafka, "--dsn", dsn, "--out", str(out)]
+def run_benchmark(kafka: str, dsn: str, registry: str, out: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--bootstrap-servers", kafka, "--dsn", dsn,
+           "--schema-registry-url", registry, "--out", str(out)]
     return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=540, check=False)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(600)
-def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any, tmp_path: Path) -> None:
+def test_benchmark_runs_every_contender_exactly_once(
+    kafka: str, postgresql: Any, schema_registry: DevRegistry, tmp_path: Path
+) -> None:
+    """Every contender, the Avro pair (29, 30) with the test session's schema registry."""
     info = postgresql.info
     dsn = f"postgresql+psycopg2://{info.user}@{info.host}:{info.port}/{info.dbname}"
 
-    done = run_benchmark(kafka, dsn, tmp_path)
+    done = run_benchmark(kafka, dsn, schema_registry.url, tmp_path)
 
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
     results = json.loads((tmp_path / "benchmark.json").read_text())
@@ -69,6 +75,7 @@ def test_benchmark_runs_every_contender_exactly_once(kafka: str, postgresql: Any
     assert {name: s["kafka_client"] for name, s in settings.items()} == {
         c.name: c.client for c in map(BY_KEY.__getitem__, CONTENDERS) if c.kstore}
     assert [c["client"] for c in results["ceilings"]] == ["kafka-python", "confluent"]
+    assert results["parameters"]["schema_registry"] == "external (--schema-registry-url)"
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     assert "throughput ratios" in done.stdout
     assert "ceilings (raw loops, reading only): kafka-python " in done.stdout
