@@ -231,3 +231,23 @@ def test_a_password_in_the_registrys_url_is_a_secret_to_mask() -> None:
     settings = Settings(schema_registry_url="https://key:s3cret@a.example,https://b.example",
                         schema_registry_password="other")
     assert {"s3cret", "other"} <= set(settings.secrets)
+
+
+@pytest.mark.parametrize("strategy, subject", [
+    ("topic", "events-value"), ("record", "shop.OrderAccepted"), ("topic_record", "events-shop.OrderAccepted"),
+])
+def test_a_produced_schema_is_registered_under_its_naming_strategys_subject(registry: Registry, strategy: str,
+                                                                           subject: str) -> None:
+    schema = Avro(ORDER_EVENT, subject_name_strategy=strategy)
+    data = formats(registry).encode("events", {"order_id": 1, "total_cents": 5}, schema, is_key=False)
+    assert registry.client.get_subjects() == [subject]
+    assert formats(registry, value_format="avro").decode(None, data)[1] == {"order_id": 1, "total_cents": 5}
+
+
+def test_without_auto_register_a_schema_must_be_registered_already(registry: Registry) -> None:
+    with pytest.raises(EncodeError, match="refused"):
+        formats(registry).encode("events", {"order_id": 1, "total_cents": 5}, Avro(ORDER_EVENT, auto_register=False),
+                                 is_key=False)
+    formats(registry).encode("events", {"order_id": 1, "total_cents": 5}, Avro(ORDER_EVENT), is_key=False)
+    assert formats(registry).encode("events", {"order_id": 2, "total_cents": 5}, Avro(ORDER_EVENT, auto_register=False),
+                                    is_key=False) is not None
