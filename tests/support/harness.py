@@ -149,6 +149,12 @@ def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
 
 def read_committed(kafka: str, topic: str, timeout: float = 120) -> list[tuple[bytes | None, bytes]]:
     """Every record a read_committed reader sees in ``topic``, up to its last stable offset: (key, value)."""
+    return [(r.key, r.value) for r in read_committed_records(kafka, topic, timeout)]
+
+
+def read_committed_records(kafka: str, topic: str, timeout: float = 120) -> list[Any]:
+    """Every record (kafka-python's, with its headers) a read_committed reader sees in ``topic``, up to
+    its last stable offset."""
     consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
                              group_id=None, consumer_timeout_ms=1000)
     try:
@@ -156,12 +162,12 @@ def read_committed(kafka: str, topic: str, timeout: float = 120) -> list[tuple[b
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
-        out: list[tuple[bytes | None, bytes]] = []
+        out: list[Any] = []
         deadline = time.monotonic() + timeout
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             assert time.monotonic() < deadline, f"reading {topic} took too long"
             for records in consumer.poll(timeout_ms=500).values():
-                out.extend((r.key, r.value) for r in records)
+                out.extend(records)
         return out
     finally:
         consumer.close()

@@ -5,36 +5,14 @@ Spring Kafka's ``kafka_dlt-*`` headers), across a SIGKILL of the worker; the dat
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kafka import KafkaConsumer, TopicPartition
 
-from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import assert_exactly_once, effects, read_committed_records, stored_offsets, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def read_with_headers(kafka: str, topic: str, expected: int, timeout: float = 90) -> list[Any]:
-    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False,
-                             group_id=None, consumer_timeout_ms=1000)
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        out: list[Any] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < expected and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=500).values():
-                out.extend(records)
-        time.sleep(1)
-        for records in consumer.poll(timeout_ms=1000).values():  # a duplicate would be here
-            out.extend(records)
-        return out
-    finally:
-        consumer.close()
 
 
 def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
@@ -71,7 +49,15 @@ def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
     engine.dispose()
     assert set(letters) == {sent[i] for i in bad}
 
-    records = read_with_headers(kafka, dlt, expected=len(bad))
+    def published() -> bool:
+        engine = sa.create_engine(pg_dsn)
+        try:
+            with engine.connect() as conn:
+                return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
+        finally:
+            engine.dispose()
+    wait_until(published, 90, interval=0.5, what="every letter's record published")
+    records = read_committed_records(kafka, dlt)
     by_source = {}
     for r in records:
         headers = dict(r.headers)
