@@ -40,7 +40,7 @@ from kstore.kafka.seam import ConsumerSource
 from kstore.processor import Processor
 from kstore.retry import DeserializationError, Failure, Retry
 from kstore.running.handler import NOT_THE_MESSAGE, Concurrency, Outgoing, run_handler
-from kstore.running.hooks import call_hook, is_async_processor
+from kstore.running.hooks import call_hook, dead_letter_topic, is_async_processor
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
@@ -178,8 +178,7 @@ class Batches:
                      and processor.key_format == "bytes" and processor.value_format == "bytes")
         self._dead_letters = deadletters.build_table(settings.table_prefix, settings.schema)
         #: Where each new dead letter is also produced, through the outbox in its transaction (None: nowhere).
-        chosen = settings.dead_letter_topic if settings.dead_letter_topic is not None else processor.dead_letter_topic
-        self.dead_letter_topic = chosen or None
+        self.dead_letter_topic = dead_letter_topic(processor, settings)
         if self.dead_letter_topic is not None and outbox is None:
             raise ProcessorContractError("dead_letter_topic needs the outbox: this runner has none")
         #: True while a batch's transaction is open (for the CLI's shutdown timeout).
@@ -454,12 +453,20 @@ class Batches:
         return True
 
     def _write_letter(self, conn: Connection, record: Record, failure: Failure) -> None:
-        """A dead letter, and (new, with a dead-letter topic) its topic's record in the outbox, in ``conn``'s
-        transaction. A letter already waiting for the message took the new failure: its record was produced."""
-        if deadletters.write(conn, self._dead_letters, self.group, record, failure) and self.dead_letter_topic:
+        """A dead letter alone in its transaction, and its topic's record (if any) in the outbox."""
+        produced = self._letter(conn, record, failure)
+        if produced is not None:
             assert self.outbox is not None
-            self.outbox.write(conn, [deadletters.topic_record(self.dead_letter_topic, self.group, record, failure)])
+            self.outbox.write(conn, [produced])
             self._produced_now = 1
+
+    def _letter(self, conn: Connection, record: Record, failure: Failure) -> Produced | None:
+        """Write a dead letter in ``conn``'s transaction; its dead-letter topic's record, to produce in that
+        transaction, if there is a topic and the letter is new (a letter already waiting for the message
+        took the new failure: its record was produced then)."""
+        if deadletters.write(conn, self._dead_letters, self.group, record, failure) and self.dead_letter_topic:
+            return deadletters.topic_record(self.dead_letter_topic, self.group, record, failure)
+        return None
 
     def _count_letters(self, records: Sequence[Record], letters: Sequence[tuple[Record, Failure]]) -> None:
         """A batch of ``records`` committed with ``letters`` dead-lettered: past the breaker's limits
@@ -550,10 +557,9 @@ class Batches:
             failure = Failure(final=True)
             failure.record(error)
             letters.append((record, failure))
-            written = deadletters.write(conn, self._dead_letters, self.group, record, failure)
-            if written and self.dead_letter_topic and outgoing is not None:
-                # With the batch's own records, written last before the offsets.
-                outgoing.records.append(deadletters.topic_record(self.dead_letter_topic, self.group, record, failure))
+            produced = self._letter(conn, record, failure)
+            if produced is not None and outgoing is not None:
+                outgoing.records.append(produced)  # with the batch's own records, written last before the offsets
         rejected = {index for index, _ in rejects}
         return [m for i, m in enumerate(decoded.msgs) if i not in rejected]
 

@@ -49,7 +49,7 @@ from kstore.kafka.seam import ConsumerSource, EventKind, PartitionCounts
 from kstore.processor import Processor
 from kstore.running.concurrency import close_loop
 from kstore.running.handler import produce_check
-from kstore.running.hooks import call_hook, call_setup, check_processor, declared_topics
+from kstore.running.hooks import call_hook, call_setup, check_processor, dead_letter_topic, declared_topics
 from kstore.schemas.formats import bind as bind_formats
 from kstore.settings import Settings
 from kstore.targets import Target
@@ -211,10 +211,9 @@ class Worker:
         topics are (a topic made later is found: a missing one is looked up again at each attempt)."""
         declared = {topic: f"declared in {type(self.processor).__name__}.produces"
                     for topic in declared_topics(self.processor) or ()}
-        dead_letter_topic = (self.settings.dead_letter_topic if self.settings.dead_letter_topic is not None
-                             else self.processor.dead_letter_topic)
-        if dead_letter_topic:
-            declared[dead_letter_topic] = "the dead-letter topic"
+        letters_topic = dead_letter_topic(self.processor, self.settings)
+        if letters_topic is not None:
+            declared[letters_topic] = "the dead-letter topic"
         for topic, why in sorted(declared.items()):
             count = partitions.count(topic)
             if count is None:

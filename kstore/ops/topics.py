@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kstore.errors import ConfigurationError
 from kstore.kafka.clients import admin_reader
 from kstore.processor import Processor
-from kstore.running.hooks import declared_topics
+from kstore.running.hooks import dead_letter_topic, declared_topics
 from kstore.settings import Settings
 
 
@@ -35,9 +35,9 @@ def _roles(settings: Settings, processor: Processor) -> dict[str, str]:
     roles = {t: "input" for t in inputs}
     for topic in outputs:
         roles[topic] = "input, output" if topic in roles else "output"
-    dead_letters = settings.dead_letter_topic if settings.dead_letter_topic is not None else processor.dead_letter_topic
-    if dead_letters:
-        roles[dead_letters] = "dead letters"
+    letters_topic = dead_letter_topic(processor, settings)
+    if letters_topic is not None:
+        roles[letters_topic] = "dead letters"
     if not roles:
         raise ConfigurationError(f"{type(processor).__name__} declares no topics (topics = [...], produces = [...])")
     return roles

@@ -26,6 +26,8 @@ from .concurrency import is_async, run_on_loop
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+    from kstore.settings import Settings
+
 #: What a hook returned, refused if awaitable: the processor's own check (its default
 #: ``handle_batch`` makes it on each ``handle``), which kstore makes on every hook it calls.
 check_returned = _check_returned
@@ -58,6 +60,13 @@ def declared_topics(processor: Processor) -> frozenset[str] | None:
         raise ConfigurationError(f"{type(processor).__name__}.produces must be a list of topic names, "
                                  f"got {produces!r}")
     return frozenset(produces)
+
+
+def dead_letter_topic(processor: Processor, settings: Settings) -> str | None:
+    """The topic each new dead letter is also produced to: the setting's if set (``""``: none), else the
+    processor's; None if neither names one."""
+    chosen = settings.dead_letter_topic if settings.dead_letter_topic is not None else processor.dead_letter_topic
+    return chosen or None
 
 
 #: The hooks kstore calls; none may be ``async def`` (kstore would get a coroutine it never runs)...
