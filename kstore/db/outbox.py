@@ -112,7 +112,7 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTa
             Column("shard", Integer, primary_key=True, autoincrement=False),
             Column("owner", String(255), nullable=True),
             Column("epoch", BigInteger, nullable=False),
-            Column("lease_until", Float, nullable=False),
+            Column("lease_expires", Float, nullable=False),
             Column("published_seq", BigInteger, nullable=False),
             Column("updated_at", DateTime(timezone=True), nullable=False),
         ),
@@ -205,7 +205,7 @@ class Outbox:
                     {"consumer_group": self.group, "shard": s, "next_seq": 1, "incarnation": incarnation}
                     for s in range(wanted)])
                 conn.execute(insert(t.relays), [
-                    {"consumer_group": self.group, "shard": s, "owner": None, "epoch": 0, "lease_until": 0.0,
+                    {"consumer_group": self.group, "shard": s, "owner": None, "epoch": 0, "lease_expires": 0.0,
                      "published_seq": 0, "updated_at": stamp} for s in range(wanted)])
                 have = wanted
         self.shards = int(have)
@@ -288,13 +288,13 @@ class Outbox:
             for shard, epoch in held.items():
                 renewed = conn.execute(
                     update(r).where(r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member,
-                                    r.c.epoch == epoch).values(lease_until=clock + lease_s))
+                                    r.c.epoch == epoch).values(lease_expires=clock + lease_s))
                 if renewed.rowcount == 1:
                     kept.add(shard)
             alive = {row.member: 0 for row in conn.execute(
                 select(m.c.member).where(m.c.consumer_group == self.group, m.c.seen_until >= clock))}
             for row in conn.execute(select(r.c.owner, func.count().label("n")).where(
-                    r.c.consumer_group == self.group, r.c.owner.is_not(None), r.c.lease_until >= clock)
+                    r.c.consumer_group == self.group, r.c.owner.is_not(None), r.c.lease_expires >= clock)
                     .group_by(r.c.owner)):
                 if row.owner in alive:
                     alive[row.owner] = int(row.n)
@@ -308,8 +308,8 @@ class Outbox:
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
             row = conn.execute(
                 update(r).where(r.c.consumer_group == self.group, r.c.shard == shard,
-                                or_(r.c.owner.is_(None), r.c.lease_until < clock, r.c.owner == member))
-                .values(owner=member, epoch=r.c.epoch + 1, lease_until=clock + lease_s, updated_at=now())
+                                or_(r.c.owner.is_(None), r.c.lease_expires < clock, r.c.owner == member))
+                .values(owner=member, epoch=r.c.epoch + 1, lease_expires=clock + lease_s, updated_at=now())
                 .returning(r.c.epoch)
             ).first()
         return None if row is None else int(row.epoch)
@@ -320,14 +320,14 @@ class Outbox:
         with self.engine.connect() as conn:
             return conn.execute(select(r.c.shard).where(
                 r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member, r.c.epoch == epoch,
-                r.c.lease_until >= self._clock())).first() is not None
+                r.c.lease_expires >= self._clock())).first() is not None
 
     def free_shards(self) -> list[int]:
         """Shards no live relay holds (free, or their lease ran out), lowest first."""
         r = self.tables.relays
         with self.engine.connect() as conn:
             rows = conn.execute(select(r.c.shard).where(
-                r.c.consumer_group == self.group, or_(r.c.owner.is_(None), r.c.lease_until < self._clock()))
+                r.c.consumer_group == self.group, or_(r.c.owner.is_(None), r.c.lease_expires < self._clock()))
                 .order_by(r.c.shard)).all()
         return [int(row.shard) for row in rows]
 
@@ -336,7 +336,7 @@ class Outbox:
         r = self.tables.relays
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
             conn.execute(update(r).where(r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member,
-                                         r.c.epoch == epoch).values(owner=None, lease_until=0.0, updated_at=now()))
+                                         r.c.epoch == epoch).values(owner=None, lease_expires=0.0, updated_at=now()))
 
     def expire(self, members: Iterable[str]) -> dict[int, str]:
         """End the leases of relays known to be gone (their worker left the Kafka group), so live
@@ -352,8 +352,8 @@ class Outbox:
         clock = self._clock()
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
             freed = conn.execute(
-                update(r).where(r.c.consumer_group == self.group, r.c.owner.in_(gone), r.c.lease_until >= clock)
-                .values(lease_until=0.0, updated_at=now()).returning(r.c.shard, r.c.owner)).all()
+                update(r).where(r.c.consumer_group == self.group, r.c.owner.in_(gone), r.c.lease_expires >= clock)
+                .values(lease_expires=0.0, updated_at=now()).returning(r.c.shard, r.c.owner)).all()
             conn.execute(delete(m).where(m.c.consumer_group == self.group, m.c.member.in_(gone)))
         return {int(row.shard): str(row.owner) for row in freed}
 
@@ -420,12 +420,12 @@ class Outbox:
                 select(o.c.shard, func.count().label("n"), func.min(o.c.created_at).label("oldest"))
                 .where(o.c.consumer_group == self.group).group_by(o.c.shard))}
             rows = conn.execute(
-                select(s.c.shard, s.c.next_seq, r.c.published_seq, r.c.owner, r.c.epoch, r.c.lease_until)
+                select(s.c.shard, s.c.next_seq, r.c.published_seq, r.c.owner, r.c.epoch, r.c.lease_expires)
                 .join(r, (r.c.consumer_group == s.c.consumer_group) & (r.c.shard == s.c.shard))
                 .where(s.c.consumer_group == self.group).order_by(s.c.shard)).all()
         return [ShardState(int(row.shard), int(row.next_seq), int(row.published_seq),
                            *waiting.get(row.shard, (0, None)), row.owner, int(row.epoch),
-                           max(0.0, float(row.lease_until) - float(clock)))
+                           max(0.0, float(row.lease_expires) - float(clock)))
                 for row in rows]
 
     def backlog(self) -> tuple[int, datetime | None]:

@@ -298,7 +298,7 @@ def test_relays_share_the_shards_and_a_lease_taken_over_fences_the_old_holder(
     shard = one.shards_held[0]
     stale = one._held[shard].epoch
     with engine.connect() as conn, conn.begin():
-        conn.execute(sa.text("UPDATE kstore_outbox_relays SET lease_until = 0 WHERE shard = :s"), {"s": shard})
+        conn.execute(sa.text("UPDATE kstore_outbox_relays SET lease_expires = 0 WHERE shard = :s"), {"s": shard})
     assert two.outbox.claim(two.member, shard, 3) == stale + 1
     assert not one.outbox.mark_published(shard, stale, one.member, 0)
     assert not one.outbox.holds(one.member, shard, stale)
