@@ -40,7 +40,15 @@ from kstore.db.outbox import Listener, Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.errors import BrokerError
 from kstore.kafka.clients import admin_reader, publisher_class
-from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, ShardPublisher
+from kstore.kafka.seam import (
+    PROGRESS_TOPIC_CONFIG,
+    AdminReader,
+    Fenced,
+    GroupReader,
+    PublishFailed,
+    ShardPublisher,
+    progress_topic,
+)
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 
@@ -130,8 +138,9 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._publisher_class = publisher_class(settings.relay_client)
         #: The shards' progress and the group's members, asked on the relay's client (made when first needed).
-        self._admin: GroupReader | None = None
+        self._admin: AdminReader | None = None
         self._admin_lock = threading.Lock()
+        self._progress_topic_ready = False
         self._listener: Listener | None = None
         self._next_heartbeat = 0.0
         self._delay, self._not_before = RETRY_DELAY_S, 0.0
@@ -198,6 +207,24 @@ class Relay:
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
+
+    def _ensure_progress_topic(self) -> None:
+        """Make the group's progress topic (:func:`~kstore.kafka.seam.progress_topic`) if the cluster has
+        none, before the first shard's publisher starts: a partition per shard, compacted. A topic with
+        fewer partitions (the shards were made anew, more of them) is given more: a shard's partition
+        is its number, so the others' stay where they are. (Callers hold ``_admin_lock``.)"""
+        if self._progress_topic_ready:
+            return
+        topic, shards = progress_topic(self.group), self.outbox.shards
+        reader = self._reader()
+        created, counts = reader.create_missing([topic], shards, None, PROGRESS_TOPIC_CONFIG)
+        if created:
+            log.info("created the outbox's progress topic %r: %d partition(s), compacted", topic, shards)
+        elif counts.get(topic, 0) < shards:
+            log.info("the outbox's progress topic %r has %d partition(s); adding partitions for %d shards", topic,
+                     counts.get(topic, 0), shards)
+            reader.add_partitions(topic, shards)
+        self._progress_topic_ready = True
 
     def liveness(self) -> tuple[bool, str]:
         """Healthy while the lease loop keeps turning (it turns at least every lease/3 seconds) and
@@ -525,6 +552,8 @@ class Relay:
             state.lost = True
             raise _LostShard()
         marked, incarnation = self.outbox.published_mark(shard)
+        with self._admin_lock:
+            self._ensure_progress_topic()
         publisher = self._publisher_class(self.settings, self.group, shard,
                                           self.settings.outbox_max_record_bytes, incarnation)
         try:
@@ -540,7 +569,7 @@ class Relay:
         # this fail, the shard publishes on after its backoff, and marks with its next transaction.)
         self._mark(state, due=True)
 
-    def _reader(self) -> GroupReader:
+    def _reader(self) -> AdminReader:
         """The relay's :class:`GroupReader` (callers hold ``_admin_lock``). It does not ask again after a
         "not now": the shard backs off and tries again (and the group is described again) by itself."""
         if self._admin is None:

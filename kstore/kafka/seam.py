@@ -8,7 +8,9 @@ Nothing here imports a client library: a module above the Kafka side imports thi
 from __future__ import annotations
 
 import logging
+import re
 import time
+import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -104,8 +106,78 @@ def offsets_refused(servers: str, group: str, reasons: str) -> BrokerError:
 
 
 def shard_id(group: str, shard: int) -> str:
-    """The shard's transactional id and progress group: stable, so a new owner fences the old."""
+    """The shard's transactional id (and the group of its progress marks before they moved to
+    :func:`progress_topic`): stable, so a new owner fences the old."""
     return f"kstore-outbox.{group}.{shard}"
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def progress_topic(group: str) -> str:
+    """The compacted topic of a group's outbox progress: partition ``n`` is shard ``n``'s, and its last
+    record holds the last ``seq`` a committed transaction of that shard published (:func:`progress_mark`).
+
+    ``kstore-outbox-progress.<group>``; a group name a topic cannot carry is made safe and told apart
+    from others by its checksum."""
+    name = f"kstore-outbox-progress.{group}"
+    if _TOPIC_NAME.fullmatch(name):
+        return name
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", group)[:200]
+    return f"kstore-outbox-progress.{safe}-{zlib.crc32(group.encode()):08x}"
+
+
+#: The progress topic's configuration. Compacted: a shard's last mark is kept however long the shard
+#: stays idle (a deleted one would make the next owner publish again what it covered). Its segments
+#: roll hourly, so compaction has old ones to clean.
+PROGRESS_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000"}
+
+
+def progress_mark(incarnation: str, seq: int) -> tuple[bytes, bytes]:
+    """The key and value of a shard's progress record: ``seq`` after the shards' incarnation (marks
+    left by shards made before, in another database or before they were made anew, count for nothing)."""
+    return b"progress", f"{incarnation}/{seq}".encode()
+
+
+def read_progress_mark(value: bytes | None, incarnation: str) -> int:
+    """The ``seq`` of a progress record of this incarnation; 0 for none, or another incarnation's."""
+    if value is None:
+        return 0
+    found, _, seq = value.decode(errors="replace").partition("/")
+    return int(seq) if found == incarnation and seq.isdigit() else 0
+
+
+#: A partition's last record is looked for among its last TAIL_FIRST offsets, then, each time none
+#: is found there (aborted transactions, their markers), TAIL_GROWTH times further back.
+TAIL_FIRST = 4
+TAIL_GROWTH = 8
+
+
+def tail_value(tp: TP, bounds: tuple[int, int], read: Callable[[TP, int, int], list[bytes | None]]) -> bytes | None:
+    """The value of a partition's last committed record: ``read(tp, first, end)`` gives the values of the
+    committed records from ``first`` up to ``end`` (the partition's ``bounds``: log start, last stable
+    offset); it is asked of the last few offsets first, then further back, until a record is found."""
+    start, end = bounds
+    back = TAIL_FIRST
+    while end > start:
+        first = max(start, end - back)
+        values = read(tp, first, end)
+        if values:
+            return values[-1]
+        if first == start:
+            break
+        back *= TAIL_GROWTH
+    return None
+
+
+def shard_progress(reader: GroupReader, group: str, shard: int, incarnation: str, timeout_s: float) -> int:
+    """The highest ``seq`` a committed transaction of the shard published (0: none yet): its last
+    record in :func:`progress_topic`, or a mark a relay of an earlier version committed as the offset
+    of the shard's own group (:func:`progress_of`), whichever is further. Both are read once, when a
+    publisher starts on the shard (after its ``init_transactions`` settled the last owner's transaction)."""
+    tp = (progress_topic(group), shard)
+    in_topic = read_progress_mark(reader.last_values([tp], timeout_s).get(tp), incarnation)
+    return max(in_topic, progress_of(reader, shard_id(group, shard), f"{incarnation}/"))
 
 
 #: A refused partition's offset when the client has no position for it at all.
@@ -238,6 +310,12 @@ class GroupReader(Protocol):
         """The group's live members and whether it is settled. Raises BrokerError."""
         ...
 
+    def last_values(self, tps: Sequence[TP], timeout_s: float) -> dict[TP, bytes | None]:
+        """The value of each partition's last committed record (read as ``read_committed``: records of
+        aborted or open transactions are not seen; None: the partition has none). Raises BrokerError,
+        also when the records were not read within ``timeout_s``."""
+        ...
+
     def close(self) -> None:
         """Close its clients; a later question opens them again."""
         ...
@@ -284,10 +362,15 @@ class AdminReader(GroupReader, Protocol):
         """Each topic's partitions, 0 for a topic the cluster does not have (never created by asking)."""
         ...
 
-    def create_missing(self, topics: Sequence[str], partitions: int | None,
-                       replication_factor: int | None) -> tuple[list[str], dict[str, int]]:
-        """Create those of ``topics`` the cluster does not have (None: the brokers' defaults) and wait
-        until each has its leaders. Returns the topics created and every topic's partitions afterwards."""
+    def create_missing(self, topics: Sequence[str], partitions: int | None, replication_factor: int | None,
+                       config: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, int]]:
+        """Create those of ``topics`` the cluster does not have (None: the brokers' defaults), with
+        ``config`` as their topic configuration, and wait until each has its leaders. Returns the
+        topics created and every topic's partitions afterwards."""
+        ...
+
+    def add_partitions(self, topic: str, total: int) -> None:
+        """Give ``topic`` partitions up to ``total`` in all, and wait until each has its leader."""
         ...
 
 
@@ -296,9 +379,11 @@ class ShardPublisher(Protocol):
 
     Made by a :class:`PublisherFactory`, which initialises the shard's transactional id
     (:func:`shard_id`): that finishes or aborts the last owner's open transaction and fences its
-    producer. Each :meth:`publish` commits its rows and the shard's progress mark (the last
-    ``seq``, as the offset metadata ``<incarnation>/<seq>`` of the progress group) in one Kafka
-    transaction, so the progress is never ahead of or behind what was published.
+    producer. Each :meth:`publish` commits its rows and the shard's progress mark (a record of the
+    last ``seq`` in the shard's partition of :func:`progress_topic`: :func:`progress_mark`) in one
+    Kafka transaction, so the progress is never ahead of or behind what was published. (The mark
+    is a record, not an offset committed with ``send_offsets_to_transaction``: that added two
+    round trips to the group coordinator to every transaction.)
     """
 
     ident: str

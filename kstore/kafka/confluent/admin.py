@@ -27,12 +27,12 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]  # not in its __all__
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic, OffsetSpec  # type: ignore[attr-defined]  # not in its __all__
 
 from kstore.errors import BrokerError, ConfigurationError
 from kstore.kafka.asking import Asker, Failure
 from kstore.kafka.options import DEFAULT_ISOLATION_LEVEL
-from kstore.kafka.seam import Committed, GroupMember, GroupView, committed_metadata, offsets_refused
+from kstore.kafka.seam import Committed, GroupMember, GroupView, committed_metadata, offsets_refused, tail_value
 from kstore.kafka.security import probe_config
 from kstore.settings import Settings
 from kstore.types import TopicPartition as TP
@@ -68,6 +68,7 @@ class ConfluentAdmin:
         self._ask = Asker(settings.bootstrap_servers, patience, _failure, sleep=sleep, clock=clock)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
+        self._tail_consumer: Consumer | None = None
         #: The brokers refused the SASL login: librdkafka says so to its error callback only, and its
         #: requests time out; the next failed request says why instead.
         self._refused_login: KafkaError | None = None
@@ -97,6 +98,17 @@ class ConfluentAdmin:
                       "queued.max.messages.kbytes": 1024, "fetch.wait.max.ms": 100, "logger": _DebugLog()}
             self._consumer = _made(lambda: Consumer(config))
         return self._consumer
+
+    def _tail_reader(self) -> Consumer:
+        """A consumer for :meth:`last_values`: always ``read_committed`` (whatever the Kafka options say),
+        and told when it has read up to a partition's end."""
+        if self._tail_consumer is None:
+            config = {**checked_config(self.settings, self._config), "group.id": "kstore-admin",
+                      "enable.auto.commit": False, "enable.auto.offset.store": False,
+                      "allow.auto.create.topics": False, "isolation.level": "read_committed",
+                      "enable.partition.eof": True, "fetch.wait.max.ms": 100, "logger": _DebugLog()}
+            self._tail_consumer = _made(lambda: Consumer(config))
+        return self._tail_consumer
 
     def _wait(self, future: concurrent.futures.Future[_T]) -> _T:
         """A request's answer; one that does not come within twice its timeout counts as the brokers away.
@@ -186,6 +198,39 @@ class ConfluentAdmin:
             consumer.unassign()
         return found
 
+    def last_values(self, tps: Sequence[TP], timeout_s: float) -> dict[TP, bytes | None]:
+        return self._ask(f"read the last record of {len(tps)} partition(s)", lambda: self._last_values(tps, timeout_s))
+
+    def _last_values(self, tps: Sequence[TP], timeout_s: float) -> dict[TP, bytes | None]:
+        consumer, deadline = self._tail_reader(), time.monotonic() + timeout_s
+
+        def read(tp: TP, first: int, end: int) -> list[bytes | None]:
+            consumer.assign([TopicPartition(tp[0], tp[1], first)])
+            values: list[bytes | None] = []
+            try:
+                while (left := deadline - time.monotonic()) > 0:
+                    for msg in consumer.consume(num_messages=500, timeout=min(left, 1.0)):
+                        error = msg.error()
+                        if error is not None:
+                            if error.code() == KafkaError._PARTITION_EOF:
+                                return values
+                            raise KafkaException(error)
+                        offset = msg.offset() or 0
+                        if offset < end:
+                            values.append(msg.value())
+                        if offset >= end - 1:
+                            return values
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{tp[0]}[{tp[1]}] not read in {timeout_s:g}s"))
+            finally:
+                consumer.unassign()
+
+        found: dict[TP, bytes | None] = {}
+        for tp in tps:
+            left = max(0.1, deadline - time.monotonic())
+            low, high = consumer.get_watermark_offsets(TopicPartition(*tp), timeout=left, cached=False)
+            found[tp] = tail_value(tp, (low, high), read)
+        return found
+
     # -- groups -----------------------------------------------------------------------------------
 
     def group_view(self, group: str) -> GroupView:
@@ -257,13 +302,13 @@ class ConfluentAdmin:
                 counts[topic] = 0
         return {topic: counts[topic] for topic in topics}
 
-    def create_missing(self, topics: Sequence[str], partitions: int | None,
-                       replication_factor: int | None) -> tuple[list[str], dict[str, int]]:
+    def create_missing(self, topics: Sequence[str], partitions: int | None, replication_factor: int | None,
+                       config: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, int]]:
         missing = [t for t, n in self.partition_counts(topics).items() if n == 0]
         if missing:
             futures = self._ask("create topics", lambda: self._admin_client().create_topics(
-                [NewTopic(t, num_partitions=partitions or -1, replication_factor=replication_factor or -1)
-                 for t in missing], request_timeout=self._timeout))
+                [NewTopic(t, num_partitions=partitions or -1, replication_factor=replication_factor or -1,
+                          config=dict(config or {})) for t in missing], request_timeout=self._timeout))
             refused = []
             for topic, future in futures.items():
                 try:
@@ -276,6 +321,13 @@ class ConfluentAdmin:
                                   + "; ".join(f"{name!r}: {why}" for name, why in refused))
             self._wait_for_leaders(missing)
         return missing, self.partition_counts(topics)
+
+    def add_partitions(self, topic: str, total: int) -> None:
+        futures = self._ask(f"add partitions to {topic!r}", lambda: self._admin_client().create_partitions(
+            [NewPartitions(topic, total)], request_timeout=self._timeout))
+        for future in futures.values():
+            self._wait(future)
+        self._wait_for_leaders([topic])
 
     def _wait_for_leaders(self, topics: Sequence[str]) -> None:
         deadline = time.monotonic() + CREATED_WAIT_S
@@ -294,9 +346,12 @@ class ConfluentAdmin:
 
     def close(self) -> None:
         """Close the consumer (after an outage too: nothing to save); the next question opens them again."""
-        consumer, self._consumer = self._consumer, None
+        consumers = (self._consumer, self._tail_consumer)
+        self._consumer = self._tail_consumer = None
         self._admin = None  # confluent-kafka's AdminClient has no close: its handle goes with it
-        if consumer is not None:
+        for consumer in consumers:
+            if consumer is None:
+                continue
             try:
                 consumer.close()
             except Exception:  # closing after an outage: nothing to save

@@ -1,7 +1,7 @@
 """The outbox relay's publisher on librdkafka (confluent-kafka): :class:`kstore.kafka.seam.ShardPublisher`,
 whose docstring says what a shard's transaction holds (its records and its progress mark) and how a
 zombie is fenced. Its progress is read by the relay's :class:`~kstore.kafka.seam.GroupReader`
-(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it).
+(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it): :func:`kstore.kafka.seam.shard_progress`.
 
 Why librdkafka: kafka-python encodes, batches and compresses every record in Python, on the
 interpreter the worker's batches run on, and a relay inside a worker waited on that (a
@@ -21,7 +21,15 @@ from typing import Any
 import confluent_kafka
 
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
+from kstore.kafka.seam import (
+    Fenced,
+    GroupReader,
+    PublishFailed,
+    progress_mark,
+    progress_topic,
+    shard_id,
+    shard_progress,
+)
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -40,7 +48,8 @@ class ConfluentShardPublisher:
     def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
         self.ident = shard_id(group, shard)
-        self._mark = f"{incarnation}/"
+        self._group, self._shard, self._incarnation = group, shard, incarnation
+        self._progress_topic = progress_topic(group)
         base = client_config(settings)
         config = dict(base)
         config.update({
@@ -68,11 +77,6 @@ class ConfluentShardPublisher:
         })
         try:
             self._producer: Any = confluent_kafka.Producer(config)
-            # The progress group's metadata for send_offsets_to_transaction (no member, no
-            # generation: the transactional id alone fences, as with kafka-python).
-            self._meta_consumer: Any = confluent_kafka.Consumer(
-                {**base, "group.id": self.ident, "enable.auto.commit": False, "logger": log})
-            self._group_meta = self._meta_consumer.consumer_group_metadata()
         except confluent_kafka.KafkaException as exc:
             raise ConfigurationError(f"librdkafka configuration: {_text(exc)}") from None
         self._caller = _Caller(f"kstore-txn-{shard}")
@@ -90,13 +94,13 @@ class ConfluentShardPublisher:
 
     def progress(self, reader: GroupReader) -> int:
         """As :meth:`kstore.kafka.seam.ShardPublisher.progress` (the same marks on either client)."""
-        return progress_of(reader, self.ident, self._mark)
+        return shard_progress(reader, self._group, self._shard, self._incarnation, self.settings.connect_timeout_s)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         """As :meth:`kstore.kafka.seam.ShardPublisher.publish`.
 
-        The transaction runs on the publisher's own thread: librdkafka's send_offsets_to_transaction
-        can block for good, past its timeout, when the group coordinator it had cached went away
+        The transaction runs on the publisher's own thread: a librdkafka transactional call was
+        seen to block for good, past its timeout, when the coordinator it had cached went away
         (a broker restart). A transaction that has not returned long after its timeout fails with
         PublishFailed, and its producer is abandoned: the relay's next producer for the shard
         initialises the same transactional id, which fences it and aborts what it left open."""
@@ -109,28 +113,31 @@ class ConfluentShardPublisher:
 
     def _transaction(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         producer = self._producer
-        refused: list[tuple[int, str]] = []  # (seq, reason) of the records librdkafka could not deliver
+        refused: list[tuple[int | None, str]] = []  # (seq or None for the mark, reason) of records not delivered
         try:
             producer.begin_transaction()
             self._send(rows, refused)
-            last = rows[-1][0]
-            mark = confluent_kafka.TopicPartition(rows[0][1].topic, 0, last, progress_metadata(self._mark, last))
-            producer.send_offsets_to_transaction([mark], self._group_meta, timeout_s)
+            key, value = progress_mark(self._incarnation, rows[-1][0])
+            producer.produce(self._progress_topic, value=value, key=key, partition=self._shard,
+                             on_delivery=functools.partial(_note_refused, refused, None))
             producer.commit_transaction(timeout_s)
         except confluent_kafka.KafkaException as exc:
             if _fenced(exc):
                 raise Fenced(_text(exc)) from None
             self._abort(timeout_s)
-            if refused:
-                seq, reason = refused[0]
+            rows_refused = [(seq, reason) for seq, reason in refused if seq is not None]
+            if rows_refused:
+                seq, reason = rows_refused[0]
                 raise PublishFailed(f"row {seq}: {reason}", seq) from None
+            if refused:
+                raise PublishFailed(f"the progress record: {refused[0][1]}") from None
             raise PublishFailed(_text(exc)) from None
         except PublishFailed:
             self._abort(timeout_s)
             raise
         # Committed: librdkafka commits only when every record of the transaction was delivered.
 
-    def _send(self, rows: Sequence[tuple[int, Produced]], refused: list[tuple[int, str]]) -> None:
+    def _send(self, rows: Sequence[tuple[int, Produced]], refused: list[tuple[int | None, str]]) -> None:
         producer = self._producer
         for seq, r in rows:
             try:
@@ -153,12 +160,6 @@ class ConfluentShardPublisher:
         caller = getattr(self, "_caller", None)
         if caller is not None:
             caller.stop()
-        consumer = getattr(self, "_meta_consumer", None)
-        if consumer is not None:
-            try:
-                consumer.close()
-            except Exception as exc:
-                log.debug("closing %s's group metadata consumer failed: %s", self.ident, exc)
         producer = getattr(self, "_producer", None)
         if producer is not None:
             # librdkafka has no close: what is queued is dropped with the handle (an open
@@ -212,7 +213,7 @@ class _Result:
         self.error: BaseException | None = None
 
 
-def _note_refused(refused: list[tuple[int, str]], seq: int, err: Any, _msg: Any) -> None:
+def _note_refused(refused: list[tuple[int | None, str]], seq: int | None, err: Any, _msg: Any) -> None:
     """A record's delivery report (librdkafka sends only failures: delivery.report.only.error)."""
     if err is not None:
         refused.append((seq, err.str()))

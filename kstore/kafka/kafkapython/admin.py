@@ -10,6 +10,7 @@ after asking again while it is transient (:mod:`kstore.kafka.asking`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from kafka import OffsetAndMetadata, TopicPartition
 from kafka.errors import (
     BrokerResponseError,
     KafkaError,
+    KafkaTimeoutError,
     NoError,
     NotCoordinatorError,
     TopicAlreadyExistsError,
@@ -28,7 +30,7 @@ from kafka.errors import (
 
 from kstore.errors import BrokerError
 from kstore.kafka.asking import Asker, Failure
-from kstore.kafka.seam import Committed, GroupView, committed_metadata, offsets_refused
+from kstore.kafka.seam import Committed, GroupView, committed_metadata, offsets_refused, tail_value
 from kstore.settings import Settings
 from kstore.types import TopicPartition as TP
 
@@ -58,6 +60,7 @@ class KafkaPythonAdmin:
         patience = settings.connect_timeout_s if patience_s is None else patience_s
         self._ask = Asker(settings.bootstrap_servers, patience, _failure, sleep=sleep, clock=clock)
         self._consumer: Any = None
+        self._tail_consumer: Any = None
         self._admin: Any = None
 
     # -- the clients, made when first needed ------------------------------------------------------
@@ -70,6 +73,14 @@ class KafkaPythonAdmin:
                                            allow_auto_create_topics=False, auto_offset_reset="earliest",
                                            **self._request_timeout, **_FETCH_CONFIG)
         return self._consumer
+
+    def _tail_reader(self) -> Any:
+        """A consumer for :meth:`last_values`: always ``read_committed``, whatever the Kafka options say."""
+        if self._tail_consumer is None:
+            self._tail_consumer = open_consumer(self.settings, group_id=None, enable_auto_commit=False,
+                                                allow_auto_create_topics=False, isolation_level="read_committed",
+                                                fetch_max_wait_ms=100, **self._request_timeout)
+        return self._tail_consumer
 
     def _admin_client(self) -> Any:
         if self._admin is None:
@@ -132,6 +143,36 @@ class KafkaPythonAdmin:
             consumer.unsubscribe()
         return found
 
+    def last_values(self, tps: Sequence[TP], timeout_s: float) -> dict[TP, bytes | None]:
+        return self._ask(f"read the last record of {len(tps)} partition(s)", lambda: self._last_values(tps, timeout_s))
+
+    def _last_values(self, tps: Sequence[TP], timeout_s: float) -> dict[TP, bytes | None]:
+        consumer, deadline = self._tail_reader(), time.monotonic() + timeout_s
+
+        def read(tp: TP, first: int, end: int) -> list[bytes | None]:
+            ktp = TopicPartition(*tp)
+            consumer.assign([ktp])
+            consumer.seek(ktp, first)
+            values: list[bytes | None] = []
+            try:
+                # The position moves past aborted records and transaction markers too.
+                while consumer.position(ktp) < end:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise KafkaTimeoutError(f"{tp[0]}[{tp[1]}] not read in {timeout_s:g}s")
+                    for records in consumer.poll(timeout_ms=max(1, int(min(left, 1.0) * 1000))).values():
+                        values.extend(r.value for r in records if r.offset < end)
+            finally:
+                consumer.unsubscribe()
+            return values
+
+        found: dict[TP, bytes | None] = {}
+        for tp in tps:
+            ktp = TopicPartition(*tp)
+            bounds = (consumer.beginning_offsets([ktp])[ktp], consumer.end_offsets([ktp])[ktp])
+            found[tp] = tail_value(tp, bounds, read)
+        return found
+
     # -- groups -----------------------------------------------------------------------------------
 
     def group_view(self, group: str) -> GroupView:
@@ -183,12 +224,12 @@ class KafkaPythonAdmin:
                 counts[topic] = len(entry.get("partitions") or ())
         return counts
 
-    def create_missing(self, topics: Sequence[str], partitions: int | None,
-                       replication_factor: int | None) -> tuple[list[str], dict[str, int]]:
+    def create_missing(self, topics: Sequence[str], partitions: int | None, replication_factor: int | None,
+                       config: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, int]]:
         missing = [t for t, n in self.partition_counts(topics).items() if n == 0]
         if missing:
-            spec = {t: {"num_partitions": partitions or -1, "replication_factor": replication_factor or -1}
-                    for t in missing}
+            spec = {t: {"num_partitions": partitions or -1, "replication_factor": replication_factor or -1,
+                        "configs": dict(config or {})} for t in missing}
             answer = self._ask("create topics", lambda: self._admin_client().create_topics(spec, raise_errors=False))
             refused = [(t["name"], t.get("error_message") or t["error_code"]) for t in answer.get("topics", [])
                        if t.get("error_code") not in (0, TopicAlreadyExistsError.errno)]
@@ -199,13 +240,19 @@ class KafkaPythonAdmin:
                       lambda: self._admin_client().wait_for_topics(missing, timeout_ms=CREATED_WAIT_MS))
         return missing, self.partition_counts(topics)
 
+    def add_partitions(self, topic: str, total: int) -> None:
+        self._ask(f"add partitions to {topic!r}", lambda: self._admin_client().create_partitions({topic: total}))
+        self._ask("wait for the new partitions' leaders",
+                  lambda: self._admin_client().wait_for_topics([topic], timeout_ms=CREATED_WAIT_MS))
+
     def close(self) -> None:
         """Close both clients (after an outage too: nothing to save); the next question opens them again."""
-        consumer, admin = self._consumer, self._admin
-        self._consumer = self._admin = None
+        consumer, tail, admin = self._consumer, self._tail_consumer, self._admin
+        self._consumer = self._tail_consumer = self._admin = None
         closers: list[Callable[[], None]] = []
-        if consumer is not None:
-            closers.append(lambda: consumer.close(autocommit=False))
+        for each in (consumer, tail):
+            if each is not None:
+                closers.append(functools.partial(each.close, autocommit=False))
         if admin is not None:
             closers.append(admin.close)
         for close in closers:

@@ -2,14 +2,13 @@
 records how far it published.
 
 **Progress lives in the Kafka transaction.** Each transaction that publishes a shard's rows
-also commits, through ``send_offsets_to_transaction``, an offset in a group of the shard's own
-(``kstore-outbox.<group>.<shard>``): on partition 0 of the first record's topic (a partition
-that exists, as the broker asks), the last ``seq`` published as the offset, and as metadata that
-``seq`` after the shards' incarnation (``<incarnation>/<seq>``, a random
-id made with the group's shards: marks left by shards made before, in another database or in
-this one before they were made anew, count for nothing here). The records and that mark commit
-together or not at all, so a relay killed between Kafka's commit and the database's "published"
-mark (only for clean-up) never publishes a row twice: the next owner reads the highest mark
+also writes a record to the shard's partition of the group's progress topic
+(:func:`kstore.kafka.seam.progress_topic`, compacted): the last ``seq`` published, after the
+shards' incarnation (``<incarnation>/<seq>``, a random id made with the group's shards: marks left
+by shards made before, in another database or in this one before they were made anew, count for
+nothing here). The records and that mark commit together or not at all, so a relay killed between
+Kafka's commit and the database's "published" mark (only for clean-up) never publishes a row
+twice: the next owner reads the partition's last committed record
 (:meth:`KafkaPythonShardPublisher.progress`).
 
 **Fencing.** The producer's ``transactional_id`` is stable per shard (the same string as the
@@ -24,17 +23,24 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kafka import KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 from kafka.errors import (
     InvalidProducerEpochError,
     KafkaError,
     ProducerFencedError,
     TransactionalIdAuthorizationFailedError,
 )
-from kafka.structs import OffsetAndMetadata
 
 from kstore.errors import BrokerError
-from kstore.kafka.seam import Fenced, GroupReader, PublishFailed, progress_metadata, progress_of, shard_id
+from kstore.kafka.seam import (
+    Fenced,
+    GroupReader,
+    PublishFailed,
+    progress_mark,
+    progress_topic,
+    shard_id,
+    shard_progress,
+)
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -55,7 +61,8 @@ class KafkaPythonShardPublisher:
     def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
         self.ident = shard_id(group, shard)
-        self._mark = f"{incarnation}/"
+        self._group, self._shard, self._incarnation = group, shard, incarnation
+        self._progress_topic = progress_topic(group)
         config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
         config.update(
             transactional_id=self.ident,
@@ -84,7 +91,7 @@ class KafkaPythonShardPublisher:
         Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
         owner's transaction: no commit of this shard can be pending any more.
         """
-        return progress_of(reader, self.ident, self._mark)
+        return shard_progress(reader, self._group, self._shard, self._incarnation, self.settings.connect_timeout_s)
 
     def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
         """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
@@ -96,16 +103,11 @@ class KafkaPythonShardPublisher:
         producer = self._producer
         try:
             producer.begin_transaction()
-            futures = [(seq, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
-                                           partition=r.partition)) for seq, r in rows]
-            # The progress mark goes while the records are on their way (its round trips overlap
-            # theirs): partition 0 of the first record's topic, which exists, with the seq as offset.
-            last = rows[-1][0]
-            # Ended by a NUL, as confluent-kafka's are (see progress_metadata): a reader on either client reads it.
-            metadata = progress_metadata(self._mark, last) + "\x00"
-            offsets = {TopicPartition(rows[0][1].topic, 0): OffsetAndMetadata(last, metadata, -1)}
-            self._bounded("send the progress mark", lambda tm: tm.send_offsets_to_transaction(offsets, self.ident),
-                          lambda: producer.send_offsets_to_transaction(offsets, self.ident), timeout_s)
+            futures: list[tuple[int | None, Any]] = [
+                (seq, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
+                                    partition=r.partition)) for seq, r in rows]
+            key, value = progress_mark(self._incarnation, rows[-1][0])
+            futures.append((None, producer.send(self._progress_topic, value=value, key=key, partition=self._shard)))
             producer.flush(timeout=timeout_s)
             # A row the broker refused first (kafka-python may still be retrying the others of its
             # request), then any row not acknowledged in time.
@@ -128,7 +130,7 @@ class KafkaPythonShardPublisher:
 
     def _bounded(self, what: str, start: Callable[[Any], Any], public: Callable[[], Any], timeout_s: float) -> None:
         """A transactional request, waited for at most ``timeout_s``: kafka-python's own
-        ``send_offsets_to_transaction``, ``commit_transaction`` and ``abort_transaction`` wait for
+        ``commit_transaction`` and ``abort_transaction`` wait for
         ever, and one that lost its broker mid-request (a restart) was seen never to end, holding
         its shard (and the lease the relay goes on renewing) for good. This starts the request as
         those methods do and bounds the wait; an unknown kafka-python without those parts gets the
@@ -158,13 +160,14 @@ class KafkaPythonShardPublisher:
             log.debug("closing %s's producer failed: %s", self.ident, exc)
 
 
-def _result(future: Any, seq: int) -> Any:
-    """A sent record's metadata, or :class:`PublishFailed` naming its row."""
+def _result(future: Any, seq: int | None) -> Any:
+    """A sent record's metadata, or :class:`PublishFailed` naming its row (None: the progress record)."""
+    what = "the progress record" if seq is None else f"row {seq}"
     if not future.is_done:
-        raise PublishFailed(f"row {seq} was not acknowledged in time")
+        raise PublishFailed(f"{what} was not acknowledged in time")
     if future.failed():
         exc = future.exception
-        raise PublishFailed(f"row {seq}: {type(exc).__name__}: {_first_line(exc)}", seq)
+        raise PublishFailed(f"{what}: {type(exc).__name__}: {_first_line(exc)}", seq)
     return future.value
 
 

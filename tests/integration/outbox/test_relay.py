@@ -1,5 +1,6 @@
 """The outbox and its relay, driven step by step in this process against real Kafka and PostgreSQL:
-numbering in commit order, progress kept in Kafka's transaction (and only this database's),
+numbering in commit order, progress kept in Kafka's transaction (and only this database's; marks
+left by relays of earlier versions read once),
 a relay stopped between Kafka's commit and the database's mark, leases and their fencing."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kstore.db.store import make_engine
 from kstore.engine import relay as relay_module
 from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
-from kstore.kafka.seam import Committed, highest_mark
+from kstore.kafka.seam import Committed, highest_mark, progress_topic, shard_id
 from kstore.types import Produced
 from tests.support.harness import read_committed, wait_until
 
@@ -200,7 +201,7 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
 
 def test_a_kafka_transaction_that_never_returns_stops_the_relay(
         engine: Any, pg_dsn: str, kafka: str, new_topic: Any, monkeypatch: Any) -> None:
-    """A publish stuck past its timeout (librdkafka's send_offsets_to_transaction was seen to hang
+    """A publish stuck past its timeout (a librdkafka transactional call was seen to hang
     after a broker restart) cannot be interrupted: the relay stops with RelayStuck, so its worker
     stops and its leases run out, rather than holding the shard unpublished for good."""
     out = new_topic(partitions=1)
@@ -364,3 +365,51 @@ def test_a_progress_mark_read_past_its_end_counts_for_nothing() -> None:
                  ("e", 0): Committed(9, "inc/9")}
     assert highest_mark(committed, "inc/") == 13
     assert highest_mark({}, "inc/") == 0
+
+
+def earlier_relay_published(kafka: str, group: str, shard: int, incarnation: str, rows: list[Any]) -> None:
+    """Publish rows as relays of earlier versions did: the shard's progress committed, in the same
+    transaction, as the offset of a group of its own (metadata ``<incarnation>/<seq>``)."""
+    import confluent_kafka
+
+    ident = shard_id(group, shard)
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka, "transactional.id": ident})
+    meta = confluent_kafka.Consumer({"bootstrap.servers": kafka, "group.id": ident})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for row in rows:
+        producer.produce(row.record.topic, value=row.record.value, key=row.record.key)
+    last = rows[-1].seq
+    mark = confluent_kafka.TopicPartition(rows[0].record.topic, 0, last, f"{incarnation}/{last}")
+    producer.send_offsets_to_transaction([mark], meta.consumer_group_metadata(), 30)
+    producer.commit_transaction(30)
+    meta.close()
+
+
+def test_a_relay_upgraded_mid_stream_goes_on_from_the_mark_an_earlier_version_left(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """An earlier version published rows 1-18 and its relay stopped before the database's mark: the
+    upgraded relay reads that mark (a group's offset) once and publishes from row 19; from then on its
+    progress is the last record of the shard's partition of the progress topic, which the next relay
+    reads."""
+    out = new_topic(partitions=1)
+    relay = relay_for(engine, kafka, pg_dsn, group="upgraded", outbox_shards=1)
+    write_batch(engine, relay.outbox, [Produced(out, f"r{i}".encode(), b"k") for i in range(30)])
+    rows = relay.outbox.pending(0, 0, 100)
+    _, incarnation = relay.outbox.published_mark(0)
+    earlier_relay_published(kafka, "upgraded", 0, incarnation, rows[:18])
+    assert values(kafka, out) == [f"r{i}".encode() for i in range(18)]
+    assert relay.outbox.published_mark(0)[0] == 0, "the database's mark is behind: only Kafka's can be trusted"
+    drain(relay)
+    assert values(kafka, out) == [f"r{i}".encode() for i in range(30)]
+    relay.close()
+    progress = [v for _, v in read_committed(kafka, progress_topic("upgraded"))]
+    assert progress[-1] == f"{incarnation}/30".encode()
+    # The next relay's producer starts from the progress topic (the old mark still says 18).
+    with engine.connect() as conn, conn.begin():
+        conn.execute(sa.text("UPDATE kstore_outbox_relays SET published_seq = 0 WHERE consumer_group = 'upgraded'"))
+    write_batch(engine, relay.outbox, [Produced(out, f"r{i}".encode(), b"k") for i in range(30, 35)])
+    again = relay_for(engine, kafka, pg_dsn, group="upgraded", outbox_shards=1)
+    drain(again)
+    assert values(kafka, out) == [f"r{i}".encode() for i in range(35)]
+    again.close()

@@ -1,5 +1,5 @@
-"""The confluent-kafka publisher's guard against librdkafka calls that never return (its
-``send_offsets_to_transaction`` after a broker restart): the transaction runs on a thread of the
+"""The confluent-kafka publisher's guard against librdkafka calls that never return (seen after a
+broker restart): the transaction runs on a thread of the
 publisher's own, and the relay's thread gives up waiting for it. The whole publisher is tested
 through a broker restart in tests/integration/outbox/test_outbox.py and
 tests/integration/faults_and_in_doubt/test_outages.py."""
