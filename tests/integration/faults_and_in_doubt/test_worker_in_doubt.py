@@ -9,6 +9,7 @@ exactly once and that the worker says what happened.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -29,7 +30,14 @@ from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
 from tests.conftest import KAFKA_CLIENT
 from tests.support.faultproxy import FaultProxy
-from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
+from tests.support.harness import (
+    assert_exactly_once,
+    effects,
+    read_committed_records,
+    stored_offsets,
+    wait_until,
+    with_driver,
+)
 from tests.support.lossy import Faults, lossy_engine
 from tests.support.processors import Recorder
 
@@ -163,6 +171,44 @@ def test_dead_letter_commit_in_doubt_writes_one_dead_letter(pg_dsn: str, pg_prox
     assert_exactly_once(effects(pg_dsn), before | after)
     assert stored_offsets(pg_dsn, "indoubt-dl") == {(topic, 0): poison[2] + 21}
     assert "the COMMIT of a dead letter" in w.log
+
+
+def test_dead_letters_whose_commit_answers_are_lost_reach_their_topic_once(
+        pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
+    """A letter's record for the dead-letter topic is written to the outbox in the letter's own
+    transaction: three such COMMITs lose their answers (they landed), and each letter is still in the
+    database once and on the topic once."""
+    topic, dlt = new_topic(2), new_topic(1)
+    values = [json.dumps({"n": n, "kind": "crash" if n % 10 == 3 else "ok"}).encode() for n in range(300)]
+    pg_proxy.cut_after_commit(count=3, touching="kstore_dead_letters")
+    sent = produce(topic, values)
+    w = workers(pg_proxy.dsn_through(pg_dsn), topic, "lettered", "letter_processors:Lettered",
+                env={"KSTORE_TEST_DLT_TOPIC": dlt}, args=["--max-batch-size", "50"])
+    bad = {sent[i] for i, v in enumerate(values) if b'"crash"' in v}
+    wait_until(lambda: pg_proxy.commits_cut >= 3, 120, what="three letters' COMMIT answers cut")
+    ends: dict[tuple[str, int], int] = {}
+    for t, p, o in sent:
+        ends[(t, p)] = max(ends.get((t, p), 0), o + 1)
+    wait_until(lambda: all((stored_offsets(pg_dsn, "lettered").get(tp) or 0) >= e for tp, e in ends.items()),
+               120, interval=0.5, what="every message committed")
+    wait_until(lambda: outbox_empty(pg_dsn), 60, interval=0.5, what="every letter's record published")
+    assert w.terminate() == 0
+    assert_exactly_once(effects(pg_dsn), set(sent) - bad)
+    assert sorted(tuple(r) for r in dead_letters(pg_dsn)) == sorted(bad)
+    on_topic = Counter((h["kafka_dlt-original-topic"].decode(),
+                        int.from_bytes(h["kafka_dlt-original-partition"], "big", signed=True),
+                        int.from_bytes(h["kafka_dlt-original-offset"], "big", signed=True))
+                       for h in (dict(r.headers) for r in read_committed_records(kafka, dlt)))
+    assert set(on_topic) == bad and set(on_topic.values()) == {1}, "each letter on its topic once"
+
+
+def outbox_empty(dsn: str) -> bool:
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
+    finally:
+        engine.dispose()
 
 
 def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,
