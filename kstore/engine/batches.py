@@ -203,6 +203,15 @@ class Batches:
         return (self.paused is None and self.failures.ready() and self.db_backoff.ready()
                 and self.topic_wait.ready() and self.registry_wait.ready())
 
+    def due_in(self) -> float | None:
+        """Seconds until :meth:`ready` turns true by itself (0 if it is), or None while the breaker
+        paused the worker (nothing ends that wait but a restart)."""
+        if self.paused is not None:
+            return None
+        due = max(self.failures.not_before, self.db_backoff.not_before, self.topic_wait.not_before,
+                  self.registry_wait.not_before)
+        return max(0.0, due - time.monotonic())
+
     def close(self) -> None:
         self._drop_batch_connection()
 

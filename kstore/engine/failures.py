@@ -37,10 +37,10 @@ class Failures:
         #: so a bad message in a batch of n is found in about log2(n) transactions and
         #: the good ones around it still commit in large batches.
         self._isolation_size = 1
-        self._not_before = 0.0
+        self.not_before = 0.0
 
     def ready(self) -> bool:
-        return time.monotonic() >= self._not_before
+        return time.monotonic() >= self.not_before
 
     @property
     def active(self) -> bool:
@@ -75,7 +75,7 @@ class Failures:
         elif failure.attempts < self.policy.max_attempts:
             delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else self.policy.delay(
                 failure.attempts)
-            self._not_before = time.monotonic() + delay
+            self.not_before = time.monotonic() + delay
         return failure
 
     def describe(self, exc: BaseException) -> str:

@@ -32,19 +32,19 @@ class OutageWait:
         #: Said once the outage is over.
         self._back = back
         self._delay = RETRY_DELAY
-        self._not_before = 0.0
+        self.not_before = 0.0
         #: Why batches wait (the error's text), from a batch that met the outage to one that committed.
         self.missing: str | None = None
 
     def ready(self) -> bool:
-        return time.monotonic() >= self._not_before
+        return time.monotonic() >= self.not_before
 
     def failed(self, exc: Exception) -> None:
         """A batch was rolled back for the outage: said once (then at DEBUG), and waited out."""
         self._metrics.rolled_back(self._reason)
         delay = self._delay
         self._delay = min(self._delay * 2, RETRY_MAX_DELAY)
-        self._not_before = time.monotonic() + delay
+        self.not_before = time.monotonic() + delay
         text = str(exc)
         (log.debug if text == self.missing else log.warning)(
             "%s; the batch was rolled back and waits (nothing is dead-lettered); retrying in %.1fs", text, delay)
@@ -55,4 +55,4 @@ class OutageWait:
             log.info("%s: processing again", self._back)
         self.missing = None
         self._delay = RETRY_DELAY
-        self._not_before = 0.0
+        self.not_before = 0.0

@@ -395,8 +395,10 @@ class Worker:
             if partitions.queued() and ready:
                 continue
             # Nothing to do now: sleep until records arrive or the group changes (or a retry
-            # is due). While a retry waits, sleep even with records queued: never spin.
-            partitions.wait(IDLE_WAIT_S, unless_queued=ready)
+            # is due). While a retry waits, sleep even with records queued: never spin; but no
+            # longer than until it is due (a processor's backoff may be shorter than IDLE_WAIT_S).
+            due = None if ready else batches.due_in()
+            partitions.wait(IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, due), unless_queued=ready)
 
     def request_stop(self) -> None:
         """Finish the batch in flight, commit it, leave the group. Safe from any thread or signal handler."""

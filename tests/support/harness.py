@@ -19,6 +19,9 @@ from kafka import KafkaConsumer, TopicPartition
 # Worker subprocesses run here, with this folder on PYTHONPATH: processors are named `processors:Recorder`.
 SUPPORT_DIR = Path(__file__).resolve().parent
 REPO_DIR = SUPPORT_DIR.parents[1]
+#: Their PYTHONPATH: the support folder, then this checkout, so that they run this checkout's kstore
+#: even where the environment's installed one (an editable install of another checkout) differs.
+SUBPROCESS_PATH = os.pathsep.join([str(SUPPORT_DIR), str(REPO_DIR)])
 #: The health server's access log line (kstore.telemetry.health), one per request.
 _HTTP_LINE = "kstore.telemetry.health: http: "
 
@@ -54,7 +57,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kstore", *self.args],
             cwd=SUPPORT_DIR,
-            env={**os.environ, **env, "PYTHONPATH": str(SUPPORT_DIR)},
+            env={**os.environ, **env, "PYTHONPATH": SUBPROCESS_PATH},
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -17,7 +17,8 @@ class Lettered(Processor):
     group = "lettered"
     value_format = "json"
     on_error = "dead_letter"
-    retry = RetryPolicy(max_attempts=2, backoff_s=0.05, max_backoff_s=0.1)
+    # Two attempts each, a short wait between: the test writes 1,000 letters, a third of them crashes.
+    retry = RetryPolicy(max_attempts=2, backoff_s=0.005, max_backoff_s=0.01)
     dead_letter_topic = os.environ.get("KSTORE_TEST_DLT_TOPIC")
 
     def setup(self) -> None:

@@ -15,24 +15,42 @@ from tests.support.harness import assert_exactly_once, effects, read_committed_r
 pytestmark = pytest.mark.integration
 
 
+#: Messages in all, and the bad among them: every fourth, of three kinds in turn (the error class each
+#: letter names, and how many attempts it took).
+MESSAGES, LETTERS = 4000, 1000
+KINDS = {"not-json": ("kstore.retry.DeserializationError", 1), "reject": ("kstore.retry.Reject", 1),
+         "crash": ("builtins.RuntimeError", 2)}
+
+
+def letters_written(dsn: str) -> int:
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_dead_letters")).scalar_one())
+    finally:
+        engine.dispose()
+
+
 def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str) -> None:
+    """1,000 dead letters of 4,000 messages (a third each: not JSON, rejected, crashing every attempt),
+    the worker SIGKILLed after some letters were written and before all."""
     source, dlt = new_topic(partitions=3), new_topic(partitions=2)
     values: list[bytes] = []
-    bad: dict[int, str] = {}  # position -> the error class the letter must name
-    for n in range(3000):
-        kind = "reject" if n % 97 == 5 else "crash" if n % 131 == 7 else "ok"
-        if n % 113 == 9:
-            bad[len(values)] = "kstore.retry.DeserializationError"
-            values.append(b"{not json")
+    bad: dict[int, str] = {}  # position -> its kind
+    for n in range(MESSAGES):
+        kind = list(KINDS)[n // 4 % 3] if n % 4 == 1 else "ok"
+        values.append(b"{not json %d" % n if kind == "not-json" else json.dumps({"n": n, "kind": kind}).encode())
         if kind != "ok":
-            bad[len(values)] = "kstore.retry.Reject" if kind == "reject" else "builtins.RuntimeError"
-        values.append(json.dumps({"n": n, "kind": kind}).encode())
+            bad[n] = kind
+    assert len(bad) == LETTERS
     sent = produce(source, values)
     env = {"KSTORE_TEST_DLT_TOPIC": dlt}
     w1 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
-    w1.wait_for_log(r"dead-lettered .* after 2 attempt\(s\)", timeout=90)
+    wait_until(lambda: letters_written(pg_dsn) >= 100, 90, interval=0.2, what="some letters written")
     w1.kill()
+    written = letters_written(pg_dsn)
+    assert written < LETTERS, "every letter was written before the worker was killed"
     w2 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
     ends: dict[tuple[str, int], int] = {}
     for t, p, o in sent:
@@ -47,7 +65,7 @@ def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
         letters = {(r.topic, r.partition_id, r.offset): r.attempts for r in conn.execute(sa.text(
             'SELECT topic, partition_id, "offset", attempts FROM kstore_dead_letters'))}
     engine.dispose()
-    assert set(letters) == {sent[i] for i in bad}
+    assert set(letters) == {sent[i] for i in bad} and len(letters) == LETTERS
 
     def published() -> bool:
         engine = sa.create_engine(pg_dsn)
@@ -66,11 +84,14 @@ def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
                  int.from_bytes(headers["kafka_dlt-original-offset"], "big", signed=True))
         assert where not in by_source, f"{where} is in the dead-letter topic twice"
         by_source[where] = (r, headers)
-    assert set(by_source) == {sent[i] for i in bad}, "a letter is missing from its topic, or one is extra"
+    assert set(by_source) == set(letters), "a letter is missing from its topic, or one is extra"
+    assert len(records) == LETTERS
     for i, kind in bad.items():
         record, headers = by_source[sent[i]]
         assert record.value == values[i], "the letter's record carries the original value"
-        assert headers["kafka_dlt-exception-fqcn"].decode() == kind
+        error, attempts = KINDS[kind]
+        assert headers["kafka_dlt-exception-fqcn"].decode() == error
+        assert letters[sent[i]] == attempts
         assert headers["kafka_dlt-original-consumer-group"] == b"lettered"
         assert int(headers["kstore_dlt-attempts"]) == letters[sent[i]]
         assert b"Traceback" in headers["kafka_dlt-exception-stacktrace"]
