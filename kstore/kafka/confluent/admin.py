@@ -162,8 +162,9 @@ class ConfluentAdmin:
             tp: OffsetSpec.for_timestamp(int(when.timestamp() * 1000)) for tp, when in targets.items()})
         return {tp: offset if offset >= 0 else None for tp, offset in found.items()}
 
-    def _list_offsets(self, what: str, specs: Mapping[TP, Any]) -> dict[TP, int]:
-        committed = DEFAULT_ISOLATION_LEVEL == "read_committed"
+    def _list_offsets(self, what: str, specs: Mapping[TP, Any], committed: bool | None = None) -> dict[TP, int]:
+        if committed is None:
+            committed = DEFAULT_ISOLATION_LEVEL == "read_committed"
         isolation = IsolationLevel.READ_COMMITTED if committed else IsolationLevel.READ_UNCOMMITTED
 
         def ask() -> dict[TP, int]:
@@ -224,12 +225,12 @@ class ConfluentAdmin:
             finally:
                 consumer.unassign()
 
-        found: dict[TP, bytes | None] = {}
-        for tp in tps:
-            left = max(0.1, deadline - time.monotonic())
-            low, high = consumer.get_watermark_offsets(TopicPartition(*tp), timeout=left, cached=False)
-            found[tp] = tail_value(tp, (low, high), read)
-        return found
+        # Asked of the AdminClient, which fetches the topic's metadata for the question: the consumer
+        # knows only the topics it was assigned before (a progress topic made since is unknown to it).
+        what = f"read the log bounds of {len(tps)} partition(s)"
+        starts = self._list_offsets(what, dict.fromkeys(tps, OffsetSpec.earliest()), committed=True)  # type: ignore[no-untyped-call]
+        ends = self._list_offsets(what, dict.fromkeys(tps, OffsetSpec.latest()), committed=True)  # type: ignore[no-untyped-call]
+        return {tp: tail_value(tp, (starts[tp], ends[tp]), read) for tp in tps}
 
     # -- groups -----------------------------------------------------------------------------------
 
