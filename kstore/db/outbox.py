@@ -302,13 +302,19 @@ class Outbox:
         return kept, alive
 
     def claim(self, member: str, shard: int, lease_s: float) -> int | None:
-        """Take a shard whose lease is free or expired; its new epoch, or None if another relay holds it."""
+        """Take a shard whose lease is free or expired; its new epoch, or None if another relay holds it.
+
+        A shard whose row another transaction has locked is skipped (None; tried again at the next
+        heartbeat): that may be a paused relay stopped inside its mark, and waiting for it would hold
+        up the heartbeat, and so every lease this relay holds, until the database ends its session."""
         r = self.tables.relays
         clock = self._clock()
+        free = or_(r.c.owner.is_(None), r.c.lease_expires < clock, r.c.owner == member)
+        unlocked = (select(r.c.shard).where(r.c.consumer_group == self.group, r.c.shard == shard, free)
+                    .with_for_update(skip_locked=True).scalar_subquery())
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
             row = conn.execute(
-                update(r).where(r.c.consumer_group == self.group, r.c.shard == shard,
-                                or_(r.c.owner.is_(None), r.c.lease_expires < clock, r.c.owner == member))
+                update(r).where(r.c.consumer_group == self.group, r.c.shard == unlocked, free)
                 .values(owner=member, epoch=r.c.epoch + 1, lease_expires=clock + lease_s, updated_at=now())
                 .returning(r.c.epoch)
             ).first()

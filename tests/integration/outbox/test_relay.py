@@ -309,6 +309,33 @@ def test_relays_share_the_shards_and_a_lease_taken_over_fences_the_old_holder(
     two.close()
 
 
+def test_a_shard_row_locked_by_a_paused_transaction_holds_up_no_other_lease(
+        engine: Any, pg_dsn: str, kafka: str) -> None:
+    """A paused relay stopped inside its mark holds its shard's row locked until the database ends its
+    session: claiming that shard must not wait for it, or the heartbeat stalls and every other lease
+    the relay holds runs out."""
+    relay = relay_for(engine, kafka, pg_dsn, outbox_lease_s=1.5)
+    blocker = engine.connect()
+    tx = blocker.begin()
+    blocker.execute(sa.text("UPDATE kstore_outbox_relays SET updated_at = now() WHERE consumer_group = :g "
+                            "AND shard = 1"), {"g": GROUP})
+    try:
+        relay.start()
+        wait_until(lambda: relay.shards_held == [0], 15, interval=0.05, what="shard 0 held")
+        deadline = time.monotonic() + 3 * 1.5
+        while time.monotonic() < deadline:  # three leases long: shard 0's is renewed all along
+            lease = {s.shard: s for s in relay.outbox.state()}[0]
+            assert lease.owner == relay.member and lease.lease_left_s > 0, lease
+            assert 1 not in relay.shards_held
+            time.sleep(0.1)
+    finally:
+        tx.rollback()
+        blocker.close()
+    wait_until(lambda: relay.shards_held == [0, 1], 15, interval=0.05, what="shard 1 taken once it is unlocked")
+    relay.request_stop()
+    relay.close()
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_relays_share_shards_evenly_from_any_start(seed: int) -> None:
     """share(), the rule each relay applies at its heartbeat: from any holding, turns in any order
