@@ -11,8 +11,8 @@ Kafka's commit and the database's "published" mark (only for clean-up) never pub
 twice: the next owner reads the partition's last committed record
 (:meth:`KafkaPythonShardPublisher.progress`).
 
-**Fencing.** The producer's ``transactional_id`` is stable per shard (the same string as the
-progress group): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
+**Fencing.** The producer's ``transactional_id`` is stable per shard
+(:func:`~kstore.kafka.seam.shard_id`): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
 and fences its producer, whose next send or commit fails. Together with the lease's epoch in
 the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
 """
