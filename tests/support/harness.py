@@ -54,7 +54,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kstore", *self.args],
             cwd=SUPPORT_DIR,
-            env={**os.environ, **env, "PYTHONPATH": str(SUPPORT_DIR)},
+            # The checkout under test first (before an editable install of another one), then the processors.
+            env={**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR), str(REPO_DIR)])},
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
