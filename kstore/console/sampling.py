@@ -101,10 +101,11 @@ def svg_chart(title: str, points: Sequence[tuple[datetime, float]], unit: str) -
         return Markup(f'<figure class="chart"><figcaption>{label}: not enough samples yet</figcaption></figure>')
     t0, t1 = points[0][0], points[-1][0]
     span = max((t1 - t0).total_seconds(), 1e-9)
-    top = max(v for _, v in points) or 1.0
+    top = max(v for _, v in points)
+    scale = top or 1.0  # all zero: a flat line at the bottom
     xy = " ".join(
         f"{PAD + (t - t0).total_seconds() / span * (WIDTH - 2 * PAD):.1f},"
-        f"{HEIGHT - PAD / 2 - v / top * (HEIGHT - PAD):.1f}" for t, v in points
+        f"{HEIGHT - PAD / 2 - v / scale * (HEIGHT - PAD):.1f}" for t, v in points
     )
     last = points[-1][1]
     caption = f"{label}: now {last:,.1f} {escape(unit)}, most {top:,.1f} (since {t0:%H:%M:%S} UTC)"

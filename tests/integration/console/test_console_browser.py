@@ -24,7 +24,9 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import Select
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from kstore.db import deadletters
 from tests.support.harness import REPO_DIR, SUPPORT_DIR, WorkerProcess, effects, wait_until
@@ -121,8 +123,17 @@ def _log_in(browser: WebDriver, url: str, name: str) -> None:
     assert "/login" in browser.current_url  # every page wants a login first
     browser.find_element(By.NAME, "operator").send_keys(name)
     browser.find_element(By.NAME, "password").send_keys(PASSWORD)
-    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    _click(browser, browser.find_element(By.CSS_SELECTOR, "#login button"))
     assert browser.find_element(By.ID, "operator").text == name
+
+
+def _click(browser: WebDriver, element: WebElement) -> None:
+    """Click what submits a form or follows a link, and wait for the next page: a click returns
+    before the browser has left the page it was on."""
+    page = browser.find_element(By.TAG_NAME, "html")
+    element.click()
+    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(page))
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script("return document.readyState") == "complete")
 
 
 def _text(browser: WebDriver) -> str:
@@ -185,11 +196,11 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     browser.get(f"{web.url}/groups/{group}/dead-letters")
     browser.find_element(By.NAME, "error_type").send_keys("RuntimeError")
     browser.find_element(By.NAME, "error").send_keys("order 7")
-    browser.find_element(By.CSS_SELECTOR, "#filter button").click()
+    _click(browser, browser.find_element(By.CSS_SELECTOR, "#filter button"))
     listed = browser.find_elements(By.CSS_SELECTOR, "#letters tr.letter")
     assert len(listed) == 1 and "the handler broke on order 7" in listed[0].text
     _shot(browser, "dead-letters")
-    listed[0].find_element(By.TAG_NAME, "a").click()
+    _click(browser, listed[0].find_element(By.TAG_NAME, "a"))
     letter_id = int(browser.find_element(By.ID, "letter-id").text)
     assert json.loads(browser.find_element(By.ID, "value").text) == {"n": 7, "kind": "crash"}
 
@@ -200,7 +211,7 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     box.send_keys('{"n": 1007}')
     browser.find_element(By.ID, "reason").send_keys("order 7 fixed by hand")
     _shot(browser, "dead-letter")
-    browser.find_element(By.ID, "replay").click()
+    _click(browser, browser.find_element(By.ID, "replay"))
     assert browser.find_element(By.ID, "flash").text == f"replayed dead letter {letter_id} with the edited value"
     assert browser.find_element(By.ID, "status").text == "replayed"
     history = browser.find_element(By.ID, "history").text
@@ -226,13 +237,13 @@ def test_an_operator_plans_and_executes_a_reset_that_the_running_worker_follows(
     browser.find_element(By.ID, "partitions").send_keys("0")
     Select(browser.find_element(By.ID, "target")).select_by_value("offset")
     browser.find_element(By.ID, "target-value").send_keys("6")
-    browser.find_element(By.ID, "plan").click()
+    _click(browser, browser.find_element(By.ID, "plan"))
     plan = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#plan tr")[1:]]
-    assert plan == [f"{topic}[0] 10 6"]
+    assert plan == [f"{topic}[0] 10 6"], _text(browser)
     assert sum(effects(pg_dsn).values()) == 20  # a plan moves nothing
     _shot(browser, "reset-plan")
     browser.find_element(By.ID, "reason").send_keys("replay the last four")
-    browser.find_element(By.ID, "execute").click()
+    _click(browser, browser.find_element(By.ID, "execute"))
     assert browser.find_element(By.ID, "flash").text.startswith(f"reset applied: {topic}[0] 10 -> 6")
     newest = browser.find_elements(By.CSS_SELECTOR, "#history tr")[1].text
     assert "bob@" in newest and "kstore console: replay the last four" in newest
@@ -259,12 +270,14 @@ def test_every_action_is_refused_without_a_login_or_with_a_bad_csrf_token(
 
     def post(path: str, token: str | None) -> str:
         """Submit a form to ``path`` from the console's own page, as a forged or stale page would."""
+        page = browser.find_element(By.TAG_NAME, "html")
         browser.execute_script(
             "const f = document.createElement('form'); f.method = 'post'; f.action = arguments[0];"
             "for (const [k, v] of Object.entries(arguments[1])) { const i = document.createElement('input');"
             " i.name = k; i.value = v; f.appendChild(i); } document.body.appendChild(f); f.submit();",
             path, {"reason": "no", "topic": topic, "target": "earliest", "partitions": "0",
                    **({"csrf_token": token} if token is not None else {})})
+        WebDriverWait(browser, 30).until(expected_conditions.staleness_of(page))
         wait_until(lambda: browser.find_elements(By.ID, "refused"), 10, what=f"the answer to {path}")
         return _text(browser)
 
