@@ -26,7 +26,8 @@ KAFKA_ENV_PREFIX = "KSTORE_KAFKA_"
 _KAFKA_SETTINGS = ("KSTORE_KAFKA_CLIENT",)
 #: Settings that hold a secret: never in repr, logs or errors; each can be read from a
 #: file (``KSTORE_<NAME>_FILE``, or ``<name>_file=`` given to from_env), the container convention.
-SECRETS = ("dsn", "sasl_password", "ssl_key_password", "schema_registry_password")
+SECRETS = ("dsn", "sasl_password", "ssl_key_password", "schema_registry_password", "console_password",
+           "console_session_key")
 # Variables under the prefix that belong to tools around kstore, not to Settings.
 _FOREIGN_ENV = ("KSTORE_TEST_", "KSTORE_SIM_", "KSTORE_CACHE_DIR", "KSTORE_DEBUG", "KSTORE_LOG_FORMAT")
 START_POLICIES = ("earliest", "latest")
@@ -222,6 +223,21 @@ class Settings:
     #: log lines and the database, so `kstore offsets show` and `kstore top` name the owner the same.
     #: Set, it replaces that name in their OWNER column (give each worker its own).
     client_id: str | None = None
+    #: ``kstore console``: the password an operator logs in with (every page and action but in
+    #: ``console_read_only``); better from a file (``KSTORE_CONSOLE_PASSWORD_FILE``). Compared by its hash.
+    console_password: str | None = field(default=None, repr=False)
+    #: ``kstore console`` behind a proxy that authenticates: the request header holding the operator's
+    #: name (e.g. ``X-Forwarded-User``). Only where no one can reach the console but through that proxy.
+    console_user_header: str | None = None
+    #: ``kstore console``: the key its login cookies are signed with (default: a new random one each
+    #: start, which logs everyone out at a restart); give one to several consoles behind one address.
+    console_session_key: str | None = field(default=None, repr=False)
+    #: ``kstore console``: show, never act; no login is asked for.
+    console_read_only: bool = False
+    #: ``kstore console``: seconds between two samples of every group's lag (its charts); 0: no sampling.
+    console_sample_interval_s: float = 15.0
+    #: ``kstore console``: how long lag samples are kept (older ones are deleted as new ones are written).
+    console_sample_retention_s: float = 6 * 3600.0
     #: PostgreSQL: the schema of kstore's tables (default: the search path's).
     schema: str | None = None
     #: The prefix of kstore's tables (``kstore_offsets``, ...), e.g. to run two kstore
@@ -281,7 +297,7 @@ class Settings:
         """Every secret value these settings hold (the DSN's password too): what a
         :class:`~kstore.cli.masking.Masker` needs to find where one ends in a driver's text."""
         found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password, self.schema_registry_password,
-                 *_url_passwords(self.schema_registry_url)]
+                 self.console_password, self.console_session_key, *_url_passwords(self.schema_registry_url)]
         return [str(v) for v in found if v]
 
     def replace(self, **changes: Any) -> Settings:

@@ -2,8 +2,9 @@
 
 ``kstore worker`` and ``relay`` are :mod:`kstore.cli.worker`, ``kstore migrate``
 :mod:`kstore.cli.migrate`, ``kstore offsets``, ``outbox``, ``exporter``, ``top`` and ``topics``
-:mod:`kstore.cli.ops`, ``kstore dead-letters`` :mod:`kstore.cli.letters`; what they share (options,
-one-line errors, secrets kept out of output) is :mod:`kstore.cli.common`.
+:mod:`kstore.cli.ops`, ``kstore dead-letters`` :mod:`kstore.cli.letters`, ``kstore console``
+:mod:`kstore.cli.web`; what they share (options, one-line errors, secrets kept out of output) is
+:mod:`kstore.cli.common`.
 No SQL and no Kafka here. A :class:`KstoreError` is printed on one line and exits non-zero;
 ``--debug`` shows the traceback.
 """
@@ -20,6 +21,7 @@ from kstore import __version__
 from kstore.cli.common import LOG_CONTEXT
 from kstore.cli.migrate import migrate
 from kstore.cli.ops import dead_letters, exporter, offsets, outbox, top, topics
+from kstore.cli.web import console
 from kstore.cli.worker import relay, worker
 
 
@@ -53,7 +55,7 @@ def cli(ctx: click.Context, debug: bool, log_level: str, log_format: str) -> Non
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top, topics):
+for command in (migrate, worker, relay, offsets, dead_letters, outbox, exporter, top, topics, console):
     cli.add_command(command)
 
 

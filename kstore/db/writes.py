@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import getpass
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime, timezone
 
 #: Execution option for connections that write kstore's rows: on SQLite their
@@ -18,8 +21,26 @@ from datetime import datetime, timezone
 WRITES = {"kstore_sqlite_begin": "IMMEDIATE"}
 
 
+#: The person a write is done for, when it is not this process's user: the web console's operator.
+_OPERATOR: ContextVar[str | None] = ContextVar("kstore_operator", default=None)
+
+
+@contextmanager
+def acting_as(operator: str) -> Iterator[None]:
+    """Record ``operator`` as who acts in every history row written inside (in this thread or task):
+    the web console acts for the person logged in, not for the user its process runs as."""
+    token = _OPERATOR.set(operator)
+    try:
+        yield
+    finally:
+        _OPERATOR.reset(token)
+
+
 def actor() -> tuple[str, str]:
-    """Who is acting, for the reset history: (user, host)."""
+    """Who is acting, for the histories: (user, host); the user is the operator of :func:`acting_as` inside one."""
+    operator = _OPERATOR.get()
+    if operator is not None:
+        return operator[:255], socket.gethostname()
     try:
         user = getpass.getuser()
     except (KeyError, OSError):

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -64,6 +65,8 @@ class PartitionReading:
     owner: str | None
     #: Dead letters of this partition not yet replayed.
     dead_letters: int
+    #: When its stored row last changed (a commit, a claim or a reset); None without a row.
+    updated_at: datetime | None = None
 
     @property
     def lag(self) -> PartitionLag:
@@ -166,6 +169,7 @@ class LagReader:
                 log_start=start, log_end=end, lag_messages=behind,
                 lag_seconds=_age(now, stamps.get(tp)) if behind else 0.0,
                 epoch=row.epoch if row else None, owner=owners.get(tp), dead_letters=dead.get(tp, 0),
+                updated_at=row.updated_at if row else None,
             ))
         return GroupReading(group, now, out, sum(dead.values()), shards)
 

@@ -207,6 +207,7 @@ def set_offsets(
     clamp: bool = False,
     reason: str | None = None,
     execute: bool = False,
+    via: str = "kstore offsets set",
 ) -> list[PlannedReset]:
     """Plan (and with ``execute=True`` apply) a reset of a group's partitions on one topic.
 
@@ -229,7 +230,7 @@ def set_offsets(
     ``reason`` is required with ``execute``: the reset history is what an operator
     reads later to learn why messages were skipped or processed again, and the
     why is the one thing only the person resetting knows (``kstore dead-letters
-    discard`` and ``resolve`` require one for the same reason).
+    discard`` and ``resolve`` require one for the same reason). It is recorded as ``"<via>: <reason>"``.
     """
     request = ResetRequest(to_offset, to_datetime, to_earliest, to_latest, shift_by, clamp)
     if execute and not (reason or "").strip():
@@ -238,7 +239,7 @@ def set_offsets(
         plan, items = _plan(store, kafka, group, topic, _partitions(kafka, settings, topic), partitions, request)
         if not execute:
             return items
-        applied = _apply(store, plan, f"kstore offsets set: {reason}")
+        applied = _apply(store, plan, f"{via}: {reason}")
         return _mirror(kafka, settings, group, applied)
 
 

@@ -1,0 +1,160 @@
+"""The console's ASGI application: :func:`app` builds it, for ``kstore console`` or to mount in yours.
+
+Every page starts with :func:`~kstore.console.access.guard`; a refusal becomes a page of its own
+(or, for a page that wants a login, a redirect to the login page).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kstore.processor import Processor
+from kstore.settings import Settings
+
+from . import pages
+from .access import LoginNeeded, console_of, guard
+from .auth import CSRF_FIELD, MAX_NAME, Refused, check_csrf, new_session
+from .state import HERE, Console
+
+#: The login cookie's name.
+COOKIE = "kstore_console"
+
+
+def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *, sample: bool = True) -> Starlette:
+    """The web console of the database and brokers ``settings`` name, as an ASGI app.
+
+    ``processors`` maps a group to its processor, for replaying that group's dead letters. With
+    ``sample``, the app's lifespan runs the lag sampler (``console_sample_interval_s``); a parent
+    app that mounts this one runs no lifespan of it: call ``app.state.console.sampler.start()``
+    (and ``.close()``) from your own. Raises ConfigurationError if the console can act and no
+    login is configured.
+    """
+    console = Console(settings, processors or {})
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        if sample:
+            console.sampler.start()
+        try:
+            yield
+        finally:
+            console.close()
+
+    routes = [
+        Route("/", pages.groups, name="groups"),
+        Route("/login", login_page, name="login"),
+        Route("/login", login, methods=["POST"], name="login_post"),
+        Route("/logout", logout, methods=["POST"], name="logout"),
+        Route("/groups/{group}", pages.overview, name="overview"),
+        Route("/groups/{group}/dead-letters", pages.letters, name="letters"),
+        Route("/groups/{group}/dead-letters/matching/{action}", pages.act_on_matching, methods=["POST"],
+              name="letters_matching"),
+        Route("/groups/{group}/dead-letters/{letter_id:int}", pages.letter, name="letter"),
+        Route("/groups/{group}/dead-letters/{letter_id:int}/{action}", pages.act_on_letter, methods=["POST"],
+              name="letter_action"),
+        Route("/groups/{group}/offsets", pages.offsets, name="offsets"),
+        Route("/groups/{group}/offsets/plan", pages.plan_reset, methods=["POST"], name="offsets_plan"),
+        Route("/groups/{group}/offsets/execute", pages.execute_reset, methods=["POST"], name="offsets_execute"),
+        Route("/groups/{group}/outbox", pages.outbox, name="outbox"),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    key = settings.console_session_key or secrets.token_urlsafe(32)
+    web = Starlette(
+        routes=routes, lifespan=lifespan,
+        middleware=[Middleware(_SecurityHeaders),
+                    Middleware(SessionMiddleware, secret_key=key, session_cookie=COOKIE, same_site="strict",
+                               max_age=12 * 3600)],
+        exception_handlers={Refused: _refused},
+    )
+    web.state.console = console
+    return web
+
+
+async def login_page(request: Request) -> Response:
+    console = console_of(request)
+    if console.read_only:
+        return RedirectResponse(request.url_for("groups"), status_code=303)
+    return console.render(request, "login.html", None, next=request.query_params.get("next", ""),
+                          password=console.auth.password_digest is not None)
+
+
+async def login(request: Request) -> Response:
+    console = console_of(request)
+    if console.read_only:
+        raise Refused(403, "this console is read-only: no login")
+    form = await request.form()
+    check_csrf(request, form.get(CSRF_FIELD))
+    name = str(form.get("operator", "")).strip()[:MAX_NAME]
+    password = str(form.get("password", ""))
+    # The digest is compared even without a name, so a missing name takes as long as a wrong password.
+    matches = console.auth.password_matches(password)
+    if not name or not matches:
+        return console.render(request, "login.html", None, status=401, next=str(form.get("next", "")),
+                              password=console.auth.password_digest is not None,
+                              error="give your name and the console's password")
+    new_session(request, name)
+    return RedirectResponse(_local(request, str(form.get("next", ""))), status_code=303)
+
+
+async def logout(request: Request) -> Response:
+    await guard(request, action=True)
+    request.session.clear()
+    return RedirectResponse(request.url_for("login"), status_code=303)
+
+
+def _local(request: Request, target: str) -> str:
+    """Where to go after the login: a path of this console, never another site."""
+    root = str(request.url_for("groups"))
+    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return root
+
+
+async def _refused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refused)
+    console = console_of(request)
+    if isinstance(exc, LoginNeeded):
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"{request.url_for('login')}?{urlencode({'next': path})}", status_code=303)
+    return console.render(request, "refused.html", None, status=exc.status, why=exc.why)
+
+
+class _SecurityHeaders:
+    """No framing, no scripts or styles but the console's own, nothing cached."""
+
+    HEADERS = [
+        (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'; form-action 'self'"),
+        (b"x-frame-options", b"DENY"),
+        (b"x-content-type-options", b"nosniff"),
+        (b"referrer-policy", b"same-origin"),
+        (b"cache-control", b"no-store"),
+    ]
+
+    def __init__(self, inner: ASGIApp) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.inner(scope, receive, send)
+            return
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], *self.HEADERS]
+            await send(message)
+
+        await self.inner(scope, receive, sending)

@@ -1,0 +1,107 @@
+"""Who may use the console, and proof that an action came from its own pages.
+
+- **Login.** Unless the console is read-only, every page asks for an operator: either the name a
+  trusted proxy put in ``console_user_header``, or a name and ``console_password`` given on the
+  login page (compared by their SHA-256 digests, in constant time). The operator's name goes into
+  the signed session cookie (Starlette's ``SessionMiddleware``, itsdangerous), and into every
+  history row an action writes (:func:`kstore.db.writes.acting_as`).
+- **CSRF.** The session holds a random token; every form carries it, and a POST whose token does
+  not match the session's is refused (403) before anything is read from the database. The cookie
+  is ``SameSite=Strict`` as well.
+- **Read-only.** No login; the pages hide their forms and every POST is refused (403).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from kstore.errors import ConfigurationError
+from kstore.settings import Settings
+
+#: The session's keys.
+OPERATOR = "operator"
+CSRF = "csrf"
+#: The form field that carries the CSRF token.
+CSRF_FIELD = "csrf_token"
+#: Longest operator name kept (the histories' ``by_user`` column holds 255).
+MAX_NAME = 100
+
+
+class Refused(Exception):
+    """A request the console refuses: ``status`` (401, 403) and why, shown to the person."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Auth:
+    """How the console checks who is there (from :class:`~kstore.settings.Settings`)."""
+
+    read_only: bool
+    #: SHA-256 of the password, or None (no password login).
+    password_digest: bytes | None
+    user_header: str | None
+
+    @classmethod
+    def of(cls, settings: Settings) -> Auth:
+        digest = None if not settings.console_password else _digest(settings.console_password)
+        header = (settings.console_user_header or "").strip() or None
+        if not settings.console_read_only and digest is None and header is None:
+            raise ConfigurationError(
+                "the console acts on pipelines, so it needs a login: give console_password (or "
+                "KSTORE_CONSOLE_PASSWORD_FILE, --password-file) or console_user_header (a trusted proxy's), "
+                "or start it read-only (--read-only)")
+        return cls(settings.console_read_only, digest, header)
+
+    def operator(self, request: Request) -> str | None:
+        """The operator of this request: the proxy's header, else the logged-in session's; None if neither."""
+        if self.user_header is not None:
+            named = request.headers.get(self.user_header, "").strip()
+            if named:
+                return named[:MAX_NAME]
+            if self.password_digest is None:
+                return None
+        found = request.session.get(OPERATOR)
+        return found if isinstance(found, str) and found else None
+
+    def password_matches(self, given: str) -> bool:
+        if self.password_digest is None:
+            return False
+        return hmac.compare_digest(_digest(given), self.password_digest)
+
+
+def csrf_token(request: Request) -> str:
+    """The session's CSRF token, made on first use."""
+    token = request.session.get(CSRF)
+    if not isinstance(token, str) or not token:
+        token = secrets.token_urlsafe(32)
+        request.session[CSRF] = token
+    return token
+
+
+def check_csrf(request: Request, given: object) -> None:
+    """Refuse (403) a form whose token is not the session's."""
+    expected = request.session.get(CSRF)
+    if not isinstance(expected, str) or not expected or not isinstance(given, str) \
+            or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise Refused(403, "this form is out of date or did not come from this console (CSRF token mismatch): "
+                           "reload the page and try again")
+
+
+def new_session(request: Request, operator: str) -> None:
+    """After a login: a fresh session (and CSRF token) for ``operator``."""
+    request.session.clear()
+    request.session[OPERATOR] = operator[:MAX_NAME]
+    csrf_token(request)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()

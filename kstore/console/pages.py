@@ -1,0 +1,277 @@
+"""The console's pages: each reads through, and acts through, the same library calls as the ``kstore``
+commands (:mod:`kstore.ops`, :mod:`kstore.db.deadletters`, :mod:`kstore.db.letterquery`), so the
+console and the CLI never disagree. An action's outcome (or its one-line error) is shown on the
+page it redirects to.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from kstore.db import deadletters
+from kstore.db.deadletters import Edit
+from kstore.db.letterquery import (
+    LetterFilter,
+    discard_matching,
+    list_dead_letters,
+    resolve_matching,
+)
+from kstore.db.sqlerrors import first_line
+from kstore.errors import ConfigurationError, KstoreError
+from kstore.ops import offsets as offsets_admin
+from kstore.ops import outbox as outbox_admin
+from kstore.ops import replay as replays
+
+from .access import console_of, guard
+from .sampling import svg_chart, throughput
+from .state import Console, flash
+
+T = TypeVar("T")
+#: How far back the overview's charts go.
+CHART_SPAN = timedelta(hours=3)
+PAGE_SIZE = 50
+_FILTERS = ("status", "topic", "partition", "error_type", "error", "since", "until")
+
+
+async def _attempt(console: Console, operator: str | None, fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """``fn()``'s result, or its error as one line (secrets masked): a page shows it instead of failing."""
+    try:
+        return await console.call(operator, fn), None
+    except KstoreError as exc:
+        return None, console.mask(str(exc))
+    except SQLAlchemyError as exc:  # a read the library does not wrap: the database is down, most likely
+        return None, console.mask(f"database {console.settings.safe_dsn}: {first_line(exc)}")
+
+
+async def groups(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console = console_of(request)
+    found, error = await _attempt(console, operator, console.store.groups)
+    return console.render(request, "groups.html", operator, groups=found or [], error=error)
+
+
+async def overview(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    reading, error = await _attempt(console, operator, lambda: console.read(group))
+    history = (await _attempt(console, None, lambda: console.sampler.history(group, CHART_SPAN)))[0] or []
+    workers: dict[str, list[str]] = defaultdict(list)
+    for p in reading.partitions if reading else []:
+        if p.owner:
+            workers[p.owner].append(f"{p.topic}[{p.partition}]")
+    shards = reading.outbox if reading else []
+    oldest = min((s.oldest for s in shards if s.oldest is not None), default=None)
+    charts = [
+        svg_chart("lag (messages)", [(s.at, float(s.lag_messages)) for s in history], "messages"),
+        svg_chart("throughput (messages/s)", throughput(history), "messages/s"),
+    ]
+    return console.render(request, "overview.html", operator, group=group, reading=reading, error=error,
+                          workers=dict(workers), outbox_waiting=sum(s.waiting for s in shards),
+                          outbox_oldest=oldest, charts=charts)
+
+
+def _letter_filter(params: Mapping[str, Any]) -> LetterFilter:
+    def given(name: str) -> str | None:
+        value = str(params.get(name, "") or "").strip()
+        return value or None
+
+    status = given("status") or deadletters.DEAD
+    partition = given("partition")
+    try:
+        return LetterFilter(
+            status=None if status == "any" else status, topic=given("topic"),
+            partition=None if partition is None else int(partition), error_type=given("error_type"),
+            error=given("error"), since=_when(given("since")), until=_when(given("until")))
+    except ValueError as exc:
+        raise ConfigurationError(f"bad filter: {exc}") from None
+
+
+def _when(raw: str | None) -> datetime | None:
+    if raw is None:
+        return None
+    when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        raise ConfigurationError(f"give the time a timezone, e.g. {raw}Z")
+    return when
+
+
+async def letters(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    params = request.query_params
+    shown = {name: params.get(name, "") for name in _FILTERS}
+
+    def page() -> Any:
+        after = int(params.get("after") or 0)
+        return list_dead_letters(console.settings, group, _letter_filter(params), PAGE_SIZE, after)
+
+    found, error = await _attempt(console, operator, page)
+    return console.render(request, "letters.html", operator, group=group, page=found, error=error,
+                          filters=shown, statuses=("any", *deadletters.STATUSES),
+                          can_replay=group in console.processors)
+
+
+async def letter(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    letter_id = request.path_params["letter_id"]
+    found, error = await _attempt(console, operator,
+                                  lambda: deadletters.show_dead_letter(console.settings, letter_id))
+    d, changes = found if found else (None, [])
+    return console.render(request, "letter.html", operator, group=group, letter=d, changes=changes, error=error,
+                          key=_text(d.key) if d else "", value=_text(d.value) if d else "",
+                          can_replay=group in console.processors)
+
+
+def _text(data: bytes | None) -> str:
+    if data is None:
+        return ""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return repr(data)
+
+
+async def act_on_letter(request: Request) -> Response:
+    operator, form = await guard(request, action=True)
+    assert form is not None
+    console, group = console_of(request), request.path_params["group"]
+    letter_id, action = request.path_params["letter_id"], request.path_params["action"]
+    reason = str(form.get("reason", "")).strip()
+
+    def act() -> str:
+        if action == "replay":
+            edits = _edit(console, letter_id, form)
+            done = replays.replay_dead_letters(console.settings, console.processor(group), group, [letter_id],
+                                               edits, reason or None)
+            if done.failed:
+                raise KstoreError(f"dead letter {letter_id} failed again: {done.failed[letter_id]}")
+            if not done.replayed:
+                return f"dead letter {letter_id} was not replayed (already replayed, or not of {group!r})"
+            return f"replayed dead letter {letter_id}" + (" with the edited value" if edits else "")
+        close = {"discard": deadletters.discard_dead_letters, "resolve": deadletters.resolve_dead_letters}.get(action)
+        if close is None:
+            raise ConfigurationError(f"no action {action!r}")
+        changed = close(console.settings, group, [letter_id], reason)
+        return f"{changed.status} dead letter {letter_id}" if changed.changed else f"already {changed.status}"
+
+    said, error = await _attempt(console, operator, act)
+    flash(request, "error" if error else "done", error or said or "")
+    return RedirectResponse(request.url_for("letter", group=group, letter_id=letter_id), status_code=303)
+
+
+def _edit(console: Console, letter_id: int, form: FormData) -> dict[int, Edit]:
+    """The edit the form asks for: the value box, where it differs from the letter's value."""
+    if form.get("edit") != "on":
+        return {}
+    value = str(form.get("value", "")).replace("\r\n", "\n").encode()
+    original = deadletters.show_dead_letter(console.settings, letter_id)[0].value
+    return {} if value == original else {letter_id: Edit(value=value)}
+
+
+async def act_on_matching(request: Request) -> Response:
+    operator, form = await guard(request, action=True)
+    assert form is not None
+    console, group, action = console_of(request), request.path_params["group"], request.path_params["action"]
+    reason = str(form.get("reason", "")).strip()
+
+    def act() -> str:
+        where = _letter_filter({**form, "status": deadletters.DEAD})
+        if action == "replay":
+            done = replays.replay_matching(console.settings, console.processor(group), group, where, reason or None)
+        elif action in ("discard", "resolve"):
+            walk = discard_matching if action == "discard" else resolve_matching
+            done = walk(console.settings, group, where, reason)
+        else:
+            raise ConfigurationError(f"no action {action!r}")
+        failed = f", failed {done.failed}" if action == "replay" else ""
+        return f"{action}: done {done.done}{failed}, skipped {done.skipped}, remaining {done.remaining}"
+
+    said, error = await _attempt(console, operator, act)
+    flash(request, "error" if error else "done", error or said or "")
+    query = {k: str(form.get(k, "")) for k in _FILTERS if form.get(k)}
+    return RedirectResponse(request.url_for("letters", group=group).include_query_params(**query), status_code=303)
+
+
+async def offsets(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    history, error = await _attempt(console, operator,
+                                    lambda: offsets_admin.offset_history(console.settings, group, None, 50))
+    rows = (await _attempt(console, None, lambda: console.store.rows(group)))[0] or {}
+    topics = sorted({topic for topic, _ in rows})
+    return console.render(request, "offsets.html", operator, group=group, history=history or [], error=error,
+                          topics=topics, form={})
+
+
+_RESET_FIELDS = ("topic", "partitions", "target", "value", "clamp")
+
+
+def _reset_request(form: Mapping[str, Any]) -> tuple[str, list[int] | None, dict[str, Any]]:
+    """The topic, partitions (None: all) and the target keyword of ``set_offsets`` the form asks for."""
+    topic = str(form.get("topic", "")).strip()
+    if not topic:
+        raise ConfigurationError("choose a topic")
+    raw = str(form.get("partitions", "")).replace(" ", "")
+    try:
+        partitions = [int(p) for p in raw.split(",") if p] or None
+        target, value = str(form.get("target", "")), str(form.get("value", "")).strip()
+        kinds: dict[str, Callable[[], dict[str, Any]]] = {
+            "offset": lambda: {"to_offset": int(value)},
+            "datetime": lambda: {"to_datetime": _when(value)},
+            "earliest": lambda: {"to_earliest": True},
+            "latest": lambda: {"to_latest": True},
+            "shift": lambda: {"shift_by": int(value)},
+        }
+        if target not in kinds:
+            raise ConfigurationError("choose a target: offset, time, earliest, latest or shift")
+        chosen = kinds[target]()
+    except ValueError as exc:
+        raise ConfigurationError(f"bad reset: {exc}") from None
+    return topic, partitions, {**chosen, "clamp": form.get("clamp") == "on"}
+
+
+async def plan_reset(request: Request) -> Response:
+    operator, form = await guard(request, action=True)
+    assert form is not None
+    console, group = console_of(request), request.path_params["group"]
+
+    def plan() -> list[offsets_admin.PlannedReset]:
+        topic, partitions, target = _reset_request(form)
+        return offsets_admin.set_offsets(console.settings, group, topic, partitions, **target)
+
+    planned, error = await _attempt(console, operator, plan)
+    return console.render(request, "plan.html", operator, group=group, plan=planned or [], error=error,
+                          form={k: str(form.get(k, "")) for k in _RESET_FIELDS})
+
+
+async def execute_reset(request: Request) -> Response:
+    operator, form = await guard(request, action=True)
+    assert form is not None
+    console, group = console_of(request), request.path_params["group"]
+
+    def execute() -> str:
+        topic, partitions, target = _reset_request(form)
+        done = offsets_admin.set_offsets(console.settings, group, topic, partitions, **target,
+                                         reason=str(form.get("reason", "")), execute=True, via="kstore console")
+        moves = ", ".join(f"{p.topic}[{p.partition}] {p.from_offset} -> {p.to_offset}" for p in done)
+        return f"reset applied: {moves}; running workers pick it up within a few seconds"
+
+    said, error = await _attempt(console, operator, execute)
+    flash(request, "error" if error else "done", error or said or "")
+    return RedirectResponse(request.url_for("offsets", group=group), status_code=303)
+
+
+async def outbox(request: Request) -> Response:
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    shards, error = await _attempt(console, operator, lambda: outbox_admin.show_outbox(console.settings, group))
+    return console.render(request, "outbox.html", operator, group=group, shards=shards or [], error=error)

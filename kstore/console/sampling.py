@@ -1,0 +1,119 @@
+"""Sampling every group's lag into the bounded samples table, and drawing it.
+
+A :class:`Sampler` thread reads each group (the console's one :class:`~kstore.ops.lag.LagReader`,
+under its lock) every ``console_sample_interval_s`` and writes what it read, every group in one
+INSERT, with the retention's DELETE in the same transaction (:mod:`kstore.db.samples`). Charts
+are drawn on the server as SVG: no script, nothing to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta, timezone
+from itertools import pairwise
+
+from markupsafe import Markup, escape
+
+from kstore.db import samples
+from kstore.db.store import Store
+from kstore.errors import KstoreError
+from kstore.ops.lag import GroupReading
+
+log = logging.getLogger(__name__)
+
+
+def sample_of(reading: GroupReading) -> samples.Sample:
+    ages = [p.lag_seconds for p in reading.partitions if p.lag_seconds is not None]
+    return samples.Sample(
+        group=reading.group, at=datetime.fromtimestamp(reading.at, timezone.utc),
+        lag_messages=sum(p.lag_messages for p in reading.partitions),
+        lag_seconds=max(ages) if ages else None,
+        stored_offsets=sum(p.stored_offset or 0 for p in reading.partitions),
+        dead_letters=reading.dead_letters,
+    )
+
+
+class Sampler:
+    """Takes a sample of every group with stored offsets each ``interval_s``, until :meth:`stop`."""
+
+    def __init__(self, store: Store, read: Callable[[str], GroupReading], interval_s: float,
+                 retention_s: float) -> None:
+        self.store, self.read = store, read
+        self.interval_s, self.keep = interval_s, timedelta(seconds=retention_s)
+        self.table = samples.build_table(store.settings.table_prefix, store.settings.schema)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.interval_s <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kstore-console-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def sample_once(self) -> list[samples.Sample]:
+        """Read every group and write its sample; a group that cannot be read now is left out."""
+        taken = []
+        for group in self.store.groups():
+            try:
+                taken.append(sample_of(self.read(group)))
+            except KstoreError as exc:
+                log.warning("no lag sample of group %r: %s", group, exc)
+        samples.write(self.store.engine, self.table, taken, self.keep)
+        return taken
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception as exc:  # the console serves on without its charts; said once an interval
+                log.warning("lag sampling failed: %s: %s", type(exc).__name__, exc)
+            self._stop.wait(self.interval_s)
+
+    def history(self, group: str, span: timedelta) -> list[samples.Sample]:
+        return samples.read(self.store.engine, self.table, group, datetime.now(timezone.utc) - span)
+
+
+def throughput(points: Sequence[samples.Sample]) -> list[tuple[datetime, float]]:
+    """Messages a second between each two samples (a reset backwards counts 0, not a negative rate)."""
+    rates = []
+    for before, after in pairwise(points):
+        seconds = (after.at - before.at).total_seconds()
+        if seconds > 0:
+            rates.append((after.at, max(0, after.stored_offsets - before.stored_offsets) / seconds))
+    return rates
+
+
+WIDTH, HEIGHT, PAD = 640, 160, 36
+
+
+def svg_chart(title: str, points: Sequence[tuple[datetime, float]], unit: str) -> Markup:
+    """A line chart of ``points`` (time, value) as inline SVG, with its last and largest values in the title."""
+    label = escape(title)
+    if len(points) < 2:
+        return Markup(f'<figure class="chart"><figcaption>{label}: not enough samples yet</figcaption></figure>')
+    t0, t1 = points[0][0], points[-1][0]
+    span = max((t1 - t0).total_seconds(), 1e-9)
+    top = max(v for _, v in points)
+    scale = top or 1.0  # all zero: a flat line at the bottom
+    xy = " ".join(
+        f"{PAD + (t - t0).total_seconds() / span * (WIDTH - 2 * PAD):.1f},"
+        f"{HEIGHT - PAD / 2 - v / scale * (HEIGHT - PAD):.1f}" for t, v in points
+    )
+    last = points[-1][1]
+    caption = f"{label}: now {last:,.1f} {escape(unit)}, most {top:,.1f} (since {t0:%H:%M:%S} UTC)"
+    return Markup(
+        f'<figure class="chart"><figcaption>{caption}</figcaption>'
+        f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" role="img" aria-label="{label}">'
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD / 2}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD / 2}" class="axis"/>'
+        f'<text x="2" y="{PAD / 2 + 4}" class="tick">{top:,.0f}</text>'
+        f'<text x="2" y="{HEIGHT - PAD / 2}" class="tick">0</text>'
+        f'<polyline points="{xy}" class="line"/></svg></figure>'
+    )

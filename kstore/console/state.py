@@ -1,0 +1,110 @@
+"""What every page of one console shares: its settings, login rules, processors, lag reader and sampler.
+
+Pages run their database and broker calls on Starlette's thread pool (:meth:`Console.call`), each
+with the operator recorded as who acts (:func:`kstore.db.writes.acting_as`). The one
+:class:`~kstore.ops.lag.LagReader` is shared by the pages and the sampler under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.templating import Jinja2Templates
+
+from kstore.db.store import Store, make_engine
+from kstore.db.writes import acting_as
+from kstore.errors import ConfigurationError
+from kstore.ops.lag import GroupReading, LagReader
+from kstore.processor import Processor
+from kstore.settings import Settings
+
+from .auth import CSRF_FIELD, Auth, Refused, csrf_token
+from .sampling import Sampler
+
+T = TypeVar("T")
+HERE = Path(__file__).resolve().parent
+
+
+class Console:
+    """One console: built by :func:`kstore.console.app`, held in ``app.state.console``."""
+
+    def __init__(self, settings: Settings, processors: Mapping[str, Processor]) -> None:
+        self.settings = settings
+        self.auth = Auth.of(settings)
+        self.processors = dict(processors)
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.engine = make_engine(settings)
+        self.store = Store(self.engine, settings)
+        self._reader: LagReader | None = None
+        self._reader_lock = threading.Lock()
+        self.sampler = Sampler(self.store, self.read, settings.console_sample_interval_s,
+                               settings.console_sample_retention_s)
+
+    @property
+    def read_only(self) -> bool:
+        return self.auth.read_only
+
+    def read(self, group: str) -> GroupReading:
+        """A group now: partitions, owners, dead letters, outbox (the pages' and the sampler's one reader)."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = LagReader(self.settings, owners=True, outbox=True)
+            try:
+                return self._reader.read(group)
+            except Exception:
+                self._reader.reset()
+                raise
+
+    def processor(self, group: str) -> Processor:
+        found = self.processors.get(group)
+        if found is None:
+            known = ", ".join(sorted(self.processors)) or "none"
+            raise ConfigurationError(f"replaying runs the group's processor, and this console has none for {group!r} "
+                                     f"(start it with --processor MODULE:CLASS; it has: {known})")
+        return found
+
+    async def call(self, operator: str | None, fn: Callable[[], T]) -> T:
+        """``fn()`` on the thread pool, its writes recorded as ``operator``'s."""
+        def acting() -> T:
+            if operator is None:
+                return fn()
+            with acting_as(operator):
+                return fn()
+        return await run_in_threadpool(acting)
+
+    def mask(self, text: str) -> str:
+        """``text`` with every secret of the settings (the DSN's password too) replaced by ``***``."""
+        for secret in sorted(self.settings.secrets, key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
+
+    def render(self, request: Request, name: str, operator: str | None, status: int = 200,
+               **context: Any) -> Response:
+        flash = request.session.pop("flash", None) if "session" in request.scope else None
+        response: Response = self.templates.TemplateResponse(request, name, {
+            "operator": operator, "read_only": self.read_only, "csrf_field": CSRF_FIELD,
+            "csrf": csrf_token(request) if "session" in request.scope else "", "flash": flash,
+            "database": self.settings.safe_dsn if not self.settings.secrets else self.mask(self.settings.safe_dsn),
+            **context,
+        }, status_code=status)
+        return response
+
+    def close(self) -> None:
+        self.sampler.stop()
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+        self.engine.dispose()
+
+
+def flash(request: Request, kind: str, text: str) -> None:
+    request.session["flash"] = {"kind": kind, "text": text}
+
+
+__all__ = ["Console", "Refused", "flash"]
