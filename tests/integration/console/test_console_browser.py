@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions
@@ -209,7 +210,12 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     box = browser.find_element(By.ID, "edited-value")
     box.clear()
     box.send_keys('{"n": 1007}')
-    browser.find_element(By.ID, "reason").send_keys("order 7 fixed by hand")
+    # Enter in the reason field acts on nothing (the form's default button is disabled): every action
+    # is a click on its own button. (Had it submitted, the replay below would find no form.)
+    assert browser.execute_script("return document.querySelector('#act button[type=submit]').disabled")
+    browser.find_element(By.ID, "reason").send_keys("order 7 fixed by hand" + Keys.ENTER)
+    assert browser.find_element(By.ID, "status").text == "dead"
+    assert _statuses(pg_dsn)[letter_id] == "dead"
     _shot(browser, "dead-letter")
     _click(browser, browser.find_element(By.ID, "replay"))
     assert browser.find_element(By.ID, "flash").text == f"replayed dead letter {letter_id} with the edited value"
