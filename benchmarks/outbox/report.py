@@ -6,9 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: The target: kstore's p99 commit-to-visible latency at the steady rate, at most this.
-P99_TARGET_MS = 50.0
+#: The targets: kstore's commit-to-visible latency at the steady rate over the at-most-once loop's
+#: (COMMIT, then a plain send) in the same run, at most these. (A transaction's cost depends on the
+#: cluster and the machine; the ratio says what exactly once costs on top of it.)
+P50_TARGET_RATIO = 2.0
+P99_TARGET_RATIO = 2.5
 KSTORE = "kstore-produce"
+YARDSTICK = "send-after-commit"
 
 
 def table(results: dict[str, Any]) -> str:
@@ -29,8 +33,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"kstore vs {r['against']}: throughput x{r['throughput']:.2f}, "
                      f"p50 x{r['p50']:.2f}, p99 x{r['p99']:.2f} (latency: lower is better)")
     for t in results["target"]:
-        lines.append(f"target: kstore p99 {t['p99_ms']:.1f} ms <= {t['target_ms']:g} ms at {t['rate']:,.0f} "
-                     f"records/s: {'met' if t['met'] else 'MISSED'}")
+        lines.append(f"target at {t['rate']:,.0f} records/s: p50 x{t['p50']:.2f} <= x{t['p50_target']:g}, "
+                     f"p99 x{t['p99']:.2f} <= x{t['p99_target']:g} of {YARDSTICK}: {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines)
 
 
@@ -53,9 +57,17 @@ def ratios(done: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def target(done: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"rate": c["steady"]["rate"], "p99_ms": c["steady"]["latency"]["p99_ms"], "target_ms": P99_TARGET_MS,
-             "met": c["steady"]["latency"]["p99_ms"] <= P99_TARGET_MS and c["steady"]["latency"]["kept_up"]}
-            for c in done if c["name"] == KSTORE and "steady" in c]
+    """kstore's latency ratios over the at-most-once loop's against the targets (none unless both ran)."""
+    by_name = {c["name"]: c for c in done}
+    mine = by_name.get(KSTORE)
+    if mine is None or "steady" not in mine:
+        return []
+    for r in ratios(done):
+        if r["against"] == YARDSTICK:
+            met = r["p50"] <= P50_TARGET_RATIO and r["p99"] <= P99_TARGET_RATIO and mine["steady"]["latency"]["kept_up"]
+            return [{"rate": mine["steady"]["rate"], "p50": r["p50"], "p99": r["p99"], "p50_target": P50_TARGET_RATIO,
+                     "p99_target": P99_TARGET_RATIO, "met": met}]
+    return []
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -46,5 +46,9 @@ def test_outbox_benchmark_runs_every_contender_exactly_once(kafka: str, postgres
         lat = c["steady"]["latency"]
         assert lat["count"] > 0 and lat["p99_ms"] >= lat["p50_ms"] > 0, c["name"]
     assert [r["against"] for r in results["ratios"]] == [c.name for c in CONTENDERS[1:]]
-    assert [t["target_ms"] for t in results["target"]] == [50.0]
+    (target,) = results["target"]
+    by_name = {c["name"]: c["steady"]["latency"] for c in results["contenders"]}
+    assert target["p99"] == by_name["kstore-produce"]["p99_ms"] / by_name["send-after-commit"]["p99_ms"]
+    assert (target["p50_target"], target["p99_target"]) == (2.0, 2.5)
+    assert "of send-after-commit: " in done.stdout
     assert "kstore vs polled-outbox: throughput x" in done.stdout
