@@ -2,15 +2,25 @@
 transaction, and what the relay needs to publish them once (leases, progress, clean-up).
 
 **Commit order.** Records are spread over a fixed number of shards by key (a key's records are
-always in one shard). At the end of a batch that produced records, its transaction locks the
-rows of the shards it writes (``SELECT ... ORDER BY shard FOR UPDATE``: in shard order, so two
-batches never deadlock), numbers its records from each shard's ``next_seq`` and moves it on.
-The lock is held until COMMIT, so within a shard ``seq`` follows commit order, with no gap: a
-batch that waits for the lock reads ``next_seq`` only after the one before it committed (or
-rolled back, leaving its numbers to the next). A relay that has published up to ``seq`` N and
-reads ``seq > N`` can never skip a row that commits later: no row below one it has seen can
-still be uncommitted. (Ordering by an id from a sequence would: ids are taken in statement
-order, and transactions commit in another.)
+always in one shard). At the end of a batch that produced records, its transaction moves on the
+``next_seq`` of each shard it writes (``UPDATE ... SET next_seq = next_seq + k ... RETURNING``,
+a shard at a time in shard order, so two batches never deadlock), which locks the shard's row,
+and numbers its records from the old value. The lock is held until COMMIT, so within a shard
+``seq`` follows commit order, with no gap: a batch that waits for the lock reads ``next_seq`` only
+after the one before it committed (or rolled back, leaving its numbers to the next). A relay that
+has published up to ``seq`` N and reads ``seq > N`` can never skip a row that commits later: no
+row below one it has seen can still be uncommitted. (Ordering by an id from a sequence would: ids
+are taken in statement order, and transactions commit in another.) What a commit pays under the
+lock: a few records of one shard (an application's request) are one statement on PostgreSQL (the
+``UPDATE``, the rows' ``INSERT`` and the NOTIFY as data-modifying CTEs), then the COMMIT; more
+records, an ``UPDATE`` per shard and one ``INSERT`` (COPY for many), then the COMMIT.
+
+**Waking the relay.** A relay with nothing to publish in a shard asks for a NOTIFY before it
+sleeps: it sets the shard's ``wake_seq`` to its ``next_seq`` (:meth:`Outbox.sleep_until_written`),
+and the one writer whose records start at that seq NOTIFYs as it commits. The others send none:
+PostgreSQL commits NOTIFYing transactions one at a time, so a NOTIFY per commit would bound the
+commits of all shards together. Polling (``outbox_poll_interval_s``) stays the safety net: a
+NOTIFY missed costs a poll interval, never a record.
 
 **Who publishes a shard.** One relay at a time, by lease (``outbox_relays``): taking a shard
 bumps its epoch, and every write of the relay's (its progress, the clean-up) matches that
