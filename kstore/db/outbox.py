@@ -559,8 +559,8 @@ def groups_with_outbox(conn: Connection, tables: OutboxTables) -> Iterable[str]:
 
 
 class Listener:
-    """A PostgreSQL connection that LISTENs on :data:`CHANNEL`: :meth:`wait` returns when a batch
-    that produced records committed (any group's: a spurious wake-up costs one query)."""
+    """A PostgreSQL connection that LISTENs on :data:`CHANNEL`: :meth:`wait` returns when a transaction
+    that took a shard's ``wake_seq`` committed (any group's: a spurious wake-up costs one query)."""
 
     def __init__(self, engine: Engine) -> None:
         self._raw = engine.raw_connection()
