@@ -54,7 +54,9 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kstore", *self.args],
             cwd=SUPPORT_DIR,
-            env={**os.environ, **env, "PYTHONPATH": str(SUPPORT_DIR)},
+            # The checkout under test after this folder: a worker runs this tree's kstore, never
+            # another one installed in the virtualenv (a worktree's tests share one).
+            env={**os.environ, **env, "PYTHONPATH": os.pathsep.join((str(SUPPORT_DIR), str(REPO_DIR)))},
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
