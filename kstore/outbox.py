@@ -18,12 +18,15 @@ order their transactions committed.
 **Concurrency.** Records are spread over the outbox's shards by key; a transaction holds the row
 lock of each shard it writes from its records' write to its COMMIT, which numbers them in commit
 order. On a SQLAlchemy ``Session`` (or ``AsyncSession``) the records wait in the session and are
-written in its ``before_commit``, in shard order: the lock is held only for the commit itself, and
-two transactions never deadlock on it. So up to ``shards`` transactions commit records at once
-(transactions whose keys fall in different shards never wait for each other), and a commit pays one
-``SELECT ... FOR UPDATE`` of its shards, an ``UPDATE`` of each and one ``INSERT`` more. On a
-``Connection`` the records are written at once (the lock is held from there to COMMIT): give a
-transaction's records in one :meth:`Outbox.produce_many`.
+written in its ``before_commit``, after the session's own changes are flushed, in shard order: the
+lock is held only for the commit itself, and two transactions never deadlock on it. So up to
+``shards`` transactions commit records at once (transactions whose keys fall in different shards
+never wait for each other). What a commit pays under the lock, on PostgreSQL: for a few records of
+one shard, one statement (the shard's numbering, the rows and, if the relay waits, its NOTIFY)
+and the COMMIT; for more, an ``UPDATE ... RETURNING`` per shard and one ``INSERT`` (COPY for
+many) before it. Only the commit that the shard's idle relay waits for NOTIFYs; while the relay
+publishes, none does. On a ``Connection`` the records are written at once (the lock is held from
+there to COMMIT): give a transaction's records in one :meth:`Outbox.produce_many`.
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ class _NoFormats:
 def _write_pending(session: Session) -> None:
     """A session's ``before_commit``: its transaction's records, into their outboxes, each outbox's in one
     write (in shard order: the shards' locks are taken in one order by every transaction)."""
+    # The session's own changes first: not written while this transaction holds the shards' locks
+    # (its commit would flush them after this hook).
+    session.flush()
     pending: list[tuple[Outbox, Any, list[Produced]]] = session.info.get(_PENDING) or []
     by_outbox: dict[Outbox, list[Produced]] = {}
     for outbox, _, records in pending:

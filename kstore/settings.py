@@ -198,8 +198,8 @@ class Settings:
     relay_client: str = ""
     #: A relay that stops renewing its shards' leases (killed, paused) loses them after this long.
     outbox_lease_s: float = 10.0
-    #: How often a relay looks for rows when nothing woke it (PostgreSQL wakes it at each commit
-    #: with LISTEN/NOTIFY, and a worker's own relay at each of its commits).
+    #: How often a relay looks for rows when nothing woke it (on PostgreSQL the first commit after
+    #: it went idle wakes it with LISTEN/NOTIFY, and a worker's own relay at each of its commits).
     outbox_poll_interval_s: float = 1.0
     #: A produced record (key, value and headers) larger than this is refused at ``produce()``:
     #: keep it at or below the topics' ``max.message.bytes``.

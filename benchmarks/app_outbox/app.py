@@ -83,8 +83,9 @@ class Requests:
         self.stop = threading.Event()
         self._next = itertools.count().__next__  # atomic under the GIL: each id taken once
         self._start_mono = 0.0
-        #: Per thread: when its last SQL statement returned, and how long it waited in ``SELECT ... FOR
-        #: UPDATE`` (kstore's shard locks), timed by the engine's events (two calls per statement, both
+        #: Per thread: when its last SQL statement returned, and how long the statements that lock kstore's
+        #: shards took (their wait for the locks included: ``UPDATE ... next_seq``, or the one-statement
+        #: write), timed by the engine's events (two calls per statement, both
         #: contenders alike). The statements kstore runs in the commit are on the same connection.
         self.marks = threading.local()
         event.listen(self.engine, "before_cursor_execute", self._before)
@@ -161,7 +162,7 @@ class Requests:
     def _after(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         marks = self.marks
         marks.end = time.time_ns()
-        if "FOR UPDATE" in statement:  # kstore's outbox shards, locked in the commit
+        if "outbox_shards" in statement and "next_seq" in statement:  # kstore's outbox shards, locked in the commit
             marks.lock += marks.end - marks.started
             marks.locked_at = marks.end
 

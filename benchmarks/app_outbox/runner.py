@@ -369,7 +369,7 @@ class AppRunner:
             # From the request's start to its COMMIT returning.
             "request_ms": percentiles([mine["commit"][k] - mine["begin"][k] for k in kept]),
             # The session's commit as the application sees it: for kstore, its outbox write (before_commit:
-            # the shard locks, of which the wait in SELECT ... FOR UPDATE, its rows, the NOTIFY), then
+            # the shard locks, of which the statement that takes them, its rows, the NOTIFY), then
             # the COMMIT statement itself.
             "commit_ms": percentiles([mine["commit"][k] - mine["body"][k] for k in kept]),
             "outbox_write_ms": percentiles([max(0, mine["sql_end"][k] - mine["body"][k]) for k in kept]),

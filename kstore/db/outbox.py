@@ -2,15 +2,25 @@
 transaction, and what the relay needs to publish them once (leases, progress, clean-up).
 
 **Commit order.** Records are spread over a fixed number of shards by key (a key's records are
-always in one shard). At the end of a batch that produced records, its transaction locks the
-rows of the shards it writes (``SELECT ... ORDER BY shard FOR UPDATE``: in shard order, so two
-batches never deadlock), numbers its records from each shard's ``next_seq`` and moves it on.
-The lock is held until COMMIT, so within a shard ``seq`` follows commit order, with no gap: a
-batch that waits for the lock reads ``next_seq`` only after the one before it committed (or
-rolled back, leaving its numbers to the next). A relay that has published up to ``seq`` N and
-reads ``seq > N`` can never skip a row that commits later: no row below one it has seen can
-still be uncommitted. (Ordering by an id from a sequence would: ids are taken in statement
-order, and transactions commit in another.)
+always in one shard). At the end of a batch that produced records, its transaction moves on the
+``next_seq`` of each shard it writes (``UPDATE ... SET next_seq = next_seq + k ... RETURNING``,
+a shard at a time in shard order, so two batches never deadlock), which locks the shard's row,
+and numbers its records from the old value. The lock is held until COMMIT, so within a shard
+``seq`` follows commit order, with no gap: a batch that waits for the lock reads ``next_seq`` only
+after the one before it committed (or rolled back, leaving its numbers to the next). A relay that
+has published up to ``seq`` N and reads ``seq > N`` can never skip a row that commits later: no
+row below one it has seen can still be uncommitted. (Ordering by an id from a sequence would: ids
+are taken in statement order, and transactions commit in another.) What a commit pays under the
+lock: a few records of one shard (an application's request) are one statement on PostgreSQL (the
+``UPDATE``, the rows' ``INSERT`` and the NOTIFY as data-modifying CTEs), then the COMMIT; more
+records, an ``UPDATE`` per shard and one ``INSERT`` (COPY for many), then the COMMIT.
+
+**Waking the relay.** A relay with nothing to publish in a shard asks for a NOTIFY before it
+sleeps: it sets the shard's ``wake_seq`` to its ``next_seq`` (:meth:`Outbox.sleep_until_written`),
+and the one writer whose records start at that seq NOTIFYs as it commits. The others send none:
+PostgreSQL commits NOTIFYing transactions one at a time, so a NOTIFY per commit would bound the
+commits of all shards together. Polling (``outbox_poll_interval_s``) stays the safety net: a
+NOTIFY missed costs a poll interval, never a record.
 
 **Who publishes a shard.** One relay at a time, by lease (``outbox_relays``): taking a shard
 bumps its epoch, and every write of the relay's (its progress, the clean-up) matches that
@@ -46,17 +56,19 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    TextClause,
     delete,
     func,
     insert,
     literal_column,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from kstore.errors import KstoreError
+from kstore.errors import KstoreError, WriteCountError
 from kstore.types import Produced
 
 from .copy import copy_rows
@@ -65,13 +77,17 @@ from .writes import WRITES, aware, now
 
 log = logging.getLogger(__name__)
 
-#: The PostgreSQL channel a batch that produced records notifies when it commits (payload: its group).
 #: The outbox's columns a batch writes, in the order of its rows.
 WRITE_COLUMNS = ("consumer_group", "shard", "seq", "topic", "partition_id", "key", "value", "headers", "created_at")
 #: A batch that produced at least this many records writes them with COPY (PostgreSQL): a third
 #: of a multi-row INSERT's CPU per record, for a round trip more.
 COPY_FROM_ROWS = 64
+#: A write of at most this many records, all of one shard (an application's request, most often),
+#: is one statement on PostgreSQL: its numbering, rows and NOTIFY in one round trip under the lock.
+FUSED_MAX_ROWS = 16
 
+#: The PostgreSQL channel a transaction that took a shard's ``wake_seq`` notifies when it commits
+#: (payload: its group).
 CHANNEL = "kstore_outbox"
 
 
@@ -84,7 +100,7 @@ class OutboxTables:
 
 
 def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTables:
-    """The outbox's tables (migration 0007), named with ``prefix`` inside ``schema``."""
+    """The outbox's tables (migrations 0007 and 0010), named with ``prefix`` inside ``schema``."""
     md = MetaData(schema=schema)
     return OutboxTables(
         Table(
@@ -105,6 +121,8 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTa
             Column("shard", Integer, primary_key=True, autoincrement=False),
             Column("next_seq", BigInteger, nullable=False),
             Column("incarnation", String(32), nullable=False),
+            # The seq its idle relay waits for (migration 0010): the transaction that takes it NOTIFYs.
+            Column("wake_seq", BigInteger, nullable=True),
         ),
         Table(
             f"{prefix}outbox_relays", md,
@@ -177,6 +195,11 @@ class Outbox:
         self.postgresql = engine.dialect.name == "postgresql"
         #: The number of shards, fixed when the group's first worker or relay made them (see :meth:`ensure_shards`).
         self.shards = 0
+        #: Write by the plain path only (``SELECT ... FOR UPDATE``, an ``UPDATE`` per shard, SQLAlchemy's
+        #: own executemany, a NOTIFY of its own): what the fast paths are tested against.
+        self.plain = False
+        #: The one-statement writes (:meth:`_write_fused`), by their number of records.
+        self._fused: dict[int, TextClause] = {}
 
     # -- shards ---------------------------------------------------------------
 
@@ -224,41 +247,128 @@ class Outbox:
         by_shard: dict[int, list[Produced]] = defaultdict(list)
         for record in records:
             by_shard[shard_of(record, self.shards)].append(record)
-        s = self.tables.shards
-        # In shard order: two batches lock their shards in the same order, and never deadlock.
-        found = conn.execute(
-            select(s.c.shard, s.c.next_seq)
-            .where(s.c.consumer_group == self.group, s.c.shard.in_(sorted(by_shard)))
-            .order_by(s.c.shard).with_for_update()
-        ).all()
-        if len(found) != len(by_shard):
-            raise KstoreError(f"outbox shards of group {self.group!r} are missing: "
-                              f"{sorted(set(by_shard) - {row.shard for row in found})}")
+        if self.postgresql and not self.plain and len(by_shard) == 1 and len(records) <= FUSED_MAX_ROWS:
+            ((shard, mine),) = by_shard.items()
+            self._write_fused(conn, shard, mine)
+            return
+        firsts, wake = self._number(conn, by_shard)
         stamp = now()
-        values: list[tuple[Any, ...]] = []
-        for shard, next_seq in found:
-            mine = by_shard[shard]
-            values.extend((self.group, shard, next_seq + i, r.topic, r.partition, r.key, r.value,
-                           encode_headers(r.headers), stamp) for i, r in enumerate(mine))
-            moved = conn.execute(
-                update(s).where(s.c.consumer_group == self.group, s.c.shard == shard, s.c.next_seq == next_seq)
-                .values(next_seq=next_seq + len(mine)))
-            if moved.rowcount != 1:
-                raise KstoreError(f"outbox shard {shard} of group {self.group!r} moved under its lock")
-        # Written on the worker's interpreter for every record a processor produces, so by the
-        # cheapest path that checks its row count: COPY for many rows (kstore.db.copy; one round
-        # trip more than an INSERT, so not for a few), else one multi-row INSERT quoted by the
-        # driver (kstore.db.manyrows); SQLite takes SQLAlchemy's own executemany.
-        if self.postgresql and len(values) >= COPY_FROM_ROWS:
-            copy_rows(conn, self.tables.outbox, values, WRITE_COLUMNS)
-        else:
-            rows = [dict(zip(WRITE_COLUMNS, row, strict=True)) for row in values]
-            statement = insert(self.tables.outbox)
-            if execute_many(conn, statement, rows) is None:
-                conn.execute(statement, rows)
-        if self.postgresql:
-            # Delivered when (and only if) the transaction commits: the relays wake at once.
+        values = [(self.group, shard, first + i, r.topic, r.partition, r.key, r.value, encode_headers(r.headers), stamp)
+                  for shard, first in firsts.items() for i, r in enumerate(by_shard[shard])]
+        self._insert(conn, values)
+        if wake and self.postgresql:
+            # Delivered when (and only if) the transaction commits: the shard's idle relay wakes at once.
             conn.execute(select(func.pg_notify(CHANNEL, self.group)))
+
+    def _number(self, conn: Connection, by_shard: dict[int, list[Produced]]) -> tuple[dict[int, int], bool]:
+        """Lock the shards' rows and move each one's ``next_seq`` past its records: the first seq
+        each shard's records take (in shard order), and whether one is the seq its idle relay
+        waits for (``wake_seq``: see :meth:`sleep_until_written`).
+
+        In shard order: two writers lock their shards in the same order, and never deadlock. One
+        ``UPDATE ... RETURNING`` per shard where the database has it (it takes the row lock as
+        ``FOR UPDATE`` would), else (SQLite before 3.35, and :attr:`plain`) a ``SELECT ... FOR
+        UPDATE`` of them all and an ``UPDATE`` of each."""
+        s = self.tables.shards
+        firsts: dict[int, int] = {}
+        wake = False
+        if self.plain or not conn.dialect.update_returning:
+            found = conn.execute(
+                select(s.c.shard, s.c.next_seq, s.c.wake_seq)
+                .where(s.c.consumer_group == self.group, s.c.shard.in_(sorted(by_shard)))
+                .order_by(s.c.shard).with_for_update()).all()
+            for shard, first, wake_seq in found:
+                moved = conn.execute(
+                    update(s).where(s.c.consumer_group == self.group, s.c.shard == shard, s.c.next_seq == first)
+                    .values(next_seq=first + len(by_shard[shard])))
+                if moved.rowcount != 1:
+                    raise KstoreError(f"outbox shard {shard} of group {self.group!r} moved under its lock")
+                firsts[shard] = int(first)
+                wake |= wake_seq == first
+        else:
+            for shard in sorted(by_shard):
+                k = len(by_shard[shard])
+                row = conn.execute(
+                    update(s).where(s.c.consumer_group == self.group, s.c.shard == shard)
+                    .values(next_seq=s.c.next_seq + k).returning(s.c.next_seq, s.c.wake_seq)).first()
+                if row is not None:
+                    firsts[shard] = int(row.next_seq) - k
+                    wake |= row.wake_seq == firsts[shard]
+        if len(firsts) != len(by_shard):
+            missing = sorted(set(by_shard) - set(firsts))
+            raise KstoreError(f"outbox shards of group {self.group!r} are missing: {missing}")
+        return firsts, wake
+
+    def _insert(self, conn: Connection, values: list[tuple[Any, ...]]) -> None:
+        """The rows, by the cheapest path that checks its row count (written on the worker's
+        interpreter for every record a processor produces): COPY for many rows (kstore.db.copy; one
+        round trip more than an INSERT, so not for a few), else one multi-row INSERT quoted by the
+        driver (kstore.db.manyrows); SQLite (and :attr:`plain`) takes SQLAlchemy's own executemany."""
+        if self.postgresql and not self.plain and len(values) >= COPY_FROM_ROWS:
+            copy_rows(conn, self.tables.outbox, values, WRITE_COLUMNS)
+            return
+        rows = [dict(zip(WRITE_COLUMNS, row, strict=True)) for row in values]
+        statement = insert(self.tables.outbox)
+        if self.plain or execute_many(conn, statement, rows) is None:
+            conn.execute(statement, rows)
+
+    def _write_fused(self, conn: Connection, shard: int, records: Sequence[Produced]) -> None:
+        """A few records of one shard in one statement (PostgreSQL): its numbering, its rows and,
+        if they take the seq its idle relay waits for, the NOTIFY; the rows written counted."""
+        n = len(records)
+        statement = self._fused.get(n)
+        if statement is None:
+            statement = self._fused[n] = self._fused_statement(n)
+        params: dict[str, Any] = {"g": self.group, "shard": shard, "n": n, "stamp": now(), "channel": CHANNEL}
+        for i, r in enumerate(records):
+            params[f"t{i}"], params[f"p{i}"], params[f"k{i}"], params[f"v{i}"], params[f"h{i}"] = (
+                r.topic, r.partition, r.key, r.value, encode_headers(r.headers))
+        row = conn.execute(statement, params).first()
+        if row is None:
+            raise KstoreError(f"outbox shards of group {self.group!r} are missing: [{shard}]")
+        if row.written != n:
+            raise WriteCountError(f"the outbox's write of {n} rows into shard {shard} of group {self.group!r} "
+                                  f"reported {row.written} rows written: the transaction fails and nothing of it "
+                                  f"commits")
+
+    def _fused_statement(self, n: int) -> TextClause:
+        """``UPDATE`` the shard (its row lock) ``RETURNING`` the first seq, ``INSERT`` the ``n`` rows
+        numbered from it, ``pg_notify`` if that seq is the shard's ``wake_seq``: one statement of
+        data-modifying CTEs, every value a bound parameter cast to its column's type (a column of
+        NULLs in a ``VALUES`` list would be text otherwise)."""
+        q = self.engine.dialect.identifier_preparer
+        shards, outbox = q.format_table(self.tables.shards), q.format_table(self.tables.outbox)
+        c = {name: q.quote(name) for name in (*WRITE_COLUMNS, "next_seq", "wake_seq")}
+        rows = ", ".join(f"({i}, CAST(:t{i} AS TEXT), CAST(:p{i} AS INTEGER), CAST(:k{i} AS BYTEA), "
+                         f"CAST(:v{i} AS BYTEA), CAST(:h{i} AS TEXT))" for i in range(n))
+        return text(
+            f"WITH s AS (UPDATE {shards} SET {c['next_seq']} = {c['next_seq']} + :n "
+            f"WHERE {c['consumer_group']} = :g AND {c['shard']} = :shard "
+            f"RETURNING {c['next_seq']} - :n AS first, {c['wake_seq']} AS wake), "
+            f"ins AS (INSERT INTO {outbox} ({', '.join(c[name] for name in WRITE_COLUMNS)}) "
+            f"SELECT CAST(:g AS TEXT), CAST(:shard AS INTEGER), s.first + r.i, r.topic, r.partition_id, r.key, "
+            f"r.value, r.headers, CAST(:stamp AS TIMESTAMPTZ) "
+            f"FROM s CROSS JOIN (VALUES {rows}) AS r (i, topic, partition_id, key, value, headers) RETURNING 1) "
+            f"SELECT s.first, (SELECT count(*) FROM ins) AS written, "
+            f"CASE WHEN s.wake = s.first THEN pg_notify(CAST(:channel AS TEXT), CAST(:g AS TEXT)) END AS woke FROM s")
+
+    # -- the relay's sleep ------------------------------------------------------
+
+    def sleep_until_written(self, shard: int, published: int) -> bool:
+        """The relay of a shard with nothing after ``published`` is about to sleep: make the next
+        seq the one whose writer NOTIFYs (``wake_seq``), in a transaction of its own. False if rows
+        committed before it: publish them rather than sleep. (PostgreSQL; LISTEN first.)
+
+        The ``UPDATE`` takes the shard's row lock, so it is ordered with the writers': one that
+        committed before it moved ``next_seq`` (read here), one after it takes ``wake_seq`` as its
+        first seq and NOTIFYs as it commits (a writer that rolls back leaves the seq, and the
+        NOTIFY, to the next). Only a hint: a NOTIFY missed costs a poll interval, never a record."""
+        s = self.tables.shards
+        with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
+            next_seq = conn.execute(
+                update(s).where(s.c.consumer_group == self.group, s.c.shard == shard)
+                .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).scalar_one()
+        return int(next_seq) - 1 <= published
 
     # -- the relay's leases ---------------------------------------------------
 
@@ -455,8 +565,8 @@ def groups_with_outbox(conn: Connection, tables: OutboxTables) -> Iterable[str]:
 
 
 class Listener:
-    """A PostgreSQL connection that LISTENs on :data:`CHANNEL`: :meth:`wait` returns when a batch
-    that produced records committed (any group's: a spurious wake-up costs one query)."""
+    """A PostgreSQL connection that LISTENs on :data:`CHANNEL`: :meth:`wait` returns when a transaction
+    that took a shard's ``wake_seq`` committed (any group's: a spurious wake-up costs one query)."""
 
     def __init__(self, engine: Engine) -> None:
         self._raw = engine.raw_connection()

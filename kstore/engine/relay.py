@@ -107,6 +107,9 @@ class _Shard:
     paused_before: float = 0.0
     #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
     lost: bool = False
+    #: ``published`` when the shard last found rows committed as it was about to sleep (see
+    #: Relay._sleep_until_written), None once it slept.
+    woken_at: int | None = None
     last_error: str | None = None
     wake: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -199,6 +202,7 @@ class Relay:
                 if time.monotonic() >= self._next_heartbeat:
                     self._heartbeat()
                 self._reap()
+                self._listen()  # before a shard's thread asks a writer to NOTIFY (see _sleep_until_written)
                 for state in list(self._held.values()):
                     if state.thread is None:
                         state.thread = threading.Thread(target=self._shard_loop, args=(state,),
@@ -483,7 +487,7 @@ class Relay:
         rows = self.outbox.pending(shard, state.published, limit)
         if not rows:
             self._mark(state, due=True)
-            return False
+            return self._sleep_until_written(state)
         state.publishing_since, state.paused_before = time.monotonic(), self._paused_s
         try:
             state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
@@ -522,6 +526,19 @@ class Relay:
         self._shard_reason = None
         self.metrics.published(len(rows), rows[0].created_at)
         self._mark(state, due=False)
+        return True
+
+    def _sleep_until_written(self, state: _Shard) -> bool:
+        """The shard has nothing to publish: on PostgreSQL, ask the next writer to NOTIFY (the
+        relay LISTENs already: see :meth:`run`). True (publish on, do not sleep) if rows committed
+        before the ask; only once in a row for the same rows, so rows that vanished (deleted by
+        hand) cost a poll interval, not a busy loop."""
+        if not self.outbox.postgresql:
+            return False
+        if self.outbox.sleep_until_written(state.shard, state.published) or state.published == state.woken_at:
+            state.woken_at = None
+            return False
+        state.woken_at = state.published
         return True
 
     def _mark(self, state: _Shard, due: bool) -> None:
@@ -592,11 +609,6 @@ class Relay:
 
     def _idle(self, seconds: float) -> None:
         """Wait for a wake-up (this worker's commit, a NOTIFY from another's) or ``seconds``; pass it on."""
-        if self._listener is None and self.outbox.postgresql:
-            try:
-                self._listener = Listener(self.outbox.engine)
-            except Exception as exc:  # the pool raises the driver's own error, unwrapped
-                log.debug("LISTEN failed (polling instead): %s", exc)
         deadline = time.monotonic() + seconds
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             if self._listener is None:
@@ -613,6 +625,19 @@ class Relay:
                 self._listener = None
         self._wake.clear()
         self._heartbeat_now.clear()
+
+    def _listen(self) -> None:
+        """LISTEN (PostgreSQL), if not yet or no longer: a NOTIFY sent while nobody listens is lost.
+        Once listening again, every held shard looks for rows (one may have asked for a NOTIFY
+        meanwhile, and slept)."""
+        if self._listener is not None or not self.outbox.postgresql:
+            return
+        try:
+            self._listener = Listener(self.outbox.engine)
+        except Exception as exc:  # the pool raises the driver's own error, unwrapped
+            log.debug("LISTEN failed (polling instead): %s", exc)
+            return
+        self.wake()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """The lease thread waits before trying again (doubling up to RETRY_MAX_DELAY_S); said once per reason."""

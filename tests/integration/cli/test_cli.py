@@ -19,7 +19,8 @@ PASSWORD = "s3cret-Pa55word"
 def kstore(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kstore", *args], capture_output=True, text=True, timeout=timeout, cwd=SUPPORT_DIR,
-        env={**os.environ, "PYTHONPATH": str(SUPPORT_DIR), "KSTORE_CONNECT_TIMEOUT_S": "3", **(env or {})},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(SUPPORT_DIR), str(REPO_DIR))),
+             "KSTORE_CONNECT_TIMEOUT_S": "3", **(env or {})},
     )
 
 

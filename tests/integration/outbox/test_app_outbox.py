@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from kstore import Settings
 from kstore.outbox import Outbox, Record
@@ -115,3 +116,30 @@ def test_concurrent_request_transactions_announce_each_committed_order_once_in_c
         assert ns == list(range(1, len(ns) + 1)), f"{customer}'s orders out of commit order"
     assert r2.terminate() == 0
     engine.dispose()
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _Parcel(_Base):
+    __tablename__ = "parcels"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+def test_a_sessions_own_changes_are_flushed_before_the_outbox_locks_its_shards(pg_dsn: str) -> None:
+    """The outbox's write in the session's commit comes after the session's pending changes, so they
+    are never sent while the transaction holds the shards' locks."""
+    engine = sa.create_engine(pg_dsn)
+    _Base.metadata.create_all(engine)
+    events = Outbox(f"flush-{uuid.uuid4().hex[:8]}", Settings(dsn=pg_dsn), shards=2)
+    events.setup(engine)
+    statements: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda _c, _cur, statement, *_: statements.append(statement))
+    with Session(engine) as session, session.begin():
+        session.add(_Parcel(id=1))
+        events.produce(session, "parcels", {"id": 1}, key="p1")
+    engine.dispose()
+    parcel = next(i for i, s in enumerate(statements) if "INSERT INTO parcels" in s)
+    locked = next(i for i, s in enumerate(statements) if "outbox_shards" in s and "next_seq" in s)
+    assert parcel < locked, statements
