@@ -150,6 +150,16 @@ def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
     return {(r[0], r[1]): r[2] for r in rows}
 
 
+def outbox_rows(dsn: str) -> int:
+    """The rows waiting in kstore's outbox (every group's): 0 once the relays published everything."""
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one())
+    finally:
+        engine.dispose()
+
+
 def read_committed(kafka: str, topic: str, timeout: float = 120) -> list[tuple[bytes | None, bytes]]:
     """Every record a read_committed reader sees in ``topic``, up to its last stable offset: (key, value)."""
     return [(r.key, r.value) for r in read_committed_records(kafka, topic, timeout)]

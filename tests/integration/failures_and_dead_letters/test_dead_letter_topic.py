@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.support.harness import assert_exactly_once, effects, read_committed_records, stored_offsets, wait_until
+from tests.support.harness import (
+    assert_exactly_once,
+    effects,
+    outbox_rows,
+    read_committed_records,
+    stored_offsets,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -67,14 +74,7 @@ def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
     engine.dispose()
     assert set(letters) == {sent[i] for i in bad} and len(letters) == LETTERS
 
-    def published() -> bool:
-        engine = sa.create_engine(pg_dsn)
-        try:
-            with engine.connect() as conn:
-                return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
-        finally:
-            engine.dispose()
-    wait_until(published, 90, interval=0.5, what="every letter's record published")
+    wait_until(lambda: outbox_rows(pg_dsn) == 0, 90, interval=0.5, what="every letter's record published")
     records = read_committed_records(kafka, dlt)
     by_source = {}
     for r in records:

@@ -33,6 +33,7 @@ from tests.support.faultproxy import FaultProxy
 from tests.support.harness import (
     assert_exactly_once,
     effects,
+    outbox_rows,
     read_committed_records,
     stored_offsets,
     wait_until,
@@ -191,7 +192,7 @@ def test_dead_letters_whose_commit_answers_are_lost_reach_their_topic_once(
         ends[(t, p)] = max(ends.get((t, p), 0), o + 1)
     wait_until(lambda: all((stored_offsets(pg_dsn, "lettered").get(tp) or 0) >= e for tp, e in ends.items()),
                120, interval=0.5, what="every message committed")
-    wait_until(lambda: outbox_empty(pg_dsn), 60, interval=0.5, what="every letter's record published")
+    wait_until(lambda: outbox_rows(pg_dsn) == 0, 60, interval=0.5, what="every letter's record published")
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), set(sent) - bad)
     assert sorted(tuple(r) for r in dead_letters(pg_dsn)) == sorted(bad)
@@ -200,15 +201,6 @@ def test_dead_letters_whose_commit_answers_are_lost_reach_their_topic_once(
                         int.from_bytes(h["kafka_dlt-original-offset"], "big", signed=True))
                        for h in (dict(r.headers) for r in read_committed_records(kafka, dlt)))
     assert set(on_topic) == bad and set(on_topic.values()) == {1}, "each letter on its topic once"
-
-
-def outbox_empty(dsn: str) -> bool:
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
-    finally:
-        engine.dispose()
 
 
 def test_claim_in_doubt_delivers_nothing_until_a_claim_is_known(pg_dsn: str, pg_proxy: FaultProxy, new_topic: Any,

@@ -20,7 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from kstore import Settings
 from kstore.outbox import Outbox, Record
-from tests.support.harness import WorkerProcess, read_committed, wait_until
+from tests.support.harness import WorkerProcess, outbox_rows, read_committed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -99,10 +99,7 @@ def test_concurrent_request_transactions_announce_each_committed_order_once_in_c
     committed = THREADS * PER_THREAD - sum(1 for i in range(THREADS * PER_THREAD) if i % 7 == 3) + 1
     assert len(placed) == committed
 
-    def outbox_empty() -> bool:
-        with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
-    wait_until(outbox_empty, 120, interval=0.5, what="the outbox published and emptied")
+    wait_until(lambda: outbox_rows(pg_dsn) == 0, 120, interval=0.5, what="the outbox published and emptied")
     seen = [json.loads(value) for _, value in read_committed(kafka, out)]
     assert not [e for e in seen if "ghost" in e], "a rolled-back savepoint's record was published"
     per_order = defaultdict(int)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from kstore import Settings
 from kstore.outbox import Outbox
-from tests.support.harness import WorkerProcess, read_committed, wait_until
+from tests.support.harness import WorkerProcess, outbox_rows, read_committed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -215,10 +215,7 @@ def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_
         r2.log[since:])}, 60, interval=0.2, what="the woken relay giving up each of its shards")
     requests.join(timeout=300)
 
-    def outbox_empty() -> bool:
-        with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one() == 0
-    wait_until(outbox_empty, 120, interval=0.5, what="the outbox published and emptied")
+    wait_until(lambda: outbox_rows(pg_dsn) == 0, 120, interval=0.5, what="the outbox published and emptied")
 
     with engine.connect() as conn:
         final = {r.customer: r.n for r in conn.execute(sa.select(customers))}

@@ -28,7 +28,7 @@ from kstore_devbroker.broker import Cluster
 from tests.conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from tests.integration.telemetry.test_metrics import get, port_of, scrape, total
 from tests.support.faultproxy import FaultProxy
-from tests.support.harness import SUPPORT_DIR, WorkerProcess, read_committed, stored_offsets, wait_until
+from tests.support.harness import SUPPORT_DIR, WorkerProcess, outbox_rows, read_committed, stored_offsets, wait_until
 from tests.support.outbox_processors import check_outputs, metadata
 
 BOOKER = "outbox_processors:Booker"
@@ -36,15 +36,6 @@ BOOKER = "outbox_processors:Booker"
 
 def keyed_values(count: int, keys: int, start: int = 0) -> list[str]:
     return [f"k{(start + i) * 7919 % keys}:{start + i}" for i in range(count)]
-
-
-def outbox_rows(dsn: str) -> int:
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one())
-    finally:
-        engine.dispose()
 
 
 def booker_tables(dsn: str) -> str:
