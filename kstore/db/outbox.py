@@ -362,13 +362,18 @@ class Outbox:
         The ``UPDATE`` takes the shard's row lock, so it is ordered with the writers': one that
         committed before it moved ``next_seq`` (read here), one after it takes ``wake_seq`` as its
         first seq and NOTIFYs as it commits (a writer that rolls back leaves the seq, and the
-        NOTIFY, to the next). Only a hint: a NOTIFY missed costs a poll interval, never a record."""
+        NOTIFY, to the next). Only a hint: a NOTIFY missed costs a poll interval, never a record.
+
+        An idle relay asks at every poll: when ``wake_seq`` is ``next_seq`` already (no writer took it
+        since the last ask, whose rows the relay has seen), the ``UPDATE`` changes nothing and writes
+        nothing. It runs alone, in autocommit: no BEGIN or COMMIT round trip."""
         s = self.tables.shards
-        with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
-            next_seq = conn.execute(
-                update(s).where(s.c.consumer_group == self.group, s.c.shard == shard)
-                .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).scalar_one()
-        return int(next_seq) - 1 <= published
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            moved = conn.execute(
+                update(s).where(s.c.consumer_group == self.group, s.c.shard == shard,
+                                s.c.wake_seq.is_distinct_from(s.c.next_seq))
+                .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).first()
+        return moved is None or int(moved.next_seq) - 1 <= published
 
     # -- the relay's leases ---------------------------------------------------
 
