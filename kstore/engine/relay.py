@@ -5,8 +5,7 @@ It runs in the worker (a thread of its own: :meth:`Relay.start`) and standalone 
 relay``: :meth:`Relay.run`). Each outbox shard (:mod:`kstore.db.outbox`) is published by one
 relay at a time: the one holding its lease in the database, whose transactional producer
 (a :class:`~kstore.kafka.seam.ShardPublisher`, on the client ``relay_client`` names) fenced every
-earlier one when it started, before it published anything (it starts once the shard has rows: a
-group that produces nothing makes no producer). A shard is published
+earlier one when it started. A shard is published
 in order: rows after the shard's progress, ``seq`` ascending, a transaction at a time; the
 progress commits inside each Kafka transaction, so it is never ahead of or behind what was
 published.
@@ -470,8 +469,6 @@ class Relay:
             return False
         try:
             if state.publisher is None:
-                if not self._rows_waiting(state):
-                    return False
                 self._open(state)
             return self._publish(state)
         except _LostShard:
@@ -482,15 +479,6 @@ class Relay:
             _close_publisher(state)
             self._shard_failed(state, "open its producer", exc)
         return False
-
-    def _rows_waiting(self, state: _Shard) -> bool:
-        """Whether a shard without a producer yet has rows to publish: a shard that has none (a group
-        that produces nothing, or not yet) makes no producer and no progress topic. On PostgreSQL the
-        next writer is asked for a NOTIFY first and the rows looked for after, so rows committed in
-        between are found here, and rows committed later wake the shard."""
-        if self.outbox.postgresql:
-            self.outbox.sleep_until_written(state.shard, 0)
-        return bool(self.outbox.pending(state.shard, 0, 1))
 
     def _publish(self, state: _Shard) -> bool:
         assert state.publisher is not None
