@@ -279,19 +279,13 @@ class ConsumerSource(Protocol):
 
     def close(self) -> None:
         """Leave the group, committing nothing to Kafka (after the fetch thread stopped)."""
-def progress_metadata(mark: str, seq: int) -> str:
-    """The metadata of a shard's progress mark (``mark``: ``"<incarnation>/"``), committed with ``seq``
-    as its offset. Committed with a NUL at its end: confluent-kafka (2.x) adds one itself, and
-    kafka-python is given it, because confluent-kafka reads a committed offset's metadata up to a
-    NUL, past its end when there is none (seen: ``<incarnation>/13`` read as ``<incarnation>/135 V``)."""
-    return f"{mark}{seq}"
-
-
 def highest_mark(committed: Mapping[TP, Committed], mark: str) -> int:
     """The highest ``seq`` among a shard's progress marks of this incarnation (``mark``); 0 when there is none.
 
     A mark counts only when its metadata is exactly ``<incarnation>/<seq>`` with ``seq`` its offset:
-    metadata read past its end (see :func:`progress_metadata`) counts for nothing, so a mark is never
+    metadata read past its end counts for nothing (confluent-kafka reads a committed offset's metadata up
+    to a NUL, past its end when there is none: ``<incarnation>/13`` was seen read as ``<incarnation>/135 V``;
+    earlier relays ended their marks with one on either client), so a mark is never
     read as further than it is (which would skip rows), at worst not at all (the database's mark
     stands in).
     """

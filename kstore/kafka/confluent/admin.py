@@ -361,7 +361,7 @@ class ConfluentAdmin:
 
 def _metadata(committed: TopicPartition) -> str:
     """A committed offset's metadata; confluent-kafka reads one that does not end in a NUL past its end
-    (see :func:`kstore.kafka.seam.progress_metadata`), which may not even decode: then none."""
+    (see :func:`kstore.kafka.seam.highest_mark`), which may not even decode: then none."""
     try:
         return committed_metadata(committed)
     except UnicodeDecodeError:
