@@ -205,24 +205,30 @@ def test_kill_9_between_processor_write_and_commit(pg_dsn: str, new_topic: Any, 
 
 
 def uncommitted_effects(dsn: str) -> tuple[int, set[tuple[int, int]]]:
-    """The one open transaction that has written (a worker's batch) and the (partition, offset) of
-    the effects rows it inserted, read from the table's pages (pageinspect): rows no other
-    transaction can see until it commits."""
+    """The one open transaction that has written effects (a worker's batch) and the (partition,
+    offset) of the rows it inserted, read from the table's pages (pageinspect): rows no other
+    transaction can see until it commits. Other transactions may be open meanwhile (a relay's
+    heartbeat), so the worker's is the one whose xid stamped effects rows."""
     engine = sa.create_engine(dsn)
+    found: dict[int, list[Any]] = {}
     try:
         with engine.begin() as conn:
             conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pageinspect"))
-            (xid,) = conn.execute(sa.text(
+            xids = conn.execute(sa.text(
                 "SELECT backend_xid::text::bigint FROM pg_stat_activity WHERE datname = current_database() "
                 "AND backend_type = 'client backend' AND backend_xid IS NOT NULL AND pid <> pg_backend_pid()"
             )).scalars().all()
-            attrs = conn.execute(sa.text(
-                "SELECT t_attrs[3], t_attrs[4] FROM generate_series(0, pg_relation_size('effects') / "
-                "current_setting('block_size')::int - 1) AS page, "
-                "LATERAL heap_page_item_attrs(get_raw_page('effects', page::int), 'effects'::regclass) "
-                "WHERE t_xmin::text::bigint = :xid"), {"xid": xid}).all()
+            for xid in xids:
+                attrs = conn.execute(sa.text(
+                    "SELECT t_attrs[3], t_attrs[4] FROM generate_series(0, pg_relation_size('effects') / "
+                    "current_setting('block_size')::int - 1) AS page, "
+                    "LATERAL heap_page_item_attrs(get_raw_page('effects', page::int), 'effects'::regclass) "
+                    "WHERE t_xmin::text::bigint = :xid"), {"xid": xid}).all()
+                if attrs:
+                    found[xid] = attrs
     finally:
         engine.dispose()
+    [(xid, attrs)] = found.items()
     # partition_id (int4) and kafka_offset (int8), as stored: in this machine's byte order
     return xid, {(int.from_bytes(p, sys.byteorder), int.from_bytes(o, sys.byteorder)) for p, o in attrs}
 
