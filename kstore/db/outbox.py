@@ -22,11 +22,17 @@ PostgreSQL commits NOTIFYing transactions one at a time, so a NOTIFY per commit 
 commits of all shards together. Polling (``outbox_poll_interval_s``) stays the safety net: a
 NOTIFY missed costs a poll interval, never a record.
 
-**Who publishes a shard.** One relay at a time, by lease (``outbox_relays``): taking a shard
-bumps its epoch, and every write of the relay's (its progress, the clean-up) matches that
-epoch, so a paused relay's late writes land nowhere. The lease's clock is the database's, so
-machines' clocks never disagree about it. Relays of one group share the shards evenly: each
-says it is alive in ``outbox_members``, and takes no more than its share.
+**Who publishes a shard.** Shards are published in lanes: an outbox of up to :data:`MAX_LANES`
+shards has a lane per shard; one of more has :data:`MAX_LANES` lanes, lane ``n`` publishing the
+shards ``n``, ``n + MAX_LANES``, ... (:func:`lane_shards`). Many shards let many transactions commit
+records side by side (a shard's row lock is held from its write to COMMIT); few lanes keep the
+relay's Kafka side small (a lane is a lease, a transactional producer and a progress record).
+One relay at a time publishes a lane, by lease (``outbox_relays``, the row of the lane's number):
+taking a lane bumps its epoch, and every write of the relay's (its progress, the clean-up) matches
+that epoch, so a paused relay's late writes land nowhere. The lease's clock is the database's, so
+machines' clocks never disagree about it. Relays of one group share the lanes evenly: each says it
+is alive in ``outbox_members``, and takes no more than its share. (Each shard's ``outbox_relays``
+row keeps how far it was published.)
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import logging
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from select import select as readable
@@ -57,6 +63,7 @@ from sqlalchemy import (
     Table,
     Text,
     TextClause,
+    and_,
     delete,
     func,
     insert,
@@ -85,6 +92,10 @@ COPY_FROM_ROWS = 64
 #: A write of at most this many records, all of one shard (an application's request, most often),
 #: is one statement on PostgreSQL: its numbering, rows and NOTIFY in one round trip under the lock.
 FUSED_MAX_ROWS = 16
+
+#: Lanes of an outbox of more shards than this (see the module's docstring). Fixed: a lane's shards
+#: follow from the shard count alone, which is fixed once made, so every relay agrees on them.
+MAX_LANES = 8
 
 #: The PostgreSQL channel a transaction that took a shard's ``wake_seq`` notifies when it commits
 #: (payload: its group).
@@ -150,6 +161,16 @@ def shard_of(record: Produced, shards: int) -> int:
     return zlib.crc32(basis) % shards
 
 
+def lanes_of(shards: int) -> int:
+    """How many lanes an outbox of ``shards`` shards is published in."""
+    return min(shards, MAX_LANES)
+
+
+def lane_shards(lane: int, shards: int) -> tuple[int, ...]:
+    """The shards lane ``lane`` publishes, of an outbox of ``shards``."""
+    return tuple(range(lane, shards, lanes_of(shards)))
+
+
 def encode_headers(headers: Sequence[tuple[str, bytes | None]]) -> str | None:
     if not headers:
         return None
@@ -165,6 +186,7 @@ def decode_headers(text: str | None) -> tuple[tuple[str, bytes | None], ...]:
 class Pending(NamedTuple):
     """An outbox row waiting to be published (a tuple: a relay reads thousands at a time)."""
 
+    shard: int
     seq: int
     record: Produced
     #: When its batch wrote it (just before its commit), in UTC.
@@ -180,9 +202,11 @@ class ShardState:
     published_seq: int
     waiting: int
     oldest: datetime | None
+    #: The relay holding the shard's lane, the lane's epoch and lease.
     owner: str | None
     epoch: int
     lease_left_s: float
+    lane: int = 0
 
 
 class Outbox:
@@ -200,6 +224,11 @@ class Outbox:
         self.plain = False
         #: The one-statement writes (:meth:`_write_fused`), by their number of records.
         self._fused: dict[int, TextClause] = {}
+
+    @property
+    def lanes(self) -> int:
+        """How many lanes the shards are published in (:func:`lanes_of`); 0 before the shards are known."""
+        return lanes_of(self.shards)
 
     # -- shards ---------------------------------------------------------------
 
@@ -354,10 +383,10 @@ class Outbox:
 
     # -- the relay's sleep ------------------------------------------------------
 
-    def sleep_until_written(self, shard: int, published: int) -> bool:
-        """The relay of a shard with nothing after ``published`` is about to sleep: make the next
-        seq the one whose writer NOTIFYs (``wake_seq``), in a transaction of its own. False if rows
-        committed before it: publish them rather than sleep. (PostgreSQL; LISTEN first.)
+    def sleep_until_written(self, published: Mapping[int, int]) -> bool:
+        """The relay of shards with nothing after ``published`` (``{shard: seq}``) is about to sleep:
+        make each one's next seq the one whose writer NOTIFYs (``wake_seq``). False if rows committed
+        before it: publish them rather than sleep. (PostgreSQL; LISTEN first.)
 
         The ``UPDATE`` takes the shard's row lock, so it is ordered with the writers': one that
         committed before it moved ``next_seq`` (read here), one after it takes ``wake_seq`` as its
@@ -366,16 +395,18 @@ class Outbox:
 
         An idle relay asks at every poll: when ``wake_seq`` is ``next_seq`` already (no writer took it
         since the last ask, whose rows the relay has seen), the ``UPDATE`` changes nothing and writes
-        nothing. It runs alone, in autocommit: no BEGIN or COMMIT round trip."""
+        nothing. Each shard's runs alone, in autocommit (no BEGIN or COMMIT round trip, and never
+        more than one shard's lock held: a writer takes several in shard order)."""
         s = self.tables.shards
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            moved = conn.execute(
-                update(s).where(s.c.consumer_group == self.group, s.c.shard == shard,
-                                s.c.wake_seq.is_distinct_from(s.c.next_seq))
-                .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).first()
-        return moved is None or int(moved.next_seq) - 1 <= published
-
-    # -- the relay's leases ---------------------------------------------------
+            for shard, seq in sorted(published.items()):
+                moved = conn.execute(
+                    update(s).where(s.c.consumer_group == self.group, s.c.shard == shard,
+                                    s.c.wake_seq.is_distinct_from(s.c.next_seq))
+                    .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).first()
+                if moved is not None and int(moved.next_seq) - 1 > seq:
+                    return False
+        return True
 
     def _clock(self) -> ColumnElement[float]:
         """The database's time in seconds: one clock for every relay's lease, whatever the machines say."""
@@ -443,12 +474,13 @@ class Outbox:
                 r.c.consumer_group == self.group, r.c.shard == shard, r.c.owner == member, r.c.epoch == epoch,
                 r.c.lease_expires >= self._clock())).first() is not None
 
-    def free_shards(self) -> list[int]:
-        """Shards no live relay holds (free, or their lease ran out), lowest first."""
+    def free_lanes(self) -> list[int]:
+        """Lanes no live relay holds (free, or their lease ran out), lowest first."""
         r = self.tables.relays
         with self.engine.connect() as conn:
             rows = conn.execute(select(r.c.shard).where(
-                r.c.consumer_group == self.group, or_(r.c.owner.is_(None), r.c.lease_expires < self._clock()))
+                r.c.consumer_group == self.group, r.c.shard < self.lanes,
+                or_(r.c.owner.is_(None), r.c.lease_expires < self._clock()))
                 .order_by(r.c.shard)).all()
         return [int(row.shard) for row in rows]
 
@@ -462,7 +494,7 @@ class Outbox:
     def expire(self, members: Iterable[str]) -> dict[int, str]:
         """End the leases of relays known to be gone (their worker left the Kafka group), so live
         relays take their shards now instead of when the leases run out; they no longer count
-        among the live relays. Returns the shards freed, with who held them.
+        among the live relays. Returns the lanes freed, with who held them.
 
         Safe even if such a relay is only paused: the next owner's epoch and its transactional
         producer fence it, as when a lease runs out."""
@@ -486,53 +518,60 @@ class Outbox:
 
     # -- publishing -----------------------------------------------------------
 
-    def published_mark(self, shard: int) -> tuple[int, str]:
-        """How far the database says the shard was published (the relay's mark; Kafka's word wins),
-        and the shards' incarnation (what the progress marks in Kafka must carry to count)."""
+    def published_marks(self, lane: int) -> tuple[dict[int, int], str]:
+        """How far the database says each of the lane's shards was published (the relay's marks;
+        Kafka's word wins), and the shards' incarnation (what the progress marks in Kafka must carry
+        to count)."""
         r, s = self.tables.relays, self.tables.shards
         with self.engine.connect() as conn:
-            row = conn.execute(select(r.c.published_seq, s.c.incarnation).join(
+            rows = conn.execute(select(r.c.shard, r.c.published_seq, s.c.incarnation).join(
                 s, (s.c.consumer_group == r.c.consumer_group) & (s.c.shard == r.c.shard)).where(
-                r.c.consumer_group == self.group, r.c.shard == shard)).one()
-        return int(row.published_seq), str(row.incarnation)
+                r.c.consumer_group == self.group, r.c.shard.in_(lane_shards(lane, self.shards)))).all()
+        return {int(row.shard): int(row.published_seq) for row in rows}, str(rows[0].incarnation)
 
-    def pending(self, shard: int, after: int, limit: int) -> list[Pending]:
-        """The shard's rows after ``seq`` ``after``, in order, at most ``limit``."""
+    def pending(self, after: Mapping[int, int], limit: int) -> list[Pending]:
+        """The rows of the shards in ``after`` (``{shard: seq}``) after that seq, at most ``limit``, in
+        ``seq`` order (then shard): each shard's rows in order, and a shard's only after its earlier ones."""
         o = self.tables.outbox
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(o.c.seq, o.c.topic, o.c.value, o.c.key, o.c.headers, o.c.partition_id, o.c.created_at)
-                .where(o.c.consumer_group == self.group, o.c.shard == shard, o.c.seq > after)
-                .order_by(o.c.seq).limit(limit)
+                select(o.c.shard, o.c.seq, o.c.topic, o.c.value, o.c.key, o.c.headers, o.c.partition_id,
+                       o.c.created_at)
+                .where(o.c.consumer_group == self.group,
+                       or_(*(and_(o.c.shard == shard, o.c.seq > seq) for shard, seq in sorted(after.items()))))
+                .order_by(o.c.seq, o.c.shard).limit(limit)
             ).all()
         # Unpacked as tuples and built without a call per column: this runs for every record the
         # relay publishes, on the worker's interpreter.
-        return [Pending(int(seq), Produced(topic, None if value is None else bytes(value),
-                                           None if key is None else bytes(key),
-                                           decode_headers(headers) if headers else (), partition_id),
+        return [Pending(int(shard), int(seq), Produced(topic, None if value is None else bytes(value),
+                                                       None if key is None else bytes(key),
+                                                       decode_headers(headers) if headers else (), partition_id),
                         created if created.tzinfo is not None else created.replace(tzinfo=timezone.utc))
-                for seq, topic, value, key, headers, partition_id, created in rows]
+                for shard, seq, topic, value, key, headers, partition_id, created in rows]
 
-    def mark_published(self, shard: int, epoch: int, member: str, seq: int) -> bool:
-        """Record that the shard is published up to ``seq`` and delete those rows, under the
-        relay's epoch. False if the shard is no longer this relay's (nothing was written)."""
+    def mark_published(self, lane: int, epoch: int, member: str, marks: Mapping[int, int]) -> bool:
+        """Record that each shard of ``marks`` (``{shard: seq}``, shards of the lane) is published up to
+        its seq and delete those rows, under the relay's epoch of the lane. False if the lane is no
+        longer this relay's (nothing was written)."""
         t = self.tables
         r, o = t.relays, t.outbox
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
-            marked = conn.execute(
-                update(r).where(r.c.consumer_group == self.group, r.c.shard == shard, r.c.epoch == epoch,
-                                r.c.owner == member, r.c.published_seq <= seq)
-                .values(published_seq=seq, updated_at=now()))
-            if marked.rowcount != 1:
+            held = conn.execute(
+                update(r).where(r.c.consumer_group == self.group, r.c.shard == lane, r.c.epoch == epoch,
+                                r.c.owner == member).values(updated_at=now()))
+            if held.rowcount != 1:
                 conn.rollback()
                 return False
-            conn.execute(delete(o).where(o.c.consumer_group == self.group, o.c.shard == shard, o.c.seq <= seq))
+            for shard, seq in sorted(marks.items()):
+                conn.execute(update(r).where(r.c.consumer_group == self.group, r.c.shard == shard,
+                                             r.c.published_seq < seq).values(published_seq=seq))
+                conn.execute(delete(o).where(o.c.consumer_group == self.group, o.c.shard == shard, o.c.seq <= seq))
         return True
 
     # -- what an operator and the metrics see ---------------------------------
 
     def state(self) -> list[ShardState]:
-        """Every shard of the group: rows waiting, the oldest, its relay."""
+        """Every shard of the group: rows waiting, the oldest, the relay publishing its lane."""
         t = self.tables
         o, s, r = t.outbox, t.shards, t.relays
         with self.engine.connect() as conn:
@@ -544,10 +583,11 @@ class Outbox:
                 select(s.c.shard, s.c.next_seq, r.c.published_seq, r.c.owner, r.c.epoch, r.c.lease_expires)
                 .join(r, (r.c.consumer_group == s.c.consumer_group) & (r.c.shard == s.c.shard))
                 .where(s.c.consumer_group == self.group).order_by(s.c.shard)).all()
+        lanes = lanes_of(len(rows))
         return [ShardState(int(row.shard), int(row.next_seq), int(row.published_seq),
-                           *waiting.get(row.shard, (0, None)), row.owner, int(row.epoch),
-                           max(0.0, float(row.lease_expires) - float(clock)))
-                for row in rows]
+                           *waiting.get(row.shard, (0, None)), lease.owner, int(lease.epoch),
+                           max(0.0, float(lease.lease_expires) - float(clock)), int(row.shard) % lanes)
+                for row in rows for lease in (rows[int(row.shard) % lanes],)]
 
     def backlog(self) -> tuple[int, datetime | None]:
         """Records committed but not yet marked published, over all shards, and when the oldest was

@@ -2,13 +2,14 @@
 committed, to Kafka, exactly once for a ``read_committed`` reader, and per key in commit order.
 
 It runs in the worker (a thread of its own: :meth:`Relay.start`) and standalone (``kstore
-relay``: :meth:`Relay.run`). Each outbox shard (:mod:`kstore.db.outbox`) is published by one
-relay at a time: the one holding its lease in the database, whose transactional producer
-(a :class:`~kstore.kafka.seam.ShardPublisher`, on the client ``relay_client`` names) fenced every
-earlier one when it started. A shard is published
-in order: rows after the shard's progress, ``seq`` ascending, a transaction at a time; the
-progress commits inside each Kafka transaction, so it is never ahead of or behind what was
-published.
+relay``: :meth:`Relay.run`). The outbox's shards are published in lanes (:mod:`kstore.db.outbox`:
+a lane per shard, or, past :data:`~kstore.db.outbox.MAX_LANES` shards, that many lanes of several).
+Each lane is published by one relay at a time: the one holding its lease in the database, whose
+transactional producer (a :class:`~kstore.kafka.seam.ShardPublisher`, on the client
+``relay_client`` names) fenced every earlier one when it started. A lane is published in order:
+its shards' rows after their progress, each shard's ``seq`` ascending, a transaction at a time;
+the progress of each shard commits inside each Kafka transaction, so it is never ahead of or
+behind what was published.
 
 Nothing here skips a row. A row Kafka refuses stops its shard (the reason logged, then tried
 again after a wait that doubles from :data:`BLOCKED_RETRY_FIRST_S` to :data:`BLOCKED_RETRY_S`);
@@ -17,10 +18,10 @@ whose outcome is unknown is settled by a new producer (``init_transactions``) an
 read again from Kafka.
 
 **Threads.** :meth:`Relay.run` keeps the leases (a heartbeat every third of ``outbox_lease_s``)
-and LISTENs; each shard it holds is published by a thread of its own (:meth:`Relay._shard_loop`),
-so one shard's Kafka transaction never waits for another's: a transaction is a few round trips
-to the brokers, and a record's latency is the one it lands in, plus the one before it. A shard's
-thread owns that shard's producer and state; the lease thread only tells it to stop. The
+and LISTENs; each lane it holds is published by a thread of its own (:meth:`Relay._lane_loop`),
+so one lane's Kafka transaction never waits for another's: a transaction is a few round trips
+to the brokers, and a record's latency is the one it lands in, plus the one before it. A lane's
+thread owns that lane's producer and state; the lease thread only tells it to stop. The
 database's "published" mark, only for clean-up and the backlog's count, is written at most once
 a :data:`MARK_INTERVAL_S` (and when the shard is idle), off the path from commit to Kafka.
 :meth:`Relay.turn` does one step of everything on the calling thread (tests drive it so).
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kstore.db.outbox import Listener, Outbox
+from kstore.db.outbox import Listener, Outbox, Pending, lane_shards
 from kstore.db.sqlerrors import first_line
 from kstore.errors import BrokerError
 from kstore.kafka.clients import admin_reader, publisher_class
@@ -79,49 +80,76 @@ MARK_INTERVAL_S = 1.0
 
 
 @dataclass
-class _Shard:
-    """One held shard: written by its own thread (or by :meth:`Relay.turn`), told to stop by the lease thread."""
+class _Lane:
+    """One held lane: written by its own thread (or by :meth:`Relay.turn`), told to stop by the lease thread."""
 
-    shard: int
+    lane: int
+    shards: tuple[int, ...]
     epoch: int
     publisher: ShardPublisher | None = None
-    #: The highest seq known published (read from Kafka when the publisher was made).
-    published: int = 0
-    #: The highest seq marked published in the database, and when.
-    marked: int = 0
+    #: The highest seq of each shard known published (read from Kafka when the publisher was made).
+    published: dict[int, int] = field(default_factory=dict)
+    #: The highest seq of each shard marked published in the database, and when.
+    marked: dict[int, int] = field(default_factory=dict)
     marked_at: float = 0.0
-    #: Not before this monotonic time is the shard tried again (a failure's backoff, a refused row).
+    #: Not before this monotonic time is the lane tried again (a failure's backoff, a refused row).
     not_before: float = 0.0
     delay: float = RETRY_DELAY_S
-    #: The seq of the row Kafka refused, until the shard publishes again.
-    blocked_on: int | None = None
-    #: The wait after the next refusal: doubled by each, back to the first once the shard publishes.
+    #: The (shard, seq) of the row Kafka refused, until the lane publishes again.
+    blocked_on: tuple[int, int] | None = None
+    #: The wait after the next refusal: doubled by each, back to the first once the lane publishes.
     blocked_delay: float = BLOCKED_RETRY_FIRST_S
-    #: After a transaction in which Kafka refused a row, the shard publishes a row a transaction up
-    #: to this seq: the rows before the refused one go out, and the one to blame is named exactly
-    #: (a broker refuses a whole request of records for one record too large).
-    single_until: int = 0
-    #: Since when (monotonic) a Kafka call of the shard has been under way; None between calls.
+    #: After a transaction in which Kafka refused a row, the lane publishes a row a transaction until
+    #: each shard is published up to its seq here: the rows before the refused one go out, and the
+    #: one to blame is named exactly (a broker refuses a whole request of records for one record too large).
+    single_until: dict[int, int] = field(default_factory=dict)
+    #: Since when (monotonic) a Kafka call of the lane has been under way; None between calls.
     publishing_since: float | None = None
     #: The relay's paused time (:attr:`Relay._paused_s`) when that call began.
     paused_before: float = 0.0
-    #: The lease is no longer ours (found by the shard itself): the lease thread forgets it.
+    #: The lease is no longer ours (found by the lane itself): the lease thread forgets it.
     lost: bool = False
-    #: ``published`` when the shard last found rows committed as it was about to sleep (see
+    #: ``published`` when the lane last found rows committed as it was about to sleep (see
     #: Relay._sleep_until_written), None once it slept.
-    woken_at: int | None = None
+    woken_at: dict[int, int] | None = None
     last_error: str | None = None
     wake: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        """How the log names it: ``shard 3`` for a lane of one shard, ``lane 3 (shards 3, 11, ...)``."""
+        return lane_name(self.lane, self.shards)
+
+    @property
+    def single(self) -> bool:
+        return any(self.published.get(shard, 0) < seq for shard, seq in self.single_until.items())
+
+    @property
+    def unmarked(self) -> dict[int, int]:
+        """The shards published further than their database mark says."""
+        return {shard: seq for shard, seq in self.published.items() if seq > self.marked.get(shard, 0)}
+
+    def upto(self) -> str:
+        if len(self.shards) == 1:
+            return str(self.published.get(self.shards[0], 0))
+        return ", ".join(f"shard {shard} {seq}" for shard, seq in sorted(self.published.items()))
+
+    def row_name(self, row: Pending) -> str:
+        return f"row {row.seq}" if len(self.shards) == 1 else f"row {row.seq} of shard {row.shard}"
+
+
+def lane_name(lane: int, shards: tuple[int, ...]) -> str:
+    return f"shard {lane}" if len(shards) == 1 else f"lane {lane} (shards {', '.join(map(str, shards))})"
 
 
 class RelayStuck(Exception):
     """A shard's Kafka call did not return long after its timeout: the relay stops."""
 
 
-class _LostShard(Exception):
-    """The shard's lease is no longer this relay's."""
+class _LostLane(Exception):
+    """The lane's lease is no longer this relay's."""
 
 
 class Relay:
@@ -135,7 +163,8 @@ class Relay:
         self.outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
         self.member = member or member_name()
         self.metrics = metrics or Metrics(group)
-        self._held: dict[int, _Shard] = {}
+        #: The lanes this relay holds, by number.
+        self._held: dict[int, _Lane] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -205,8 +234,8 @@ class Relay:
                 self._listen()  # before a shard's thread asks a writer to NOTIFY (see _sleep_until_written)
                 for state in list(self._held.values()):
                     if state.thread is None:
-                        state.thread = threading.Thread(target=self._shard_loop, args=(state,),
-                                                        name=f"kstore-relay-{state.shard}", daemon=True)
+                        state.thread = threading.Thread(target=self._lane_loop, args=(state,),
+                                                        name=f"kstore-relay-{state.lane}", daemon=True)
                         state.thread.start()
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
@@ -214,20 +243,20 @@ class Relay:
 
     def _ensure_progress_topic(self) -> None:
         """Make the group's progress topic (:func:`~kstore.kafka.seam.progress_topic`) if the cluster has
-        none, before the first shard's publisher starts: a partition per shard, compacted. A topic with
-        fewer partitions (the shards were made anew, more of them) is given more: a shard's partition
+        none, before the first lane's publisher starts: a partition per lane, compacted. A topic with
+        fewer partitions (the shards were made anew, more of them) is given more: a lane's partition
         is its number, so the others' stay where they are. (Callers hold ``_admin_lock``.)"""
         if self._progress_topic_ready:
             return
-        topic, shards = progress_topic(self.group), self.outbox.shards
+        topic, lanes = progress_topic(self.group), self.outbox.lanes
         reader = self._reader()
-        created, counts = reader.create_missing([topic], shards, None, PROGRESS_TOPIC_CONFIG)
+        created, counts = reader.create_missing([topic], lanes, None, PROGRESS_TOPIC_CONFIG)
         if created:
-            log.info("created the outbox's progress topic %r: %d partition(s), compacted", topic, shards)
-        elif counts.get(topic, 0) < shards:
-            log.info("the outbox's progress topic %r has %d partition(s); adding partitions for %d shards", topic,
-                     counts.get(topic, 0), shards)
-            reader.add_partitions(topic, shards)
+            log.info("created the outbox's progress topic %r: %d partition(s), compacted", topic, lanes)
+        elif counts.get(topic, 0) < lanes:
+            log.info("the outbox's progress topic %r has %d partition(s); adding partitions for %d lanes", topic,
+                     counts.get(topic, 0), lanes)
+            reader.add_partitions(topic, lanes)
         self._progress_topic_ready = True
 
     def liveness(self) -> tuple[bool, str]:
@@ -277,7 +306,7 @@ class Relay:
                 continue
             running = now - since - (self._paused_s - state.paused_before)
             if running > limit:
-                raise RelayStuck(f"publishing outbox shard {state.shard} of group {self.group!r}: a Kafka "
+                raise RelayStuck(f"publishing outbox {state.name} of group {self.group!r}: a Kafka "
                                  f"transaction has not returned in {running:.0f}s (its timeout is "
                                  f"{self.settings.connect_timeout_s:g}s)")
 
@@ -321,12 +350,13 @@ class Relay:
 
     @property
     def shards_held(self) -> list[int]:
-        return sorted(s for s, st in list(self._held.items()) if not st.lost)
+        """The shards of the lanes this relay holds."""
+        return sorted(s for st in list(self._held.values()) if not st.lost for s in st.shards)
 
     @property
     def shards_blocked(self) -> list[int]:
-        """Held shards stopped on a row Kafka refused (see the ERROR line naming it)."""
-        return sorted(s for s, st in list(self._held.items()) if st.blocked_on is not None)
+        """Shards stopped on a row Kafka refused (see the ERROR line naming it)."""
+        return sorted(st.blocked_on[0] for st in list(self._held.values()) if st.blocked_on is not None)
 
     # -- the leases (the relay's own thread) -------------------------------------
 
@@ -342,33 +372,34 @@ class Relay:
         return busy
 
     def _heartbeat(self) -> bool:
-        """Renew the held leases, give up what is more than this relay's share, take free shards up to it."""
+        """Renew the held leases, give up what is more than this relay's share, take free lanes up to it."""
         lease = self.settings.outbox_lease_s
         self._next_heartbeat = time.monotonic() + lease / 3
         if time.monotonic() < self._not_before:
             return False
         try:
-            held = {s: st.epoch for s, st in list(self._held.items()) if not st.lost}
+            held = {n: st.epoch for n, st in list(self._held.items()) if not st.lost}
             kept, counts = self.outbox.heartbeat(self.member, held, lease)
-            for shard in set(held) - kept:
-                log.warning("outbox shard %d of group %r was taken by another relay: no longer publishing it",
-                            shard, self.group)
-                self._stop_shard(shard)
-            action = share(self.outbox.shards, counts, self.member)
+            for lane in set(held) - kept:
+                log.warning("outbox %s of group %r was taken by another relay: no longer publishing it",
+                            self._held[lane].name, self.group)
+                self._stop_lane(lane)
+            action = share(self.outbox.lanes, counts, self.member)
             if action < 0:
-                shard = max(kept)
-                log.info("outbox relay %s gives shard %d up (%d relays share %d shards)", self.member, shard,
-                         len(counts), self.outbox.shards)
-                epoch = self._held[shard].epoch
-                self._stop_shard(shard)
-                self.outbox.release(self.member, shard, epoch)
+                lane = max(kept)
+                state = self._held[lane]
+                log.info("outbox relay %s gives %s up (%d relays share %d lanes)", self.member, state.name,
+                         len(counts), self.outbox.lanes)
+                self._stop_lane(lane)
+                self.outbox.release(self.member, lane, state.epoch)
             elif action > 0:
-                for shard in self.outbox.free_shards()[:action]:
-                    claimed = self.outbox.claim(self.member, shard, lease)
+                for lane in self.outbox.free_lanes()[:action]:
+                    claimed = self.outbox.claim(self.member, lane, lease)
                     if claimed is not None:
-                        log.info("outbox relay %s publishes shard %d of group %r (epoch %d)", self.member, shard,
+                        state = _Lane(lane, lane_shards(lane, self.outbox.shards), claimed)
+                        log.info("outbox relay %s publishes %s of group %r (epoch %d)", self.member, state.name,
                                  self.group, claimed)
-                        self._held[shard] = _Shard(shard, claimed)
+                        self._held[lane] = state
         except SQLAlchemyError as exc:
             self._failed("renew the outbox leases", exc)
             return False
@@ -394,10 +425,11 @@ class Relay:
         gone, self._in_group = self._in_group - live - {self.member}, live
         freed = self.outbox.expire(gone)
         if freed:
+            shards = sorted(s for lane in freed for s in lane_shards(lane, self.outbox.shards))
             log.info("outbox shard(s) %s of group %r: their relay's worker left the group (%s); taken now, "
-                     "not when the lease runs out", ", ".join(map(str, sorted(freed))), self.group,
+                     "not when the lease runs out", ", ".join(map(str, shards)), self.group,
                      ", ".join(sorted(set(freed.values()))))
-        # Share the shards anew now, not at the next heartbeat (up to a third of the lease away):
+        # Share the lanes anew now, not at the next heartbeat (up to a third of the lease away):
         # a worker that left cleanly released its shards, one that joined is owed its share.
         self._next_heartbeat = 0.0
         self._heartbeat_now.set()
@@ -416,13 +448,13 @@ class Relay:
             self._stop.wait(SETTLE_RECHECK_S)
         return None
 
-    def _stop_shard(self, shard: int, wait: bool = False) -> None:
-        """Tell a shard's thread to stop (it closes its producer on its way out) and forget the shard.
+    def _stop_lane(self, lane: int, wait: bool = False) -> None:
+        """Tell a lane's thread to stop (it closes its producer on its way out) and forget the lane.
 
         Not waited for but at shutdown: a thread in the middle of a Kafka call must not hold up
-        the heartbeat of the other leases. Should this relay take the shard again meanwhile, its
+        the heartbeat of the other leases. Should this relay take the lane again meanwhile, its
         new producer fences the old one's."""
-        state = self._held.pop(shard, None)
+        state = self._held.pop(lane, None)
         if state is None:
             return
         state.stop.set()
@@ -433,69 +465,70 @@ class Relay:
             state.thread.join(self.settings.connect_timeout_s)
 
     def _reap(self) -> None:
-        """Forget the shards whose own thread found the lease gone."""
-        for shard, state in list(self._held.items()):
+        """Forget the lanes whose own thread found the lease gone."""
+        for lane, state in list(self._held.items()):
             if state.lost:
-                self._stop_shard(shard)
+                self._stop_lane(lane)
 
-    # -- one shard ----------------------------------------------------------------
+    # -- one lane -----------------------------------------------------------------
 
-    def _shard_loop(self, state: _Shard) -> None:
-        """A held shard's thread: publish whenever there is something, until told to stop."""
+    def _lane_loop(self, state: _Lane) -> None:
+        """A held lane's thread: publish whenever there is something, until told to stop."""
         try:
             while not (state.stop.is_set() or state.lost):
                 if not self._step(state):
-                    state.wake.wait(self._shard_wait_s(state))
+                    state.wake.wait(self._lane_wait_s(state))
                     state.wake.clear()
         except BaseException as exc:
             self.error = exc
-            log.exception("publishing outbox shard %d of group %r failed", state.shard, self.group)
+            log.exception("publishing outbox %s of group %r failed", state.name, self.group)
         finally:
             _close_publisher(state)
 
-    def _shard_wait_s(self, state: _Shard) -> float:
-        """Until the shard's retry is due; else until its mark is due or the next poll."""
+    def _lane_wait_s(self, state: _Lane) -> float:
+        """Until the lane's retry is due; else until its mark is due or the next poll."""
         now = time.monotonic()
         if state.not_before > now:
             return state.not_before - now
         wait = self.settings.outbox_poll_interval_s
-        if state.published > state.marked:
+        if state.unmarked:
             wait = min(wait, state.marked_at + MARK_INTERVAL_S - now)
         return max(0.001, wait)
 
-    def _step(self, state: _Shard) -> bool:
-        """One publishing step of a shard: a transaction of what waits (True), or nothing to do."""
+    def _step(self, state: _Lane) -> bool:
+        """One publishing step of a lane: a transaction of what waits (True), or nothing to do."""
         if state.lost or time.monotonic() < state.not_before:
             return False
         try:
             if state.publisher is None:
                 self._open(state)
             return self._publish(state)
-        except _LostShard:
+        except _LostLane:
             return False
         except SQLAlchemyError as exc:
-            self._shard_failed(state, "read or mark it", exc)
+            self._lane_failed(state, "read or mark it", exc)
         except BrokerError as exc:
             _close_publisher(state)
-            self._shard_failed(state, "open its producer", exc)
+            self._lane_failed(state, "open its producer", exc)
         return False
 
-    def _publish(self, state: _Shard) -> bool:
+    def _publish(self, state: _Lane) -> bool:
         assert state.publisher is not None
-        shard = state.shard
-        limit = 1 if state.published < state.single_until else MAX_ROWS_PER_TRANSACTION
-        rows = self.outbox.pending(shard, state.published, limit)
+        rows = self.outbox.pending(state.published, 1 if state.single else MAX_ROWS_PER_TRANSACTION)
         if not rows:
             self._mark(state, due=True)
             return self._sleep_until_written(state)
+        marks = dict(state.published)
+        for row in rows:
+            marks[row.shard] = row.seq
         state.publishing_since, state.paused_before = time.monotonic(), self._paused_s
         try:
-            state.publisher.publish([(p.seq, p.record) for p in rows], self.settings.connect_timeout_s)
+            state.publisher.publish([p.record for p in rows], marks, self.settings.connect_timeout_s)
         except Fenced as exc:
-            # Another producer initialised the shard's transactional id. If the lease is still ours
+            # Another producer initialised the lane's transactional id. If the lease is still ours
             # (the other is a relay whose lease ran out, before its heartbeat told it), a new producer
-            # of ours fences it in turn (see _open); if not, the shard is given up there.
-            log.warning("outbox shard %d of group %r: another relay's producer took over (%s)", shard, self.group,
+            # of ours fences it in turn (see _open); if not, the lane is given up there.
+            log.warning("outbox %s of group %r: another relay's producer took over (%s)", state.name, self.group,
                         exc)
             self.metrics.relay_fenced()
             _close_publisher(state)
@@ -503,87 +536,90 @@ class Relay:
             return False
         except PublishFailed as exc:
             _close_publisher(state)
-            if exc.seq is None:
-                self._shard_failed(state, "publish it", exc)
+            if exc.row is None:
+                self._lane_failed(state, "publish it", exc)
                 return False
             if len(rows) > 1:
-                state.single_until = rows[-1].seq
-                log.warning("outbox shard %d of group %r: Kafka refused a row of rows %d-%d (%s); publishing them "
-                            "one a transaction to find it", shard, self.group, rows[0].seq, rows[-1].seq, exc)
+                state.single_until = {row.shard: row.seq for row in rows}  # each shard's last, in seq order
+                log.warning("outbox %s of group %r: Kafka refused one of %d rows (%s); publishing them one a "
+                            "transaction to find it", state.name, self.group, len(rows), exc)
                 return False
             wait = state.blocked_delay
             state.not_before = time.monotonic() + wait
-            state.blocked_on, state.blocked_delay = exc.seq, min(wait * 2, BLOCKED_RETRY_S)
+            state.blocked_on, state.blocked_delay = (rows[0].shard, rows[0].seq), min(wait * 2, BLOCKED_RETRY_S)
             # Said at every try, not once: an operator must act on it.
-            log.error("outbox shard %d of group %r stopped on row %d: Kafka refused it (%s); the rows wait, "
-                      "nothing is skipped (tried again in %gs)", shard, self.group, exc.seq, exc, wait)
+            log.error("outbox %s of group %r stopped on %s: Kafka refused it (%s); the rows wait, "
+                      "nothing is skipped (tried again in %gs)", state.name, self.group, state.row_name(rows[0]),
+                      exc, wait)
             return False
         finally:
             state.publishing_since = None
-        state.published = rows[-1].seq
+        state.published = marks
         state.blocked_on, state.blocked_delay = None, BLOCKED_RETRY_FIRST_S
         state.delay, state.last_error = RETRY_DELAY_S, None
         self._shard_reason = None
-        self.metrics.published(len(rows), rows[0].created_at)
+        self.metrics.published(len(rows), min(p.created_at for p in rows))
         self._mark(state, due=False)
         return True
 
-    def _sleep_until_written(self, state: _Shard) -> bool:
-        """The shard has nothing to publish: on PostgreSQL, ask the next writer to NOTIFY (the
-        relay LISTENs already: see :meth:`run`). True (publish on, do not sleep) if rows committed
-        before the ask; only once in a row for the same rows, so rows that vanished (deleted by
-        hand) cost a poll interval, not a busy loop."""
+    def _sleep_until_written(self, state: _Lane) -> bool:
+        """The lane has nothing to publish: on PostgreSQL, ask the next writer of each of its shards
+        to NOTIFY (the relay LISTENs already: see :meth:`run`). True (publish on, do not sleep) if
+        rows committed before the ask; only once in a row for the same rows, so rows that vanished
+        (deleted by hand) cost a poll interval, not a busy loop."""
         if not self.outbox.postgresql:
             return False
-        if self.outbox.sleep_until_written(state.shard, state.published) or state.published == state.woken_at:
+        if self.outbox.sleep_until_written(state.published) or state.published == state.woken_at:
             state.woken_at = None
             return False
-        state.woken_at = state.published
+        state.woken_at = dict(state.published)
         return True
 
-    def _mark(self, state: _Shard, due: bool) -> None:
-        """Write the shard's "published" mark and delete what it covers: when ``due`` (the shard is
+    def _mark(self, state: _Lane, due: bool) -> None:
+        """Write the lane's "published" marks and delete what they cover: when ``due`` (the lane is
         idle), or once a MARK_INTERVAL_S. Kafka's progress is the truth; this is only clean-up."""
-        if state.published <= state.marked:
+        unmarked = state.unmarked
+        if not unmarked:
             return
         now = time.monotonic()
         if not due and now < state.marked_at + MARK_INTERVAL_S:
             return
-        if not self.outbox.mark_published(state.shard, state.epoch, self.member, state.published):
+        if not self.outbox.mark_published(state.lane, state.epoch, self.member, unmarked):
             # Published (Kafka's progress holds it); the lease moved meanwhile: the next owner reads it there.
-            log.warning("outbox shard %d of group %r was taken by another relay after publishing up to %d",
-                        state.shard, self.group, state.published)
+            log.warning("outbox %s of group %r was taken by another relay after publishing up to %s",
+                        state.name, self.group, state.upto())
             state.lost = True
-            raise _LostShard()
-        state.marked, state.marked_at = state.published, now
+            raise _LostLane()
+        state.marked.update(unmarked)
+        state.marked_at = now
 
-    def _open(self, state: _Shard) -> None:
-        """A new producer for the shard (fencing any earlier one), and its progress read from Kafka.
+    def _open(self, state: _Lane) -> None:
+        """A new producer for the lane (fencing any earlier one), and its progress read from Kafka.
 
         Only while the lease is this relay's: a relay that lost it and does not know yet would
         otherwise fence the new holder's producer, and the two would take turns."""
-        shard = state.shard
-        if not self.outbox.holds(self.member, shard, state.epoch):
-            log.warning("outbox shard %d of group %r was taken by another relay: no longer publishing it",
-                        shard, self.group)
+        if not self.outbox.holds(self.member, state.lane, state.epoch):
+            log.warning("outbox %s of group %r was taken by another relay: no longer publishing it",
+                        state.name, self.group)
             state.lost = True
-            raise _LostShard()
-        marked, incarnation = self.outbox.published_mark(shard)
+            raise _LostLane()
+        marked, incarnation = self.outbox.published_marks(state.lane)
         with self._admin_lock:
             self._ensure_progress_topic()
-        publisher = self._publisher_class(self.settings, self.group, shard,
+        publisher = self._publisher_class(self.settings, self.group, state.lane,
                                           self.settings.outbox_max_record_bytes, incarnation)
         try:
             with self._admin_lock:
-                in_kafka = publisher.progress(self._reader())
+                in_kafka = publisher.progress(self._reader(), state.shards)
         except BaseException:
             publisher.close()
             raise
-        state.publisher, state.published, state.marked = publisher, max(in_kafka, marked), marked
-        log.info("outbox shard %d of group %r: published up to %d (Kafka's record), publishing on", shard,
-                 self.group, state.published)
+        state.publisher, state.marked = publisher, marked
+        state.published = {shard: max(in_kafka.get(shard, 0), marked.get(shard, 0)) for shard in state.shards}
+        log.info("outbox %s of group %r: published up to %s (Kafka's record), publishing on", state.name,
+                 self.group, state.upto())
         # Published before, not marked (the last owner stopped in between): clean up now. (Should
-        # this fail, the shard publishes on after its backoff, and marks with its next transaction.)
+        # this fail, the lane publishes on after its backoff, and marks with its next transaction.)
         self._mark(state, due=True)
 
     def _reader(self) -> AdminReader:
@@ -593,14 +629,14 @@ class Relay:
             self._admin = admin_reader(self.settings, relay=True, patience_s=0)
         return self._admin
 
-    def _shard_failed(self, state: _Shard, what: str, exc: BaseException) -> None:
-        """Wait before trying the shard again (doubling up to RETRY_MAX_DELAY_S). Said once per
-        reason, whichever shard meets it first (an outage fails them all alike), until a shard
+    def _lane_failed(self, state: _Lane, what: str, exc: BaseException) -> None:
+        """Wait before trying the lane again (doubling up to RETRY_MAX_DELAY_S). Said once per
+        reason, whichever lane meets it first (an outage fails them all alike), until a lane
         publishes again."""
         state.not_before = time.monotonic() + state.delay
         reason = f"could not {what}: {first_line(exc)}"
         level = logging.WARNING if reason not in (state.last_error, self._shard_reason) else logging.DEBUG
-        log.log(level, "outbox shard %d of group %r: %s; the rows wait (retrying in %.1fs)", state.shard, self.group,
+        log.log(level, "outbox %s of group %r: %s; the rows wait (retrying in %.1fs)", state.name, self.group,
                 reason, state.delay)
         state.last_error = self._shard_reason = reason
         state.delay = min(state.delay * 2, RETRY_MAX_DELAY_S)
@@ -650,13 +686,13 @@ class Relay:
         self._delay = min(self._delay * 2, RETRY_MAX_DELAY_S)
 
     def _release_all(self) -> None:
-        for shard in list(self._held):
-            epoch = self._held[shard].epoch
-            self._stop_shard(shard, wait=True)
+        for lane in list(self._held):
+            epoch = self._held[lane].epoch
+            self._stop_lane(lane, wait=True)
             try:
-                self.outbox.release(self.member, shard, epoch)
+                self.outbox.release(self.member, lane, epoch)
             except SQLAlchemyError as exc:
-                log.debug("releasing shard %d failed (its lease runs out): %s", shard, exc)
+                log.debug("releasing lane %d failed (its lease runs out): %s", lane, exc)
         try:
             self.outbox.leave(self.member)
         except SQLAlchemyError as exc:
@@ -671,10 +707,11 @@ class Relay:
 
 
 def share(shards: int, counts: dict[str, int], me: str) -> int:
-    """How many shards relay ``me`` should take (> 0) or give up (-1), or 0, given how many each
-    live relay holds (``counts``, ``me`` included). Each ends with ``shards // relays`` or one more.
+    """How many lanes relay ``me`` should take (> 0) or give up (-1), or 0, given how many each
+    live relay holds (``counts``, ``me`` included), of ``shards`` lanes. Each ends with
+    ``shards // relays`` or one more.
 
-    One that holds less than its floor takes free shards first: a relay with its floor only takes
+    One that holds less than its floor takes free lanes first: a relay with its floor only takes
     one more while nobody is below theirs, and a relay above the floor gives one up while someone
     is below it (so three relays on four shards end 2-1-1, not 2-2-0).
     """
@@ -700,7 +737,7 @@ def settled_members(reader: GroupReader, group: str) -> set[str] | None:
     return {m.client_id for m in view.members} if view.settled else None
 
 
-def _close_publisher(state: _Shard) -> None:
+def _close_publisher(state: _Lane) -> None:
     if state.publisher is not None:
         state.publisher.close()
         state.publisher = None

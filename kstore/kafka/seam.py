@@ -91,13 +91,13 @@ class Fenced(Exception):
 class PublishFailed(Exception):
     """A transaction did not commit (it was aborted, or its outcome is not known yet).
 
-    ``seq`` names the row the broker refused, when it was one row's fault (too large, an
-    unknown topic): the relay stops on it rather than skip it.
+    ``row`` names the record the broker refused (its index among those given to ``publish``), when it
+    was one record's fault (too large, an unknown topic): the relay stops on it rather than skip it.
     """
 
-    def __init__(self, reason: str, seq: int | None = None) -> None:
+    def __init__(self, reason: str, row: int | None = None) -> None:
         super().__init__(reason)
-        self.seq = seq
+        self.row = row
 
 
 def offsets_refused(servers: str, group: str, reasons: str) -> BrokerError:
@@ -106,8 +106,8 @@ def offsets_refused(servers: str, group: str, reasons: str) -> BrokerError:
 
 
 def shard_id(group: str, shard: int) -> str:
-    """The shard's transactional id (and the group of its progress marks before they moved to
-    :func:`progress_topic`): stable, so a new owner fences the old."""
+    """A lane's transactional id (and the group of a shard's progress marks before they moved to
+    :func:`progress_topic`, when every shard was a lane): stable, so a new owner fences the old."""
     return f"kstore-outbox.{group}.{shard}"
 
 
@@ -115,8 +115,9 @@ _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
 
 def progress_topic(group: str) -> str:
-    """The compacted topic of a group's outbox progress: partition ``n`` is shard ``n``'s, and its last
-    record holds the last ``seq`` a committed transaction of that shard published (:func:`progress_mark`).
+    """The compacted topic of a group's outbox progress: partition ``n`` is lane ``n``'s, and its last
+    record holds the last ``seq`` of each of the lane's shards a committed transaction published
+    (:func:`progress_mark`).
 
     ``kstore-outbox-progress.<group>``; a group name a topic cannot carry is made safe and told apart
     from others by its checksum."""
@@ -133,18 +134,33 @@ def progress_topic(group: str) -> str:
 PROGRESS_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000"}
 
 
-def progress_mark(incarnation: str, seq: int) -> tuple[bytes, bytes]:
-    """The key and value of a shard's progress record: ``seq`` after the shards' incarnation (marks
-    left by shards made before, in another database or before they were made anew, count for nothing)."""
-    return b"progress", f"{incarnation}/{seq}".encode()
+def progress_mark(incarnation: str, marks: Mapping[int, int]) -> tuple[bytes, bytes]:
+    """The key and value of a lane's progress record: the shards' incarnation (marks left by shards
+    made before, in another database or before they were made anew, count for nothing), then the
+    lane's ``seq``: ``inc/seq`` for a lane of one shard, ``inc/shard:seq,shard:seq...`` for more."""
+    if len(marks) == 1:
+        ((_, seq),) = marks.items()
+        return b"progress", f"{incarnation}/{seq}".encode()
+    return b"progress", (f"{incarnation}/" + ",".join(f"{s}:{q}" for s, q in sorted(marks.items()))).encode()
 
 
-def read_progress_mark(value: bytes | None, incarnation: str) -> int:
-    """The ``seq`` of a progress record of this incarnation; 0 for none, or another incarnation's."""
+def read_progress_mark(value: bytes | None, incarnation: str, shards: Sequence[int]) -> dict[int, int]:
+    """The ``seq`` of each of a lane's ``shards`` its progress record of this incarnation names; none for
+    no record, another incarnation's, or one that cannot be read."""
     if value is None:
-        return 0
-    found, _, seq = value.decode(errors="replace").partition("/")
-    return int(seq) if found == incarnation and seq.isdigit() else 0
+        return {}
+    found, _, body = value.decode(errors="replace").partition("/")
+    if found != incarnation:
+        return {}
+    if body.isdigit():
+        return {shards[0]: int(body)} if len(shards) == 1 else {}
+    marks: dict[int, int] = {}
+    for part in body.split(","):
+        shard, _, seq = part.partition(":")
+        if not (shard.isdigit() and seq.isdigit()):
+            return {}
+        marks[int(shard)] = int(seq)
+    return {shard: seq for shard, seq in marks.items() if shard in shards}
 
 
 #: A partition's last record is looked for among its last TAIL_FIRST offsets, then, each time none
@@ -170,14 +186,18 @@ def tail_value(tp: TP, bounds: tuple[int, int], read: Callable[[TP, int, int], l
     return None
 
 
-def shard_progress(reader: GroupReader, group: str, shard: int, incarnation: str, timeout_s: float) -> int:
-    """The highest ``seq`` a committed transaction of the shard published (0: none yet): its last
-    record in :func:`progress_topic`, or a mark a relay of an earlier version committed as the offset
-    of the shard's own group (:func:`progress_of`), whichever is further. Both are read once, when a
-    publisher starts on the shard (after its ``init_transactions`` settled the last owner's transaction)."""
-    tp = (progress_topic(group), shard)
-    in_topic = read_progress_mark(reader.last_values([tp], timeout_s).get(tp), incarnation)
-    return max(in_topic, progress_of(reader, shard_id(group, shard), f"{incarnation}/"))
+def lane_progress(reader: GroupReader, group: str, lane: int, shards: Sequence[int], incarnation: str,
+                  timeout_s: float) -> dict[int, int]:
+    """The highest ``seq`` of each of the lane's ``shards`` a committed transaction published (0: none
+    yet): the lane's last record in :func:`progress_topic`, and, for a shard it does not name, a mark
+    a relay of an earlier version committed as the offset of the shard's own group (:func:`progress_of`),
+    whichever is further. Read once, when a publisher starts on the lane (after its
+    ``init_transactions`` settled the last owner's transaction)."""
+    tp = (progress_topic(group), lane)
+    in_topic = read_progress_mark(reader.last_values([tp], timeout_s).get(tp), incarnation, shards)
+    return {shard: in_topic[shard] if shard in in_topic and len(shards) > 1
+            else max(in_topic.get(shard, 0), progress_of(reader, shard_id(group, shard), f"{incarnation}/"))
+            for shard in shards}
 
 
 #: A refused partition's offset when the client has no position for it at all.
@@ -369,26 +389,28 @@ class AdminReader(GroupReader, Protocol):
 
 
 class ShardPublisher(Protocol):
-    """A transactional producer for one shard of one group's outbox (the relay's Kafka side).
+    """A transactional producer for one lane of one group's outbox (the relay's Kafka side; a lane
+    publishes one shard or several: :mod:`kstore.db.outbox`).
 
-    Made by a :class:`PublisherFactory`, which initialises the shard's transactional id
+    Made by a :class:`PublisherFactory`, which initialises the lane's transactional id
     (:func:`shard_id`): that finishes or aborts the last owner's open transaction and fences its
-    producer. Each :meth:`publish` commits its rows and the shard's progress mark (a record of the
-    last ``seq`` in the shard's partition of :func:`progress_topic`: :func:`progress_mark`) in one
-    Kafka transaction, so the progress is never ahead of or behind what was published. (The mark
+    producer. Each :meth:`publish` commits its records and the lane's progress mark (a record of each
+    shard's last ``seq`` in the lane's partition of :func:`progress_topic`: :func:`progress_mark`) in
+    one Kafka transaction, so the progress is never ahead of or behind what was published. (The mark
     is a record, not an offset committed with ``send_offsets_to_transaction``: that added two
     round trips to the group coordinator to every transaction.)
     """
 
     ident: str
 
-    def progress(self, reader: GroupReader) -> int:
-        """The highest ``seq`` a committed transaction of this shard recorded (0: none yet). Read
-        after the factory's fencing: no commit of this shard can be pending any more."""
+    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
+        """The highest ``seq`` of each of the lane's ``shards`` a committed transaction recorded (0: none
+        yet). Read after the factory's fencing: no commit of this lane can be pending any more."""
         ...
 
-    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
-        """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
+    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
+        """Publish ``records``, in order, in one transaction with the progress mark ``marks`` (each of
+        the lane's shards' last ``seq`` once it commits).
 
         Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
         was aborted or its outcome is unknown: close this producer and make a new one, which
@@ -402,10 +424,10 @@ class ShardPublisher(Protocol):
 
 
 class PublisherFactory(Protocol):
-    """A client's :class:`ShardPublisher` class: made for a shard, fencing any earlier producer of it.
+    """A client's :class:`ShardPublisher` class: made for a lane, fencing any earlier producer of it.
     Raises :class:`Fenced`, BrokerError or ConfigurationError."""
 
-    def __call__(self, settings: Settings, group: str, shard: int, max_record_bytes: int,
+    def __call__(self, settings: Settings, group: str, lane: int, max_record_bytes: int,
                  incarnation: str) -> ShardPublisher: ...
 
 

@@ -54,6 +54,13 @@ _TRANSIENT = (KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROK
               KafkaError.NOT_COORDINATOR, KafkaError.UNSTABLE_OFFSET_COMMIT)
 
 
+#: Answers after which the next question makes a new AdminClient: no broker answered, or the handle's
+#: idea of a partition's leader is stale (after a broker restarted, a relay's handle was seen to answer
+#: FENCED_LEADER_EPOCH to every question for minutes).
+_REMAKE_ON = (KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError.FENCED_LEADER_EPOCH,
+              KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
+
+
 class ConfluentAdmin:
     """confluent-kafka's :class:`~kstore.kafka.seam.AdminReader`. ``request_timeout_s`` bounds each request,
     ``patience_s`` how long transient answers are asked again (``connect_timeout_s`` unless given)."""
@@ -127,7 +134,7 @@ class ConfluentAdmin:
         try:
             return future.result()
         except KafkaException as exc:
-            if _code(exc) in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+            if _code(exc) in _REMAKE_ON:
                 self._gone()
             raise
 

@@ -1,7 +1,7 @@
 """The outbox relay's publisher on librdkafka (confluent-kafka): :class:`kstore.kafka.seam.ShardPublisher`,
-whose docstring says what a shard's transaction holds (its records and its progress mark) and how a
+whose docstring says what a lane's transaction holds (its records and its progress mark) and how a
 zombie is fenced. Its progress is read by the relay's :class:`~kstore.kafka.seam.GroupReader`
-(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it): :func:`kstore.kafka.seam.shard_progress`.
+(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it): :func:`kstore.kafka.seam.lane_progress`.
 
 Why librdkafka: kafka-python encodes, batches and compresses every record in Python, on the
 interpreter the worker's batches run on, and a relay inside a worker waited on that (a
@@ -15,7 +15,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -25,10 +25,10 @@ from kstore.kafka.seam import (
     Fenced,
     GroupReader,
     PublishFailed,
+    lane_progress,
     progress_mark,
     progress_topic,
     shard_id,
-    shard_progress,
 )
 from kstore.settings import Settings
 from kstore.types import Produced
@@ -43,12 +43,12 @@ WEDGED_AFTER_TIMEOUTS = 2
 
 class ConfluentShardPublisher:
     """confluent-kafka's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional librdkafka
-    producer for one shard of one group's outbox."""
+    producer for one lane of one group's outbox."""
 
-    def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
+    def __init__(self, settings: Settings, group: str, lane: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
-        self.ident = shard_id(group, shard)
-        self._group, self._shard, self._incarnation = group, shard, incarnation
+        self.ident = shard_id(group, lane)
+        self._group, self._lane, self._incarnation = group, lane, incarnation
         self._progress_topic = progress_topic(group)
         base = client_config(settings)
         config = dict(base)
@@ -79,7 +79,7 @@ class ConfluentShardPublisher:
             self._producer: Any = confluent_kafka.Producer(config)
         except confluent_kafka.KafkaException as exc:
             raise ConfigurationError(f"librdkafka configuration: {_text(exc)}") from None
-        self._caller = _Caller(f"kstore-txn-{shard}")
+        self._caller = _Caller(f"kstore-txn-{lane}")
         try:
             self._producer.init_transactions(settings.connect_timeout_s)
         except confluent_kafka.KafkaException as exc:
@@ -92,43 +92,44 @@ class ConfluentShardPublisher:
         # Connection trouble is retried by librdkafka; a transaction that fails says so itself.
         log.debug("outbox producer %s: %s", self.ident, err)
 
-    def progress(self, reader: GroupReader) -> int:
+    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
         """As :meth:`kstore.kafka.seam.ShardPublisher.progress` (the same marks on either client)."""
-        return shard_progress(reader, self._group, self._shard, self._incarnation, self.settings.connect_timeout_s)
+        return lane_progress(reader, self._group, self._lane, shards, self._incarnation,
+                             self.settings.connect_timeout_s)
 
-    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
+    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
         """As :meth:`kstore.kafka.seam.ShardPublisher.publish`.
 
         The transaction runs on the publisher's own thread: a librdkafka transactional call was
         seen to block for good, past its timeout, when the coordinator it had cached went away
         (a broker restart). A transaction that has not returned long after its timeout fails with
-        PublishFailed, and its producer is abandoned: the relay's next producer for the shard
+        PublishFailed, and its producer is abandoned: the relay's next producer for the lane
         initialises the same transactional id, which fences it and aborts what it left open."""
-        if not self._caller.call(functools.partial(self._transaction, rows, timeout_s),
+        if not self._caller.call(functools.partial(self._transaction, records, marks, timeout_s),
                                  WEDGED_AFTER_TIMEOUTS * timeout_s + 1):
             log.warning("outbox producer %s: a transaction did not return in %gs; abandoning the producer",
                         self.ident, WEDGED_AFTER_TIMEOUTS * timeout_s + 1)
             self._producer = None  # still in use by the call that hangs: not purged, not flushed
             raise PublishFailed("librdkafka's transaction did not return after its timeout")
 
-    def _transaction(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
+    def _transaction(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
         producer = self._producer
-        refused: list[tuple[int | None, str]] = []  # (seq or None for the mark, reason) of records not delivered
+        refused: list[tuple[int | None, str]] = []  # (row or None for the mark, reason) of records not delivered
         try:
             producer.begin_transaction()
-            self._send(rows, refused)
-            key, value = progress_mark(self._incarnation, rows[-1][0])
-            producer.produce(self._progress_topic, value=value, key=key, partition=self._shard,
+            self._send(records, refused)
+            key, value = progress_mark(self._incarnation, marks)
+            producer.produce(self._progress_topic, value=value, key=key, partition=self._lane,
                              on_delivery=functools.partial(_note_refused, refused, None))
             producer.commit_transaction(timeout_s)
         except confluent_kafka.KafkaException as exc:
             if _fenced(exc):
                 raise Fenced(_text(exc)) from None
             self._abort(timeout_s)
-            rows_refused = [(seq, reason) for seq, reason in refused if seq is not None]
+            rows_refused = [(row, reason) for row, reason in refused if row is not None]
             if rows_refused:
-                seq, reason = rows_refused[0]
-                raise PublishFailed(f"row {seq}: {reason}", seq) from None
+                row, reason = min(rows_refused)
+                raise PublishFailed(reason, row) from None
             if refused:
                 raise PublishFailed(f"the progress record: {refused[0][1]}") from None
             raise PublishFailed(_text(exc)) from None
@@ -137,18 +138,18 @@ class ConfluentShardPublisher:
             raise
         # Committed: librdkafka commits only when every record of the transaction was delivered.
 
-    def _send(self, rows: Sequence[tuple[int, Produced]], refused: list[tuple[int | None, str]]) -> None:
+    def _send(self, records: Sequence[Produced], refused: list[tuple[int | None, str]]) -> None:
         producer = self._producer
-        for seq, r in rows:
+        for row, r in enumerate(records):
             try:
                 producer.produce(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
                                  partition=-1 if r.partition is None else r.partition,
-                                 on_delivery=functools.partial(_note_refused, refused, seq))
+                                 on_delivery=functools.partial(_note_refused, refused, row))
             except BufferError:
                 producer.poll(0.05)
                 raise PublishFailed("librdkafka's queue is full") from None
             except confluent_kafka.KafkaException as exc:
-                raise PublishFailed(f"row {seq}: {_text(exc)}", seq) from None
+                raise PublishFailed(_text(exc), row) from None
 
     def _abort(self, timeout_s: float) -> None:
         try:
@@ -213,10 +214,10 @@ class _Result:
         self.error: BaseException | None = None
 
 
-def _note_refused(refused: list[tuple[int | None, str]], seq: int | None, err: Any, _msg: Any) -> None:
+def _note_refused(refused: list[tuple[int | None, str]], row: int | None, err: Any, _msg: Any) -> None:
     """A record's delivery report (librdkafka sends only failures: delivery.report.only.error)."""
     if err is not None:
-        refused.append((seq, err.str()))
+        refused.append((row, err.str()))
 
 
 def _fenced(exc: BaseException) -> bool:

@@ -1,17 +1,17 @@
-"""The outbox relay's Kafka side: a transactional producer per outbox shard, and where it
-records how far it published.
+"""The outbox relay's Kafka side: a transactional producer per outbox lane (one shard, or several:
+:mod:`kstore.db.outbox`), and where it records how far it published.
 
-**Progress lives in the Kafka transaction.** Each transaction that publishes a shard's rows
-also writes a record to the shard's partition of the group's progress topic
-(:func:`kstore.kafka.seam.progress_topic`, compacted): the last ``seq`` published, after the
-shards' incarnation (``<incarnation>/<seq>``, a random id made with the group's shards: marks left
-by shards made before, in another database or in this one before they were made anew, count for
-nothing here). The records and that mark commit together or not at all, so a relay killed between
-Kafka's commit and the database's "published" mark (only for clean-up) never publishes a row
-twice: the next owner reads the partition's last committed record
+**Progress lives in the Kafka transaction.** Each transaction that publishes a lane's rows
+also writes a record to the lane's partition of the group's progress topic
+(:func:`kstore.kafka.seam.progress_topic`, compacted): the last ``seq`` published of each of its
+shards, after the shards' incarnation (:func:`kstore.kafka.seam.progress_mark`; a random id made with
+the group's shards: marks left by shards made before, in another database or in this one before
+they were made anew, count for nothing here). The records and that mark commit together or not at
+all, so a relay killed between Kafka's commit and the database's "published" mark (only for
+clean-up) never publishes a row twice: the next owner reads the partition's last committed record
 (:meth:`KafkaPythonShardPublisher.progress`).
 
-**Fencing.** The producer's ``transactional_id`` is stable per shard
+**Fencing.** The producer's ``transactional_id`` is stable per lane
 (:func:`~kstore.kafka.seam.shard_id`): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
 and fences its producer, whose next send or commit fails. Together with the lease's epoch in
 the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
@@ -20,7 +20,7 @@ the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kafka import KafkaProducer
@@ -36,10 +36,10 @@ from kstore.kafka.seam import (
     Fenced,
     GroupReader,
     PublishFailed,
+    lane_progress,
     progress_mark,
     progress_topic,
     shard_id,
-    shard_progress,
 )
 from kstore.settings import Settings
 from kstore.types import Produced
@@ -56,12 +56,12 @@ RETRY_BACKOFF_MS = 10
 
 class KafkaPythonShardPublisher:
     """kafka-python's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional producer for one
-    shard of one group's outbox."""
+    lane of one group's outbox."""
 
-    def __init__(self, settings: Settings, group: str, shard: int, max_record_bytes: int, incarnation: str) -> None:
+    def __init__(self, settings: Settings, group: str, lane: int, max_record_bytes: int, incarnation: str) -> None:
         self.settings = settings
-        self.ident = shard_id(group, shard)
-        self._group, self._shard, self._incarnation = group, shard, incarnation
+        self.ident = shard_id(group, lane)
+        self._group, self._lane, self._incarnation = group, lane, incarnation
         self._progress_topic = progress_topic(group)
         config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
         config.update(
@@ -85,16 +85,17 @@ class KafkaPythonShardPublisher:
             self.close()
             raise _broker(settings, exc) from None
 
-    def progress(self, reader: GroupReader) -> int:
-        """The highest ``seq`` a committed transaction of this shard recorded (0: none yet).
+    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
+        """The highest ``seq`` of each of the lane's shards a committed transaction recorded (0: none yet).
 
         Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
-        owner's transaction: no commit of this shard can be pending any more.
+        owner's transaction: no commit of this lane can be pending any more.
         """
-        return shard_progress(reader, self._group, self._shard, self._incarnation, self.settings.connect_timeout_s)
+        return lane_progress(reader, self._group, self._lane, shards, self._incarnation,
+                             self.settings.connect_timeout_s)
 
-    def publish(self, rows: Sequence[tuple[int, Produced]], timeout_s: float) -> None:
-        """Publish ``(seq, record)`` rows, in order, in one transaction with the progress mark.
+    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
+        """Publish ``records``, in order, in one transaction with the progress mark ``marks``.
 
         Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
         was aborted or its outcome is unknown: close this producer and make a new one, which
@@ -104,18 +105,18 @@ class KafkaPythonShardPublisher:
         try:
             producer.begin_transaction()
             futures: list[tuple[int | None, Any]] = [
-                (seq, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
-                                    partition=r.partition)) for seq, r in rows]
-            key, value = progress_mark(self._incarnation, rows[-1][0])
-            futures.append((None, producer.send(self._progress_topic, value=value, key=key, partition=self._shard)))
+                (row, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
+                                    partition=r.partition)) for row, r in enumerate(records)]
+            key, value = progress_mark(self._incarnation, marks)
+            futures.append((None, producer.send(self._progress_topic, value=value, key=key, partition=self._lane)))
             producer.flush(timeout=timeout_s)
             # A row the broker refused first (kafka-python may still be retrying the others of its
             # request), then any row not acknowledged in time.
-            for seq, future in futures:
+            for row, future in futures:
                 if future.is_done and future.failed():
-                    _result(future, seq)
-            for seq, future in futures:
-                _result(future, seq)
+                    _result(future, row)
+            for row, future in futures:
+                _result(future, row)
             self._bounded("commit", lambda tm: tm.begin_commit(), producer.commit_transaction, timeout_s)
         except (ProducerFencedError, InvalidProducerEpochError, TransactionalIdAuthorizationFailedError) as exc:
             raise Fenced(str(exc)) from None
@@ -132,7 +133,7 @@ class KafkaPythonShardPublisher:
         """A transactional request, waited for at most ``timeout_s``: kafka-python's own
         ``commit_transaction`` and ``abort_transaction`` wait for
         ever, and one that lost its broker mid-request (a restart) was seen never to end, holding
-        its shard (and the lease the relay goes on renewing) for good. This starts the request as
+        its lane (and the lease the relay goes on renewing) for good. This starts the request as
         those methods do and bounds the wait; an unknown kafka-python without those parts gets the
         plain call. A timeout fails the transaction: its producer is closed, and a new one settles
         it (``init_transactions``) and reads the progress again."""
@@ -160,14 +161,18 @@ class KafkaPythonShardPublisher:
             log.debug("closing %s's producer failed: %s", self.ident, exc)
 
 
-def _result(future: Any, seq: int | None) -> Any:
-    """A sent record's metadata, or :class:`PublishFailed` naming its row (None: the progress record)."""
-    what = "the progress record" if seq is None else f"row {seq}"
+def _result(future: Any, row: int | None) -> Any:
+    """A sent record's metadata, or :class:`PublishFailed` naming it (None: the progress record)."""
+    what = "the progress record" if row is None else "a record"
     if not future.is_done:
         raise PublishFailed(f"{what} was not acknowledged in time")
     if future.failed():
         exc = future.exception
-        raise PublishFailed(f"{what}: {type(exc).__name__}: {_first_line(exc)}", seq)
+        if isinstance(exc, (ProducerFencedError, InvalidProducerEpochError)):
+            # Not the record's fault: another producer took the lane's transactional id.
+            raise Fenced(str(exc))
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        raise PublishFailed(reason if row is not None else f"{what}: {reason}", row)
     return future.value
 
 

@@ -18,14 +18,14 @@ import sqlalchemy as sa
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from kstore import Settings
-from kstore.db.outbox import Outbox
+from kstore.db.outbox import MAX_LANES, Outbox, lane_shards, shard_of
 from kstore.db.store import make_engine
 from kstore.engine import relay as relay_module
 from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
-from kstore.kafka.seam import Committed, highest_mark, progress_topic, shard_id
+from kstore.kafka.seam import Committed, Fenced, highest_mark, progress_mark, progress_topic, shard_id
 from kstore.types import Produced
-from tests.support.harness import read_committed, wait_until
+from tests.support.harness import read_committed, read_committed_records, wait_until
 
 GROUP = "relayed"
 #: The relay's Kafka client in the test running (relay_for's default): every test that publishes
@@ -110,7 +110,7 @@ def test_seq_follows_commit_order_not_statement_order(engine: Any, pg_dsn: str, 
     trans.commit()
     t1.close()
     thread.join(30)
-    assert [(p.seq, p.record.value) for p in outbox.pending(0, 0, 10)] == [(1, b"first-written"),
+    assert [(p.seq, p.record.value) for p in outbox.pending({0: 0}, 10)] == [(1, b"first-written"),
                                                                              (2, b"second-written")]
     t1 = engine.connect()
     trans = t1.begin()
@@ -118,7 +118,7 @@ def test_seq_follows_commit_order_not_statement_order(engine: Any, pg_dsn: str, 
     trans.rollback()
     t1.close()
     write_batch(engine, outbox, [Produced("out", b"after-rollback", b"k")])
-    assert [p.seq for p in outbox.pending(0, 0, 10)] == [1, 2, 3], "no gap where a batch rolled back"
+    assert [p.seq for p in outbox.pending({0: 0}, 10)] == [1, 2, 3], "no gap where a batch rolled back"
 
 
 def test_a_relay_stopped_between_kafka_commit_and_its_mark_publishes_nothing_twice(
@@ -180,14 +180,14 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     wait_until(lambda: [relay.turn(), relay.shards_blocked == [0]][1], 60, interval=0.05,
                what="the relay to stop on the refused row")
     state = relay._held[0]
-    assert state.blocked_on == 2, "blocked on the refused row itself"
+    assert state.blocked_on == (0, 2), "blocked on the refused row itself"
     assert values(kafka, out) == [b"before"], "the rows before the refused one go out, none after it"
-    assert state.published == 1
+    assert state.published == {0: 1}
     assert not relay.turn(), "a blocked shard waits for its retry"
     state.not_before = 0.0  # its retry is due; the row is still refused
     wait_until(lambda: [relay.turn(), len(refusal_waits(caplog)) >= 2][1], 60, interval=0.05,
                what="the relay to stop on the refused row again")
-    assert state.blocked_on == 2 and values(kafka, out) == [b"before"]
+    assert state.blocked_on == (0, 2) and values(kafka, out) == [b"before"]
     waits = refusal_waits(caplog)
     assert waits == [min(BLOCKED_RETRY_FIRST_S * 2**i, BLOCKED_RETRY_S) for i in range(len(waits))], (
         "first tried again after BLOCKED_RETRY_FIRST_S, each wait twice the last")
@@ -301,10 +301,96 @@ def test_relays_share_the_shards_and_a_lease_taken_over_fences_the_old_holder(
     with engine.connect() as conn, conn.begin():
         conn.execute(sa.text("UPDATE kstore_outbox_relays SET lease_expires = 0 WHERE shard = :s"), {"s": shard})
     assert two.outbox.claim(two.member, shard, 3) == stale + 1
-    assert not one.outbox.mark_published(shard, stale, one.member, 0)
+    assert not one.outbox.mark_published(shard, stale, one.member, {shard: 1})
     assert not one.outbox.holds(one.member, shard, stale)
     wait_until(lambda: (one.turn(), shard not in one.shards_held)[1], 10, interval=0.1,
                what="the old holder to find its lease gone")
+    one.close()
+    two.close()
+
+
+def _keyed(shards: int, wanted: set[int], n: int) -> list[bytes]:
+    """``n`` keys whose records go to the shards ``wanted`` (of ``shards``)."""
+    keys = (f"key-{i}".encode() for i in range(10**6))
+    return [k for k in keys if shard_of(Produced("t", None, k), shards) in wanted][:n]
+
+
+def test_a_lane_publishes_each_of_its_shards_once_per_key_in_commit_order_and_marks_each(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """More shards than MAX_LANES: a lane publishes several shards in one Kafka transaction, and its
+    progress record names each one's seq. A relay that takes the lane over trusts that record (the
+    database's marks are set back here) and publishes only what came after."""
+    out = new_topic(partitions=3)
+    shards = MAX_LANES + 4
+    relay = relay_for(engine, kafka, pg_dsn, group="laned", outbox_shards=shards)
+    assert relay.outbox.lanes == MAX_LANES
+    keys = _keyed(shards, set(range(shards)), 60)
+    sent: dict[bytes, list[int]] = {k: [] for k in keys}
+    rng = random.Random(7)
+    for _ in range(12):
+        records = []
+        for key in rng.sample(keys, 20):
+            sent[key].append(len(sent[key]))
+            records.append(Produced(out, f"{key.decode()}:{sent[key][-1]}".encode(), key))
+        write_batch(engine, relay.outbox, records)
+    drain(relay)
+    assert relay.shards_held == list(range(shards))
+    assert relay._held[0].shards == (0, MAX_LANES), "lane 0 publishes shards 0 and MAX_LANES"
+
+    def published() -> dict[bytes, list[int]]:
+        got: dict[bytes, list[int]] = {}
+        for key, value in read_committed(kafka, out):
+            assert key is not None
+            got.setdefault(key, []).append(int(value.decode().rpartition(":")[2]))
+        return got
+
+    assert published() == {k: v for k, v in sent.items() if v}, "each record once, each key's in order"
+    state = {s.shard: s for s in relay.outbox.state()}
+    assert all(s.waiting == 0 and s.published_seq == s.next_seq - 1 for s in state.values())
+    _, incarnation = relay.outbox.published_marks(0)
+    lane0 = [r.value for r in read_committed_records(kafka, progress_topic("laned")) if r.partition == 0]
+    assert lane0[-1] == progress_mark(incarnation, {0: state[0].published_seq,
+                                                    MAX_LANES: state[MAX_LANES].published_seq})[1]
+    assert lane0[-1].decode().startswith(f"{incarnation}/0:"), "one record names both of the lane's shards"
+    relay.close()
+    with engine.connect() as conn, conn.begin():
+        conn.execute(sa.text("UPDATE kstore_outbox_relays SET published_seq = 0 WHERE consumer_group = 'laned'"))
+    more = [Produced(out, f"{k.decode()}:{len(sent[k])}".encode(), k) for k in keys[:10]]
+    for k in keys[:10]:
+        sent[k].append(len(sent[k]))
+    write_batch(engine, relay.outbox, more)
+    again = relay_for(engine, kafka, pg_dsn, group="laned", outbox_shards=shards)
+    drain(again)
+    assert published() == {k: v for k, v in sent.items() if v}, "the next relay went on from Kafka's record"
+    again.close()
+
+
+def test_a_lane_taken_over_fences_its_old_producer(engine: Any, pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """A relay paused while it publishes a lane of several shards loses the lane's lease; the relay
+    that takes the lane fences the paused one's producer, which can publish nothing when it wakes."""
+    out = new_topic(partitions=1)
+    shards = MAX_LANES * 2
+    one = relay_for(engine, kafka, pg_dsn, group="lane-fenced", outbox_shards=shards)
+    lane0 = set(lane_shards(0, shards))
+    keys = _keyed(shards, lane0, 4)
+    write_batch(engine, one.outbox, [Produced(out, f"before-{i}".encode(), k) for i, k in enumerate(keys)])
+    drain(one)
+    paused = one._held.pop(0)  # the paused relay keeps its producer, and knows nothing yet
+    assert paused.publisher is not None and set(paused.shards) == lane0
+    with engine.connect() as conn, conn.begin():
+        conn.execute(sa.text("UPDATE kstore_outbox_relays SET lease_expires = 0 "
+                             "WHERE consumer_group = 'lane-fenced' AND shard = 0"))
+    write_batch(engine, one.outbox, [Produced(out, f"after-{i}".encode(), k) for i, k in enumerate(keys)])
+    two = relay_for(engine, kafka, pg_dsn, group="lane-fenced", outbox_shards=shards)
+    wait_until(lambda: (two.turn(), len(values(kafka, out)) >= 8)[1], 60, interval=0.1,
+               what="the second relay to take lane 0 and publish what came after")
+    assert 0 in two._held and two._held[0].epoch == paused.epoch + 1
+    with pytest.raises(Fenced):
+        paused.publisher.publish([Produced(out, b"zombie", keys[0])], {s: 10**6 for s in lane0}, 10)
+    assert not one.outbox.mark_published(0, paused.epoch, one.member, {s: 10**6 for s in lane0})
+    assert sorted(values(kafka, out)) == sorted([f"before-{i}".encode() for i in range(4)]
+                                                + [f"after-{i}".encode() for i in range(4)])
+    paused.publisher.close()
     one.close()
     two.close()
 
@@ -422,11 +508,11 @@ def test_a_relay_upgraded_mid_stream_goes_on_from_the_mark_an_earlier_version_le
     out = new_topic(partitions=1)
     relay = relay_for(engine, kafka, pg_dsn, group="upgraded", outbox_shards=1)
     write_batch(engine, relay.outbox, [Produced(out, f"r{i}".encode(), b"k") for i in range(30)])
-    rows = relay.outbox.pending(0, 0, 100)
-    _, incarnation = relay.outbox.published_mark(0)
+    rows = relay.outbox.pending({0: 0}, 100)
+    _, incarnation = relay.outbox.published_marks(0)
     earlier_relay_published(kafka, "upgraded", 0, incarnation, rows[:18])
     assert values(kafka, out) == [f"r{i}".encode() for i in range(18)]
-    assert relay.outbox.published_mark(0)[0] == 0, "the database's mark is behind: only Kafka's can be trusted"
+    assert relay.outbox.published_marks(0)[0] == {0: 0}, "the database's mark is behind: only Kafka's can be trusted"
     drain(relay)
     assert values(kafka, out) == [f"r{i}".encode() for i in range(30)]
     relay.close()

@@ -106,12 +106,12 @@ def test_writers_notify_only_for_the_seq_the_idle_relay_waits_for(outbox: Any, w
     for _ in range(3):  # no relay has asked yet (wake_seq is NULL)
         write(box, way)
     assert heard.count() == 0
-    assert box.sleep_until_written(0, next_seq(box) - 1), "nothing was committed past what the relay published"
+    assert box.sleep_until_written({0: next_seq(box) - 1}), "nothing was committed past what the relay published"
     for _ in range(3):
         write(box, way)
     assert heard.count() == 1, "only the write that took wake_seq NOTIFYs"
     # A relay behind (rows committed past what it published) is told not to sleep; it asked all the same.
-    assert not box.sleep_until_written(0, next_seq(box) - 2)
+    assert not box.sleep_until_written({0: next_seq(box) - 2})
     write(box, way)
     assert heard.count() == 2
 
@@ -120,7 +120,7 @@ def test_writers_notify_only_for_the_seq_the_idle_relay_waits_for(outbox: Any, w
 def test_the_writer_after_a_rolled_back_one_notifies(outbox: Any, way: str) -> None:
     box, heard = outbox
     write(box, way)
-    box.sleep_until_written(0, next_seq(box) - 1)
+    box.sleep_until_written({0: next_seq(box) - 1})
     write(box, way, commit=False)
     assert heard.count() == 0
     write(box, way)
@@ -132,7 +132,7 @@ def test_the_writer_after_a_rolled_back_one_notifies(outbox: Any, way: str) -> N
 def test_of_concurrent_writers_one_notifies(outbox: Any, way: str) -> None:
     box, heard = outbox
     for round_ in range(3):
-        assert box.sleep_until_written(0, next_seq(box) - 1)
+        assert box.sleep_until_written({0: next_seq(box) - 1})
         threads = [threading.Thread(target=write, args=(box, way, i % 3 != 0, random.random() * 0.02))
                    for i in range(8)]
         for t in threads:
@@ -150,7 +150,7 @@ def test_a_relay_waits_for_the_writer_that_holds_the_shard_and_then_publishes_on
     writer = threading.Thread(target=write, args=(box, "fused", True, 0.5))
     writer.start()
     time.sleep(0.2)
-    assert not box.sleep_until_written(0, published), "the relay missed a row committed before its ask"
+    assert not box.sleep_until_written({0: published}), "the relay missed a row committed before its ask"
     writer.join()
     assert heard.count() == 0
 

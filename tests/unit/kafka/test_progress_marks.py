@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kstore.db.outbox import MAX_LANES, lane_shards, lanes_of
 from kstore.kafka.seam import progress_mark, progress_topic, read_progress_mark, tail_value
 from kstore.types import TopicPartition as TP
 
@@ -21,11 +22,34 @@ def test_a_group_name_a_topic_can_carry_is_kept_and_any_other_is_made_safe_and_t
 
 
 def test_a_mark_counts_only_for_its_own_incarnation() -> None:
-    _, value = progress_mark("inc1", 42)
-    assert read_progress_mark(value, "inc1") == 42
-    assert read_progress_mark(value, "inc2") == 0
-    assert read_progress_mark(None, "inc1") == 0
-    assert read_progress_mark(b"inc1/4x", "inc1") == 0
+    _, value = progress_mark("inc1", {0: 42})
+    assert value == b"inc1/42", "a lane of one shard writes what relays did before lanes"
+    assert read_progress_mark(value, "inc1", [0]) == {0: 42}
+    assert read_progress_mark(value, "inc2", [0]) == {}
+    assert read_progress_mark(None, "inc1", [0]) == {}
+    assert read_progress_mark(b"inc1/4x", "inc1", [0]) == {}
+
+
+def test_a_lane_of_several_shards_marks_each_and_reads_back_its_own() -> None:
+    marks = {3: 17, 11: 0, 19: 250_000}
+    _, value = progress_mark("inc", marks)
+    assert read_progress_mark(value, "inc", [3, 11, 19]) == marks
+    assert read_progress_mark(value, "inc", [3, 19]) == {3: 17, 19: 250_000}, "only the lane's shards"
+    assert read_progress_mark(value, "other", [3, 11, 19]) == {}
+    assert read_progress_mark(b"inc/17", "inc", [3, 11]) == {}, "a one-shard mark says nothing of a lane of two"
+    assert read_progress_mark(b"inc/3:17,11:x", "inc", [3, 11]) == {}, "a mark it cannot read counts for nothing"
+
+
+@pytest.mark.parametrize("shards", [1, 2, 7, 8, 9, 16, 64, 100])
+def test_lanes_cover_each_shard_once_and_keep_one_lane_per_shard_up_to_the_limit(shards: int) -> None:
+    lanes = lanes_of(shards)
+    assert lanes == min(shards, MAX_LANES)
+    covered = [s for lane in range(lanes) for s in lane_shards(lane, shards)]
+    assert sorted(covered) == list(range(shards)), "every shard in exactly one lane"
+    if shards <= MAX_LANES:
+        assert all(lane_shards(lane, shards) == (lane,) for lane in range(lanes)), "as before lanes: lane n is shard n"
+    sizes = [len(lane_shards(lane, shards)) for lane in range(lanes)]
+    assert max(sizes) - min(sizes) <= 1, "lanes share the shards evenly"
 
 
 def _partition(rng: random.Random, records: int) -> list[bytes | None]:
