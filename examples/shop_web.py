@@ -8,7 +8,7 @@ sees each placed order once, nothing of a request that failed, and one customer'
 order their transactions committed (each carries the customer's running count ``n``).
 
 Concurrent requests do not wait for each other on the outbox: a request's records are written in
-its commit, into one of the outbox's 8 shards by key, so up to 8 requests commit records at once.
+its commit, into one of the outbox's 16 shards by key, so up to 16 requests commit records at once.
 
 Run it (``python -m kstore_devbroker start`` prints the broker's address; ``pip install
 'kstore[psycopg2]' starlette uvicorn``)::

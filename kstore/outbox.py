@@ -21,16 +21,18 @@ order. On a SQLAlchemy ``Session`` (or ``AsyncSession``) the records wait in the
 written in its ``before_commit``, after the session's own changes are flushed, in shard order: the
 lock is held only for the commit itself, and two transactions never deadlock on it. So up to
 ``shards`` transactions commit records at once (transactions whose keys fall in different shards
-never wait for each other). What a commit pays under the lock, on PostgreSQL: for a few records of
-one shard, one statement (the shard's numbering, the rows and, if the relay waits, its NOTIFY)
-and the COMMIT; for more, an ``UPDATE ... RETURNING`` per shard and one ``INSERT`` (COPY for
-many) before it. Only the commit that the shard's idle relay waits for NOTIFYs; while the relay
-publishes, none does. On a ``Connection`` the records are written at once (the lock is held from
-there to COMMIT): give a transaction's records in one :meth:`Outbox.produce_many`.
+never wait for each other); past eight shards the relay publishes them in eight lanes, so more
+shards cost it no more producers (:mod:`kstore.db.outbox`). What a commit pays under the lock, on
+PostgreSQL: for a few records of one shard, one statement (the shard's numbering, the rows and, if
+the relay waits, its NOTIFY) and the COMMIT; for more, an ``UPDATE ... RETURNING`` per shard and
+one ``INSERT`` (COPY for many) before it. Only the commit that the shard's idle relay waits for
+NOTIFYs; while the relay publishes, none does. On a ``Connection`` the records are written at once
+(the lock is held from there to COMMIT): give a transaction's records in one :meth:`Outbox.produce_many`.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -74,8 +76,9 @@ class Outbox:
     and the schema registry for records produced with a schema; default: :class:`~kstore.settings.Settings`' own.
     """
 
-    #: Shards of an application's outbox unless given: concurrent requests commit side by side.
-    DEFAULT_SHARDS = 8
+    #: Shards of an application's outbox unless given: concurrent requests commit side by side (past
+    #: eight, the relay publishes them in eight lanes: more shards cost it no more producers).
+    DEFAULT_SHARDS = 16
 
     def __init__(self, name: str, settings: Settings | None = None, *, shards: int = DEFAULT_SHARDS) -> None:
         if not isinstance(name, str) or not name.strip():
@@ -139,9 +142,8 @@ class Outbox:
         ``before_commit`` writes them (listened to once per session)."""
         pending: list[tuple[Outbox, Any, list[Produced]]] | None = session.info.get(_PENDING)
         if pending is None:
+            _listen()
             pending = session.info[_PENDING] = []
-            event.listen(session, "before_commit", _write_pending)
-            event.listen(session, "after_soft_rollback", _drop_rolled_back)
         transaction = session.get_nested_transaction() or session.get_transaction()
         if transaction is None:
             transaction = session.begin()  # autobegin would too, at the first statement
@@ -166,13 +168,28 @@ class _NoFormats:
     key_format = value_format = "bytes"
 
 
+_listening = threading.Lock()
+
+
+def _listen() -> None:
+    """Listen to every Session's commit and rollback, once per process: a listener on each session
+    cost more than its outbox write (SQLAlchemy builds a dispatcher of the instance's own). A
+    session that produced nothing returns from both at once."""
+    with _listening:
+        if not event.contains(Session, "before_commit", _write_pending):
+            event.listen(Session, "before_commit", _write_pending)
+            event.listen(Session, "after_soft_rollback", _drop_rolled_back)
+
+
 def _write_pending(session: Session) -> None:
     """A session's ``before_commit``: its transaction's records, into their outboxes, each outbox's in one
     write (in shard order: the shards' locks are taken in one order by every transaction)."""
+    pending: list[tuple[Outbox, Any, list[Produced]]] | None = session.info.get(_PENDING)
+    if not pending:
+        return
     # The session's own changes first: not written while this transaction holds the shards' locks
     # (its commit would flush them after this hook).
     session.flush()
-    pending: list[tuple[Outbox, Any, list[Produced]]] = session.info.get(_PENDING) or []
     by_outbox: dict[Outbox, list[Produced]] = {}
     for outbox, _, records in pending:
         by_outbox.setdefault(outbox, []).extend(records)
@@ -184,7 +201,9 @@ def _write_pending(session: Session) -> None:
 
 def _drop_rolled_back(session: Session, previous_transaction: Any) -> None:
     """The records produced in a rolled-back transaction (or a savepoint, or inside one) are never written."""
-    pending: list[tuple[Outbox, Any, list[Produced]]] = session.info.get(_PENDING) or []
+    pending: list[tuple[Outbox, Any, list[Produced]]] | None = session.info.get(_PENDING)
+    if not pending:
+        return
     kept = [entry for entry in pending if not _within(entry[1], previous_transaction)]
     pending[:] = kept
 

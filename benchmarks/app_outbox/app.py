@@ -5,7 +5,7 @@ transaction in a ``Session`` of its own, as a web application's request handler 
 Every request INSERTs its order row (id, customer) and produces one record, its order's event,
 keyed by the customer:
 
-- **kstore-app-outbox**: ``Outbox("bench-app", shards=8).produce(session, ...)`` inside the
+- **kstore-app-outbox**: ``Outbox("bench-app", shards=16).produce(session, ...)`` inside the
   transaction; the record is written to the outbox in the session's commit and published by the
   ``kstore relay --outbox bench-app`` the parent started. Exactly once.
 - **publish-after-commit**: the same transaction without the outbox; after COMMIT, a plain
@@ -40,7 +40,7 @@ from .records import order_event, save
 
 #: The application outbox's name and shards unless ``--shards`` (published by ``kstore relay --outbox OUTBOX``).
 OUTBOX = "bench-app"
-SHARDS = 8
+SHARDS = 16
 #: The requests' connections, by name in ``pg_stat_activity`` (the parent samples what they wait for).
 APPLICATION_NAME = "bench-app-requests"
 

@@ -40,6 +40,7 @@ import sqlalchemy as sa
 
 from kstore import Settings, migrate
 from kstore.db.outbox import Outbox as OutboxTables
+from kstore.db.outbox import lanes_of
 from kstore.outbox import Outbox
 
 from .. import workload as side_by_side
@@ -111,10 +112,10 @@ class Relay:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
     def wait_ready(self, shards: int, timeout: float) -> None:
-        """Until it publishes every shard (each producer initialised and its progress read)."""
-        pattern = re.compile(rf"outbox shard \d+ of group '{OUTBOX}': published up to")
+        """Until it publishes every shard (each lane's producer initialised and its progress read)."""
+        pattern = re.compile(rf"outbox (?:shard|lane) \d+[^']* of group '{OUTBOX}': published up to")
         deadline = time.monotonic() + timeout
-        while len(pattern.findall(self.log())) < shards:
+        while len(pattern.findall(self.log())) < lanes_of(shards):
             if self.proc.poll() is not None:
                 raise BenchmarkError(f"the relay exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
             if time.monotonic() > deadline:

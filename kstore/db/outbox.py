@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from select import select as readable
-from typing import Any, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -62,7 +62,6 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    TextClause,
     and_,
     delete,
     func,
@@ -70,7 +69,6 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
-    text,
     update,
 )
 from sqlalchemy.sql.elements import ColumnElement
@@ -223,7 +221,7 @@ class Outbox:
         #: own executemany, a NOTIFY of its own): what the fast paths are tested against.
         self.plain = False
         #: The one-statement writes (:meth:`_write_fused`), by their number of records.
-        self._fused: dict[int, TextClause] = {}
+        self._fused: dict[int, str] = {}
 
     @property
     def lanes(self) -> int:
@@ -352,7 +350,8 @@ class Outbox:
         for i, r in enumerate(records):
             params[f"t{i}"], params[f"p{i}"], params[f"k{i}"], params[f"v{i}"], params[f"h{i}"] = (
                 r.topic, r.partition, r.key, r.value, encode_headers(r.headers))
-        row = conn.execute(statement, params).first()
+        # The driver's own SQL: no compiling or bind processing, the statement runs in a request's commit.
+        row = conn.exec_driver_sql(statement, params).first()
         if row is None:
             raise KstoreError(f"outbox shards of group {self.group!r} are missing: [{shard}]")
         if row.written != n:
@@ -360,53 +359,66 @@ class Outbox:
                                   f"reported {row.written} rows written: the transaction fails and nothing of it "
                                   f"commits")
 
-    def _fused_statement(self, n: int) -> TextClause:
+    def _fused_statement(self, n: int) -> str:
         """``UPDATE`` the shard (its row lock) ``RETURNING`` the first seq, ``INSERT`` the ``n`` rows
         numbered from it, ``pg_notify`` if that seq is the shard's ``wake_seq``: one statement of
         data-modifying CTEs, every value a bound parameter cast to its column's type (a column of
-        NULLs in a ``VALUES`` list would be text otherwise)."""
+        NULLs in a ``VALUES`` list would be text otherwise), in the driver's own style (``%(name)s``: both
+        PostgreSQL drivers take it)."""
         q = self.engine.dialect.identifier_preparer
-        shards, outbox = q.format_table(self.tables.shards), q.format_table(self.tables.outbox)
+        # Names are quoted, and a "%" in them doubled: the driver reads "%(...)s" as a parameter.
+        shards = q.format_table(self.tables.shards).replace("%", "%%")
+        outbox = q.format_table(self.tables.outbox).replace("%", "%%")
         c = {name: q.quote(name) for name in (*WRITE_COLUMNS, "next_seq", "wake_seq")}
-        rows = ", ".join(f"({i}, CAST(:t{i} AS TEXT), CAST(:p{i} AS INTEGER), CAST(:k{i} AS BYTEA), "
-                         f"CAST(:v{i} AS BYTEA), CAST(:h{i} AS TEXT))" for i in range(n))
-        return text(
-            f"WITH s AS (UPDATE {shards} SET {c['next_seq']} = {c['next_seq']} + :n "
-            f"WHERE {c['consumer_group']} = :g AND {c['shard']} = :shard "
-            f"RETURNING {c['next_seq']} - :n AS first, {c['wake_seq']} AS wake), "
+        rows = ", ".join(f"({i}, CAST(%(t{i})s AS TEXT), CAST(%(p{i})s AS INTEGER), CAST(%(k{i})s AS BYTEA), "
+                         f"CAST(%(v{i})s AS BYTEA), CAST(%(h{i})s AS TEXT))" for i in range(n))
+        return (
+            f"WITH s AS (UPDATE {shards} SET {c['next_seq']} = {c['next_seq']} + %(n)s "
+            f"WHERE {c['consumer_group']} = %(g)s AND {c['shard']} = %(shard)s "
+            f"RETURNING {c['next_seq']} - %(n)s AS first, {c['wake_seq']} AS wake), "
             f"ins AS (INSERT INTO {outbox} ({', '.join(c[name] for name in WRITE_COLUMNS)}) "
-            f"SELECT CAST(:g AS TEXT), CAST(:shard AS INTEGER), s.first + r.i, r.topic, r.partition_id, r.key, "
-            f"r.value, r.headers, CAST(:stamp AS TIMESTAMPTZ) "
+            f"SELECT CAST(%(g)s AS TEXT), CAST(%(shard)s AS INTEGER), s.first + r.i, r.topic, r.partition_id, r.key, "
+            f"r.value, r.headers, CAST(%(stamp)s AS TIMESTAMPTZ) "
             f"FROM s CROSS JOIN (VALUES {rows}) AS r (i, topic, partition_id, key, value, headers) RETURNING 1) "
             f"SELECT s.first, (SELECT count(*) FROM ins) AS written, "
-            f"CASE WHEN s.wake = s.first THEN pg_notify(CAST(:channel AS TEXT), CAST(:g AS TEXT)) END AS woke FROM s")
+            f"CASE WHEN s.wake = s.first THEN pg_notify(CAST(%(channel)s AS TEXT), CAST(%(g)s AS TEXT)) END "
+            f"AS woke FROM s")
 
     # -- the relay's sleep ------------------------------------------------------
 
-    def sleep_until_written(self, published: Mapping[int, int]) -> bool:
+    def sleep_until_written(self, published: Mapping[int, int]) -> Literal["sleep", "publish", "busy"]:
         """The relay of shards with nothing after ``published`` (``{shard: seq}``) is about to sleep:
-        make each one's next seq the one whose writer NOTIFYs (``wake_seq``). False if rows committed
-        before it: publish them rather than sleep. (PostgreSQL; LISTEN first.)
+        make each one's next seq the one whose writer NOTIFYs (``wake_seq``). ``"publish"`` if rows
+        committed before it (publish them rather than sleep); ``"busy"`` if a writer holds a shard's
+        row lock now (its rows come with its COMMIT: look again shortly); else ``"sleep"``: until a
+        NOTIFY, or the poll. (PostgreSQL; LISTEN first.)
 
-        The ``UPDATE`` takes the shard's row lock, so it is ordered with the writers': one that
-        committed before it moved ``next_seq`` (read here), one after it takes ``wake_seq`` as its
-        first seq and NOTIFYs as it commits (a writer that rolls back leaves the seq, and the
-        NOTIFY, to the next). Only a hint: a NOTIFY missed costs a poll interval, never a record.
-
-        An idle relay asks at every poll: when ``wake_seq`` is ``next_seq`` already (no writer took it
-        since the last ask, whose rows the relay has seen), the ``UPDATE`` changes nothing and writes
-        nothing. Each shard's runs alone, in autocommit (no BEGIN or COMMIT round trip, and never
-        more than one shard's lock held: a writer takes several in shard order)."""
+        A shard whose ``wake_seq`` is its committed ``next_seq`` needs nothing: the next writer takes
+        that seq and NOTIFYs as it commits (a writer that rolls back leaves the seq, and the NOTIFY, to
+        the next). Another's ``wake_seq`` is set under the shard's row lock, so it is ordered with the
+        writers': one that committed before it moved ``next_seq`` (read here), one after it takes
+        ``wake_seq`` as its first seq. A row a writer holds locked is skipped, never waited for: the
+        ask would hold up every writer queued behind it. Only a hint: a NOTIFY missed costs a poll
+        interval, never a record. Each statement runs alone, in autocommit (no BEGIN or COMMIT round
+        trip, and never more than one shard's lock held: a writer takes several in shard order)."""
         s = self.tables.shards
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            for shard, seq in sorted(published.items()):
+            rows = conn.execute(select(s.c.shard, s.c.next_seq, s.c.wake_seq).where(
+                s.c.consumer_group == self.group, s.c.shard.in_(list(published)))).all()
+            if any(int(row.next_seq) - 1 > published[row.shard] for row in rows):
+                return "publish"
+            for shard in sorted(row.shard for row in rows if row.wake_seq != row.next_seq):
+                free = (select(s.c.shard).where(s.c.consumer_group == self.group, s.c.shard == shard)
+                        .with_for_update(skip_locked=True).scalar_subquery())
                 moved = conn.execute(
-                    update(s).where(s.c.consumer_group == self.group, s.c.shard == shard,
+                    update(s).where(s.c.consumer_group == self.group, s.c.shard == free,
                                     s.c.wake_seq.is_distinct_from(s.c.next_seq))
                     .values(wake_seq=s.c.next_seq).returning(s.c.next_seq)).first()
-                if moved is not None and int(moved.next_seq) - 1 > seq:
-                    return False
-        return True
+                if moved is None:
+                    return "busy"  # a writer holds the row (or took a seq since the read above)
+                if int(moved.next_seq) - 1 > published[shard]:
+                    return "publish"
+        return "sleep"
 
     def _clock(self) -> ColumnElement[float]:
         """The database's time in seconds: one clock for every relay's lease, whatever the machines say."""

@@ -75,6 +75,8 @@ SETTLE_RECHECK_S = 0.5
 SETTLE_PATIENCE_S = 30.0
 #: After a shard's producer was fenced, how long before the lease is checked and a new one made.
 FENCED_RETRY_S = 1.0
+#: A lane whose shard a writer held locked as it was about to sleep looks for rows again after this long.
+BUSY_RECHECK_S = 0.005
 #: How often, at most, a busy shard writes its "published" mark (and deletes what it published).
 MARK_INTERVAL_S = 1.0
 
@@ -566,10 +568,15 @@ class Relay:
         """The lane has nothing to publish: on PostgreSQL, ask the next writer of each of its shards
         to NOTIFY (the relay LISTENs already: see :meth:`run`). True (publish on, do not sleep) if
         rows committed before the ask; only once in a row for the same rows, so rows that vanished
-        (deleted by hand) cost a poll interval, not a busy loop."""
+        (deleted by hand) cost a poll interval, not a busy loop. A writer holding one of the shards
+        now: look again after BUSY_RECHECK_S (or its NOTIFY, if it takes the seq asked for)."""
         if not self.outbox.postgresql:
             return False
-        if self.outbox.sleep_until_written(state.published) or state.published == state.woken_at:
+        answer = self.outbox.sleep_until_written(state.published)
+        if answer == "busy":
+            state.not_before = time.monotonic() + BUSY_RECHECK_S
+            return False
+        if answer == "sleep" or state.published == state.woken_at:
             state.woken_at = None
             return False
         state.woken_at = dict(state.published)

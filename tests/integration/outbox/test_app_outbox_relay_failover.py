@@ -4,7 +4,8 @@ back and a fifth of the others rolling a savepoint back. Two ``kstore relay --ou
 share the outbox's shards; one is SIGKILLed while it publishes, the other SIGSTOPped past its lease
 (its shards taken, its producer fenced) and SIGCONTed while the requests still write. A
 ``read_committed`` reader sees every committed record once, nothing of what rolled back, and each
-customer's records in the order their transactions committed."""
+customer's records in the order their transactions committed. With 8 shards (a lane each) and 24
+(8 lanes of 3: one lease, producer and progress record per lane)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from kstore import Settings
+from kstore.db.outbox import lane_shards, lanes_of
 from kstore.outbox import Outbox
 from tests.support.harness import WorkerProcess, outbox_rows, read_committed, wait_until
 
 pytestmark = pytest.mark.integration
 
-OUTBOX, SHARDS, LEASE_S = "checkout", 8, 3
+OUTBOX, LEASE_S = "checkout", 3
 THREADS, PER_THREAD, PER_CUSTOMER = 50, 50, 4  # two customers a transaction: 8 records
 CUSTOMERS = 120
 #: Transactions let through by the test at each step (2,500 in all).
@@ -136,24 +138,25 @@ def member(relay: WorkerProcess) -> str:
     return found.group(1)
 
 
-def taken_by(relay: WorkerProcess, shards: set[int], since: int) -> bool:
-    """Whether ``relay`` has logged taking each of ``shards`` after the first ``since`` characters of its log."""
-    took = re.findall(rf"outbox relay \S+ publishes shard (\d+) of group '{OUTBOX}'", relay.log[since:])
-    return shards <= {int(s) for s in took}
+def taken_by(relay: WorkerProcess, lanes: set[int], since: int) -> bool:
+    """Whether ``relay`` has logged taking each of ``lanes`` after the first ``since`` characters of its log."""
+    took = re.findall(rf"outbox relay \S+ publishes (?:shard|lane) (\d+)[^']* of group '{OUTBOX}'", relay.log[since:])
+    return lanes <= {int(s) for s in took}
 
 
+@pytest.mark.parametrize("shards", [8, 24])
 def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_record_once_in_commit_order(
-        pg_dsn: str, new_topic: Any, kafka: str, relays: Callable[[str], WorkerProcess]) -> None:
+        pg_dsn: str, new_topic: Any, kafka: str, relays: Callable[[str], WorkerProcess], shards: int) -> None:
     out = new_topic(partitions=3)
     engine = sa.create_engine(pg_dsn, pool_size=THREADS + 2, max_overflow=0)
     metadata.create_all(engine)
     with engine.begin() as conn:
         conn.execute(customers.insert(), [{"customer": f"c{c}", "n": 0} for c in range(CUSTOMERS)])
-    events = Outbox(OUTBOX, Settings(dsn=pg_dsn), shards=SHARDS)
-    assert events.setup(engine) == SHARDS
+    events = Outbox(OUTBOX, Settings(dsn=pg_dsn), shards=shards)
+    assert events.setup(engine) == shards
 
     def leases() -> dict[str, set[int]]:
-        """Who holds each shard's live lease, by the database's clock."""
+        """Who holds each lane's live lease, by the database's clock."""
         held: dict[str, set[int]] = defaultdict(set)
         with engine.connect() as conn:
             for shard, owner in conn.execute(sa.text(
@@ -162,17 +165,19 @@ def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_
                 held[owner].add(shard)
         return held
 
-    def marked(shards: set[int]) -> int:
-        """How far ``shards`` are marked published, summed: the relays' own word, written after Kafka's."""
+    def marked(lanes: set[int]) -> int:
+        """How far the shards of ``lanes`` are marked published, summed: the relays' own word, written
+        after Kafka's."""
+        of_lanes = sorted(s for lane in lanes for s in lane_shards(lane, shards))
         with engine.connect() as conn:
             return int(conn.execute(sa.text(
                 "SELECT coalesce(sum(published_seq), 0) FROM kstore_outbox_relays WHERE consumer_group = :g "
-                "AND shard = ANY(:s)"), {"g": OUTBOX, "s": sorted(shards)}).scalar_one())
+                "AND shard = ANY(:s)"), {"g": OUTBOX, "s": of_lanes}).scalar_one())
 
     r1, r2 = relays(pg_dsn), relays(pg_dsn)
     m1, m2 = member(r1), member(r2)
     wait_until(lambda: {k: len(v) for k, v in leases().items()} == {m1: 4, m2: 4}, 60, interval=0.2,
-               what="the two relays sharing the shards 4 and 4")
+               what="the two relays sharing the lanes 4 and 4")
     requests = Requests(engine, events, out)
 
     # r1 is SIGKILLed once it has published some of the first step, while that step is still written.
@@ -187,7 +192,7 @@ def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_
     r3 = relays(pg_dsn)
     m3 = member(r3)
     wait_until(lambda: {k: len(v) for k, v in leases().items()} == {m2: 4, m3: 4}, 60, interval=0.2,
-               what="r2 and r3 sharing the shards 4 and 4")
+               what="r2 and r3 sharing the lanes 4 and 4")
 
     # r2 is SIGSTOPped while it publishes the second step, which is still being written, and stays
     # stopped until r3 has taken its shards (its lease ran out), while a third step is written.
@@ -200,7 +205,8 @@ def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_
     assert requests.done < STEPS[0] + STEPS[1], "the requests were all written before r2 was stopped"
     requests.allow(STEPS[2])
     wait_until(lambda: taken_by(r3, r2_shards, since), 60, interval=0.2, what="r3 taking the stopped relay's shards")
-    wait_until(lambda: leases() == {m3: set(range(SHARDS))}, 60, interval=0.2, what="r3 alone holding every lease")
+    wait_until(lambda: leases() == {m3: set(range(lanes_of(shards)))}, 60, interval=0.2,
+               what="r3 alone holding every lease")
 
     # The zombie wakes while requests still write. Its leases' epochs moved on: its first heartbeat
     # finds each of its shards taken, and any mark it still writes matches nothing. Its producers
@@ -211,7 +217,7 @@ def test_two_relays_one_killed_one_paused_past_its_lease_publish_each_committed_
     requests.allow(STEPS[3])
     r2.resume()
     wait_until(lambda: r2_shards <= {int(s) for s in re.findall(
-        rf"outbox shard (\d+) of group '{OUTBOX}' was taken by another relay: no longer publishing it",
+        rf"outbox (?:shard|lane) (\d+)[^']* of group '{OUTBOX}' was taken by another relay: no longer publishing it",
         r2.log[since:])}, 60, interval=0.2, what="the woken relay giving up each of its shards")
     requests.join(timeout=300)
 

@@ -106,12 +106,17 @@ def test_writers_notify_only_for_the_seq_the_idle_relay_waits_for(outbox: Any, w
     for _ in range(3):  # no relay has asked yet (wake_seq is NULL)
         write(box, way)
     assert heard.count() == 0
-    assert box.sleep_until_written({0: next_seq(box) - 1}), "nothing was committed past what the relay published"
+    assert box.sleep_until_written({0: next_seq(box) - 1}) == "sleep", \
+        "nothing was committed past what the relay published"
     for _ in range(3):
         write(box, way)
     assert heard.count() == 1, "only the write that took wake_seq NOTIFYs"
-    # A relay behind (rows committed past what it published) is told not to sleep; it asked all the same.
-    assert not box.sleep_until_written({0: next_seq(box) - 2})
+    # A relay behind (rows committed past what it published) is told to publish them, and asks for no
+    # NOTIFY (it asks again once it has caught up): the next write sends none.
+    assert box.sleep_until_written({0: next_seq(box) - 2}) == "publish"
+    write(box, way)
+    assert heard.count() == 1
+    assert box.sleep_until_written({0: next_seq(box) - 1}) == "sleep"
     write(box, way)
     assert heard.count() == 2
 
@@ -132,7 +137,7 @@ def test_the_writer_after_a_rolled_back_one_notifies(outbox: Any, way: str) -> N
 def test_of_concurrent_writers_one_notifies(outbox: Any, way: str) -> None:
     box, heard = outbox
     for round_ in range(3):
-        assert box.sleep_until_written({0: next_seq(box) - 1})
+        assert box.sleep_until_written({0: next_seq(box) - 1}) == "sleep"
         threads = [threading.Thread(target=write, args=(box, way, i % 3 != 0, random.random() * 0.02))
                    for i in range(8)]
         for t in threads:
@@ -143,16 +148,36 @@ def test_of_concurrent_writers_one_notifies(outbox: Any, way: str) -> None:
         assert heard.count() == round_ + 1
 
 
-def test_a_relay_waits_for_the_writer_that_holds_the_shard_and_then_publishes_on(outbox: Any) -> None:
-    """The relay's ask takes the shard's row lock: a writer that holds it commits first and is seen."""
+def test_a_relays_ask_never_waits_for_a_writer_holding_the_shard(outbox: Any) -> None:
+    """A writer holds the shard's row lock until its COMMIT: the relay's ask does not queue behind it
+    (every later writer would queue behind the ask) but is told to look again, and then sees its row."""
     box, heard = outbox
     published = next_seq(box) - 1
     writer = threading.Thread(target=write, args=(box, "fused", True, 0.5))
     writer.start()
     time.sleep(0.2)
-    assert not box.sleep_until_written({0: published}), "the relay missed a row committed before its ask"
+    started = time.monotonic()
+    assert box.sleep_until_written({0: published}) == "busy"
+    assert time.monotonic() - started < 0.25, "the ask waited for the writer's lock"
     writer.join()
+    assert box.sleep_until_written({0: published}) == "publish", "the relay missed a row committed before its ask"
     assert heard.count() == 0
+
+
+def test_a_writer_holding_the_shard_after_the_relay_asked_notifies_and_the_relay_sleeps(outbox: Any) -> None:
+    """The relay asked already (``wake_seq`` is the committed ``next_seq``): a writer holding the lock
+    now takes that seq, so the relay may sleep at once; the writer's COMMIT wakes it."""
+    box, heard = outbox
+    assert box.sleep_until_written({0: next_seq(box) - 1}) == "sleep"
+    published = next_seq(box) - 1
+    writer = threading.Thread(target=write, args=(box, "fused", True, 0.5))
+    writer.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert box.sleep_until_written({0: published}) == "sleep"
+    assert time.monotonic() - started < 0.25
+    writer.join()
+    assert heard.count() == 1, "the writer that took wake_seq NOTIFYs"
 
 
 # -- a relay, publishing -----------------------------------------------------------------------------
