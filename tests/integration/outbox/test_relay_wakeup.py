@@ -148,18 +148,35 @@ def test_of_concurrent_writers_one_notifies(outbox: Any, way: str) -> None:
         assert heard.count() == round_ + 1
 
 
+def ask_while_a_writer_holds_the_shard(box: Outbox, published: int) -> str:
+    """The relay's ask while a writer holds the shard's row lock (it wrote, and has not committed);
+    the writer commits once the ask has returned (or after 5 s: an ask that waited for it)."""
+    holding, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with box.engine.connect() as conn, conn.begin():
+            box.write(conn, [Produced("t", b"v", b"k")])
+            holding.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert holding.wait(30), "the writer to write"
+    started = time.monotonic()
+    answer = box.sleep_until_written({0: published})
+    took = time.monotonic() - started
+    release.set()
+    thread.join()
+    assert took < 2.5, "the ask waited for the writer's lock"
+    return answer
+
+
 def test_a_relays_ask_never_waits_for_a_writer_holding_the_shard(outbox: Any) -> None:
     """A writer holds the shard's row lock until its COMMIT: the relay's ask does not queue behind it
     (every later writer would queue behind the ask) but is told to look again, and then sees its row."""
     box, heard = outbox
     published = next_seq(box) - 1
-    writer = threading.Thread(target=write, args=(box, "fused", True, 0.5))
-    writer.start()
-    time.sleep(0.2)
-    started = time.monotonic()
-    assert box.sleep_until_written({0: published}) == "busy"
-    assert time.monotonic() - started < 0.25, "the ask waited for the writer's lock"
-    writer.join()
+    assert ask_while_a_writer_holds_the_shard(box, published) == "busy"
     assert box.sleep_until_written({0: published}) == "publish", "the relay missed a row committed before its ask"
     assert heard.count() == 0
 
@@ -169,14 +186,7 @@ def test_a_writer_holding_the_shard_after_the_relay_asked_notifies_and_the_relay
     now takes that seq, so the relay may sleep at once; the writer's COMMIT wakes it."""
     box, heard = outbox
     assert box.sleep_until_written({0: next_seq(box) - 1}) == "sleep"
-    published = next_seq(box) - 1
-    writer = threading.Thread(target=write, args=(box, "fused", True, 0.5))
-    writer.start()
-    time.sleep(0.2)
-    started = time.monotonic()
-    assert box.sleep_until_written({0: published}) == "sleep"
-    assert time.monotonic() - started < 0.25
-    writer.join()
+    assert ask_while_a_writer_holds_the_shard(box, next_seq(box) - 1) == "sleep"
     assert heard.count() == 1, "the writer that took wake_seq NOTIFYs"
 
 
