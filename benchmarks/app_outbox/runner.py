@@ -112,8 +112,8 @@ class Relay:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
     def wait_ready(self, shards: int, timeout: float) -> None:
-        """Until it publishes every shard (each lane's producer initialised and its progress read)."""
-        pattern = re.compile(rf"outbox (?:shard|lane) \d+[^']* of group '{OUTBOX}': published up to")
+        """Until it holds every lane (their producers start with the first records: the broker warm-up's)."""
+        pattern = re.compile(rf"outbox relay \S+ publishes (?:shard|lane) \d+[^']* of group '{OUTBOX}'")
         deadline = time.monotonic() + timeout
         while len(pattern.findall(self.log())) < lanes_of(shards):
             if self.proc.poll() is not None:

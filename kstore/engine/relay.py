@@ -6,7 +6,9 @@ relay``: :meth:`Relay.run`). The outbox's shards are published in lanes (:mod:`k
 a lane per shard, or, past :data:`~kstore.db.outbox.MAX_LANES` shards, that many lanes of several).
 Each lane is published by one relay at a time: the one holding its lease in the database, whose
 transactional producer (a :class:`~kstore.kafka.seam.ShardPublisher`, on the client
-``relay_client`` names) fenced every earlier one when it started. A lane is published in order:
+``relay_client`` names) fenced every earlier one when it started, before it published anything
+(it starts once the lane has rows: a group that produces nothing makes no producer and no
+progress topic). A lane is published in order:
 its shards' rows after their progress, each shard's ``seq`` ascending, a transaction at a time;
 the progress of each shard commits inside each Kafka transaction, so it is never ahead of or
 behind what was published.
@@ -503,6 +505,8 @@ class Relay:
             return False
         try:
             if state.publisher is None:
+                if not self._rows_waiting(state):
+                    return False
                 self._open(state)
             return self._publish(state)
         except _LostLane:
@@ -513,6 +517,17 @@ class Relay:
             _close_publisher(state)
             self._lane_failed(state, "open its producer", exc)
         return False
+
+    def _rows_waiting(self, state: _Lane) -> bool:
+        """Whether a lane without a producer yet has rows past the database's marks: one that has none
+        (a group that produces nothing, or not yet) makes no producer and no progress topic. On
+        PostgreSQL the next writer is asked for a NOTIFY first and the rows looked for after, so rows
+        committed in between are found here, and rows committed later wake the lane."""
+        marks, _ = self.outbox.published_marks(state.lane)
+        if self.outbox.postgresql and self.outbox.sleep_until_written(marks) == "busy":
+            state.not_before = time.monotonic() + BUSY_RECHECK_S
+            return False
+        return bool(self.outbox.pending(marks, 1))
 
     def _publish(self, state: _Lane) -> bool:
         assert state.publisher is not None

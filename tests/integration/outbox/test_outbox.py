@@ -252,7 +252,7 @@ def test_exactly_once_to_kafka_through_kills_a_zombie_relay_cut_commits_and_a_br
         r1.wait_for_log(r"outbox relay \S+ publishes shard", timeout=60)
         r1.kill()
         r2 = relay("r2")
-        r2.wait_for_log(r"outbox shard \d+ of group 'booker': published up to", timeout=60)
+        r2.wait_for_log(r"outbox relay \S+ publishes shard", timeout=60)
         r2.pause()  # a zombie holding its shards' leases (and perhaps an open Kafka transaction)
         w3 = worker("w3", pg_dsn, "--no-relay")
         sent += send(10_000, 5_000)

@@ -91,6 +91,24 @@ def test_records_are_published_once_in_commit_order_and_the_outbox_empties(
     relay.close()
 
 
+def test_a_group_that_produces_nothing_makes_no_producer_and_no_progress_topic(
+        engine: Any, pg_dsn: str, kafka: str, new_topic: Any, admin: Any, relay_client: str) -> None:
+    """Every worker runs a relay; one whose group never produced holds its lanes without a Kafka
+    producer or a progress topic, and makes them at the first record."""
+    out, group = new_topic(partitions=1), f"quiet-{relay_client}"
+    relay = relay_for(engine, kafka, pg_dsn, group=group)
+    wait_until(lambda: (relay.turn(), relay.shards_held)[1] == [0, 1], 30, interval=0.1, what="both shards held")
+    for _ in range(5):
+        assert not relay.turn()
+    assert all(state.publisher is None for state in relay._held.values())
+    assert progress_topic(group) not in admin.list_topics()
+    write_batch(engine, relay.outbox, [Produced(out, b"first", b"k")])
+    drain(relay)
+    assert values(kafka, out) == [b"first"]
+    assert progress_topic(group) in admin.list_topics()
+    relay.close()
+
+
 def test_seq_follows_commit_order_not_statement_order(engine: Any, pg_dsn: str, kafka: str) -> None:
     """T1 writes first but commits second: T2 waits for the shard's lock, then numbers after T1."""
     outbox = Outbox(engine, GROUP)

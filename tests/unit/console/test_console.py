@@ -218,10 +218,12 @@ def test_sampling_writes_every_group_and_keeps_the_table_bounded(dsn: str) -> No
     settings = Settings(dsn=dsn)
     engine = make_engine(settings)
     store = Store(engine, settings)
-    clock = [datetime.now(timezone.utc).timestamp() - 100]
+    start = datetime.now(timezone.utc).timestamp() - 100
+    clock = [start]
 
     def read(group: str) -> GroupReading:
-        return _reading(group, clock[0], lag=40, stored=int(clock[0]) % 1000)
+        # One message a second: the stored offset moves with the samples' clock (never wraps around).
+        return _reading(group, clock[0], lag=40, stored=1000 + int(clock[0] - start))
 
     sampler = Sampler(store, read, interval_s=10, retention_s=30)
     for _ in range(6):
