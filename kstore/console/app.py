@@ -26,7 +26,7 @@ from kstore.settings import Settings
 
 from . import pages
 from .access import LoginNeeded, console_of, guard
-from .auth import CSRF_FIELD, MAX_NAME, Refused, check_csrf, new_session
+from .auth import CSRF_FIELD, MAX_NAME, Refused, check_csrf, client_address, new_session
 from .state import HERE, Console
 
 #: The login cookie's name.
@@ -97,11 +97,20 @@ async def login(request: Request) -> Response:
         raise Refused(403, "this console is read-only: no login")
     form = await request.form()
     check_csrf(request, form.get(CSRF_FIELD))
+    address = client_address(request)
+    wait = console.logins.wait_s(address)
+    if wait:
+        response = console.render(request, "login.html", None, status=429, next=str(form.get("next", "")),
+                                  password=console.auth.password_digest is not None,
+                                  error=f"too many failed logins from your address: try again in {wait:.0f} s")
+        response.headers["Retry-After"] = str(int(wait + 0.999))
+        return response
     name = str(form.get("operator", "")).strip()[:MAX_NAME]
     password = str(form.get("password", ""))
     # The digest is compared even without a name, so a missing name takes as long as a wrong password.
     matches = console.auth.password_matches(password)
     if not name or not matches:
+        console.logins.failed(address)
         return console.render(request, "login.html", None, status=401, next=str(form.get("next", "")),
                               password=console.auth.password_digest is not None,
                               error="give your name and the console's password")

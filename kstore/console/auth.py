@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
+from limits import RateLimitItem, parse, storage, strategies
 from starlette.requests import Request
 
 from kstore.errors import ConfigurationError
@@ -76,6 +78,40 @@ class Auth:
         if self.password_digest is None:
             return False
         return hmac.compare_digest(_digest(given), self.password_digest)
+
+
+#: Failed logins allowed from one address in a moving window; more are refused (429) until the oldest
+#: leaves it, whatever the password: a guesser gets five tries in five minutes, an operator who
+#: mistyped waits at most that long.
+FAILED_LOGINS = "5 per 5 minutes"
+
+
+@dataclass
+class LoginThrottle:
+    """Counts failed logins by client address (in this process: one console, one count)."""
+
+    limit: str = FAILED_LOGINS
+    _item: RateLimitItem = field(init=False, repr=False)
+    _window: strategies.MovingWindowRateLimiter = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._item = parse(self.limit)
+        self._window = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+
+    def wait_s(self, address: str) -> float:
+        """0 if ``address`` may try to log in now; else the seconds until it may."""
+        if self._window.test(self._item, "login", address):
+            return 0.0
+        reset = self._window.get_window_stats(self._item, "login", address).reset_time
+        return max(1.0, reset - time.time())
+
+    def failed(self, address: str) -> None:
+        self._window.hit(self._item, "login", address)
+
+
+def client_address(request: Request) -> str:
+    """The address a request came from (the proxy's, behind one: all its users share one count)."""
+    return request.client.host if request.client is not None else "unknown"
 
 
 def csrf_token(request: Request) -> str:

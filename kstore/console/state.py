@@ -24,7 +24,7 @@ from kstore.ops.lag import GroupReading, LagReader
 from kstore.processor import Processor
 from kstore.settings import Settings
 
-from .auth import CSRF_FIELD, Auth, Refused, csrf_token
+from .auth import CSRF_FIELD, Auth, LoginThrottle, Refused, csrf_token
 from .sampling import Sampler
 
 T = TypeVar("T")
@@ -37,6 +37,7 @@ class Console:
     def __init__(self, settings: Settings, processors: Mapping[str, Processor]) -> None:
         self.settings = settings
         self.auth = Auth.of(settings)
+        self.logins = LoginThrottle()
         self.processors = dict(processors)
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         self.engine = make_engine(settings)

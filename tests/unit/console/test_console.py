@@ -16,12 +16,14 @@ from starlette.testclient import TestClient
 
 from kstore import Settings, migrate
 from kstore.console import app
+from kstore.console.auth import LoginThrottle
 from kstore.console.sampling import Sampler, svg_chart, throughput
 from kstore.db import deadletters, samples
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import now
 from kstore.errors import ConfigurationError
 from kstore.ops.lag import GroupReading, PartitionReading
+from tests.support.harness import wait_until
 
 PASSWORD = "c0nsole-Pa55"
 GROUP = "orders"
@@ -97,6 +99,32 @@ def test_a_wrong_password_is_refused_and_sets_no_operator(client: TestClient) ->
     r = client.post("/login", data={"csrf_token": token, "operator": "ann", "password": "wrong"})
     assert r.status_code == 401
     assert client.get("/", follow_redirects=False).status_code == 303
+
+
+def test_failed_logins_from_one_address_are_refused_for_a_while_the_right_password_too(dsn: str) -> None:
+    web = app(Settings(dsn=dsn, bootstrap_servers="127.0.0.1:1", console_sample_interval_s=0,
+                       console_password=PASSWORD))
+    with TestClient(web, base_url="http://127.0.0.1", client=("10.0.0.1", 1)) as guesser, \
+            TestClient(web, base_url="http://127.0.0.1", client=("10.0.0.2", 1)) as operator:
+        token = _csrf(guesser.get("/login").text)
+        for n in range(5):
+            r = guesser.post("/login", data={"csrf_token": token, "operator": "eve", "password": f"guess{n}"})
+            assert r.status_code == 401, n
+        r = guesser.post("/login", data={"csrf_token": token, "operator": "eve", "password": PASSWORD})
+        assert r.status_code == 429 and "too many failed logins" in r.text
+        assert 1 <= int(r.headers["Retry-After"]) <= 300
+        assert guesser.get("/", follow_redirects=False).status_code == 303, "the right password let nobody in"
+        _log_in(operator)  # another address is not held up
+
+
+def test_the_login_throttle_lets_an_address_try_again_once_its_failures_leave_the_window() -> None:
+    throttle = LoginThrottle("2 per 1 second")
+    throttle.failed("a")
+    assert throttle.wait_s("a") == 0
+    throttle.failed("a")
+    assert 0 < throttle.wait_s("a") <= 1.0
+    assert throttle.wait_s("b") == 0
+    wait_until(lambda: throttle.wait_s("a") == 0, 5, interval=0.05, what="the failures to leave the window")
 
 
 def test_a_login_without_the_forms_csrf_token_is_refused(client: TestClient) -> None:
