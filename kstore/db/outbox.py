@@ -596,10 +596,14 @@ class Outbox:
                 .join(r, (r.c.consumer_group == s.c.consumer_group) & (r.c.shard == s.c.shard))
                 .where(s.c.consumer_group == self.group).order_by(s.c.shard)).all()
         lanes = lanes_of(len(rows))
-        return [ShardState(int(row.shard), int(row.next_seq), int(row.published_seq),
-                           *waiting.get(row.shard, (0, None)), lease.owner, int(lease.epoch),
-                           max(0.0, float(lease.lease_expires) - float(clock)), int(row.shard) % lanes)
-                for row in rows for lease in (rows[int(row.shard) % lanes],)]
+        states = []
+        for row in rows:
+            lane = int(row.shard) % lanes
+            lease = rows[lane]  # the lane's lease is in the row of its number (rows are in shard order)
+            states.append(ShardState(int(row.shard), int(row.next_seq), int(row.published_seq),
+                                     *waiting.get(row.shard, (0, None)), lease.owner, int(lease.epoch),
+                                     max(0.0, float(lease.lease_expires) - float(clock)), lane))
+        return states
 
     def backlog(self) -> tuple[int, datetime | None]:
         """Records committed but not yet marked published, over all shards, and when the oldest was

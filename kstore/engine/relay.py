@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -124,7 +125,9 @@ class _Lane:
     @property
     def name(self) -> str:
         """How the log names it: ``shard 3`` for a lane of one shard, ``lane 3 (shards 3, 11, ...)``."""
-        return lane_name(self.lane, self.shards)
+        if len(self.shards) == 1:
+            return f"shard {self.lane}"
+        return f"lane {self.lane} (shards {', '.join(map(str, self.shards))})"
 
     @property
     def single(self) -> bool:
@@ -142,10 +145,6 @@ class _Lane:
 
     def row_name(self, row: Pending) -> str:
         return f"row {row.seq}" if len(self.shards) == 1 else f"row {row.seq} of shard {row.shard}"
-
-
-def lane_name(lane: int, shards: tuple[int, ...]) -> str:
-    return f"shard {lane}" if len(shards) == 1 else f"lane {lane} (shards {', '.join(map(str, shards))})"
 
 
 class RelayStuck(Exception):
@@ -505,9 +504,10 @@ class Relay:
             return False
         try:
             if state.publisher is None:
-                if not self._rows_waiting(state):
+                marks = self._rows_waiting(state)
+                if marks is None:
                     return False
-                self._open(state)
+                self._open(state, *marks)
             return self._publish(state)
         except _LostLane:
             return False
@@ -518,16 +518,25 @@ class Relay:
             self._lane_failed(state, "open its producer", exc)
         return False
 
-    def _rows_waiting(self, state: _Lane) -> bool:
-        """Whether a lane without a producer yet has rows past the database's marks: one that has none
-        (a group that produces nothing, or not yet) makes no producer and no progress topic. On
-        PostgreSQL the next writer is asked for a NOTIFY first and the rows looked for after, so rows
-        committed in between are found here, and rows committed later wake the lane."""
-        marks, _ = self.outbox.published_marks(state.lane)
-        if self.outbox.postgresql and self.outbox.sleep_until_written(marks) == "busy":
+    def _rows_waiting(self, state: _Lane) -> tuple[dict[int, int], str] | None:
+        """The database's marks of a lane without a producer yet, and the shards' incarnation, if it has
+        rows past them; None if it has none: a lane that has none (a group that produces nothing, or
+        not yet) makes no producer and no progress topic. On PostgreSQL the next writer is asked for a
+        NOTIFY first and the rows looked for after, so rows committed in between are found here, and
+        rows committed later wake the lane."""
+        marks, incarnation = self.outbox.published_marks(state.lane)
+        if self.outbox.postgresql and self._ask_for_a_wakeup(state, marks) == "busy":
+            return None
+        return (marks, incarnation) if self.outbox.pending(marks, 1) else None
+
+    def _ask_for_a_wakeup(self, state: _Lane, published: dict[int, int]) -> Literal["sleep", "publish", "busy"]:
+        """:meth:`Outbox.sleep_until_written` for the lane's shards; a writer holding one of them
+        (``"busy"``) has the lane look again after BUSY_RECHECK_S (or at its NOTIFY, if it takes the
+        seq asked for)."""
+        answer = self.outbox.sleep_until_written(published)
+        if answer == "busy":
             state.not_before = time.monotonic() + BUSY_RECHECK_S
-            return False
-        return bool(self.outbox.pending(marks, 1))
+        return answer
 
     def _publish(self, state: _Lane) -> bool:
         assert state.publisher is not None
@@ -583,13 +592,11 @@ class Relay:
         """The lane has nothing to publish: on PostgreSQL, ask the next writer of each of its shards
         to NOTIFY (the relay LISTENs already: see :meth:`run`). True (publish on, do not sleep) if
         rows committed before the ask; only once in a row for the same rows, so rows that vanished
-        (deleted by hand) cost a poll interval, not a busy loop. A writer holding one of the shards
-        now: look again after BUSY_RECHECK_S (or its NOTIFY, if it takes the seq asked for)."""
+        (deleted by hand) cost a poll interval, not a busy loop."""
         if not self.outbox.postgresql:
             return False
-        answer = self.outbox.sleep_until_written(state.published)
+        answer = self._ask_for_a_wakeup(state, state.published)
         if answer == "busy":
-            state.not_before = time.monotonic() + BUSY_RECHECK_S
             return False
         if answer == "sleep" or state.published == state.woken_at:
             state.woken_at = None
@@ -615,8 +622,9 @@ class Relay:
         state.marked.update(unmarked)
         state.marked_at = now
 
-    def _open(self, state: _Lane) -> None:
-        """A new producer for the lane (fencing any earlier one), and its progress read from Kafka.
+    def _open(self, state: _Lane, marked: dict[int, int], incarnation: str) -> None:
+        """A new producer for the lane (fencing any earlier one), and its progress read from Kafka
+        (``marked``: the database's marks of its shards, read with their ``incarnation``).
 
         Only while the lease is this relay's: a relay that lost it and does not know yet would
         otherwise fence the new holder's producer, and the two would take turns."""
@@ -625,7 +633,6 @@ class Relay:
                         state.name, self.group)
             state.lost = True
             raise _LostLane()
-        marked, incarnation = self.outbox.published_marks(state.lane)
         with self._admin_lock:
             self._ensure_progress_topic()
         publisher = self._publisher_class(self.settings, self.group, state.lane,
