@@ -150,14 +150,19 @@ def stored_offsets(dsn: str, group: str) -> dict[tuple[str, int], int | None]:
     return {(r[0], r[1]): r[2] for r in rows}
 
 
-def outbox_rows(dsn: str) -> int:
-    """The rows waiting in kstore's outbox (every group's): 0 once the relays published everything."""
+def table_rows(dsn: str, table: str) -> int:
+    """How many rows ``table`` (one of kstore's, every group's) holds now."""
     engine = sa.create_engine(dsn)
     try:
         with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_outbox")).scalar_one())
+            return int(conn.execute(sa.select(sa.func.count()).select_from(sa.table(table))).scalar_one())
     finally:
         engine.dispose()
+
+
+def outbox_rows(dsn: str) -> int:
+    """The rows waiting in kstore's outbox (every group's): 0 once the relays published everything."""
+    return table_rows(dsn, "kstore_outbox")
 
 
 def read_committed(kafka: str, topic: str, timeout: float = 120) -> list[tuple[bytes | None, bytes]]:

@@ -16,6 +16,7 @@ from tests.support.harness import (
     outbox_rows,
     read_committed_records,
     stored_offsets,
+    table_rows,
     wait_until,
 )
 
@@ -27,15 +28,6 @@ pytestmark = pytest.mark.integration
 MESSAGES, LETTERS = 4000, 1000
 KINDS = {"not-json": ("kstore.retry.DeserializationError", 1), "reject": ("kstore.retry.Reject", 1),
          "crash": ("builtins.RuntimeError", 2)}
-
-
-def letters_written(dsn: str) -> int:
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM kstore_dead_letters")).scalar_one())
-    finally:
-        engine.dispose()
 
 
 def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
@@ -54,9 +46,9 @@ def test_each_dead_letter_reaches_its_topic_once_with_its_headers_across_a_kill(
     sent = produce(source, values)
     env = {"KSTORE_TEST_DLT_TOPIC": dlt}
     w1 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
-    wait_until(lambda: letters_written(pg_dsn) >= 100, 90, interval=0.2, what="some letters written")
+    wait_until(lambda: table_rows(pg_dsn, "kstore_dead_letters") >= 100, 90, interval=0.2, what="some letters written")
     w1.kill()
-    written = letters_written(pg_dsn)
+    written = table_rows(pg_dsn, "kstore_dead_letters")
     assert written < LETTERS, "every letter was written before the worker was killed"
     w2 = workers(pg_dsn, source, "lettered", "letter_processors:Lettered", env=env, args=["--max-batch-size", "200"])
     ends: dict[tuple[str, int], int] = {}
