@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .meter import Meter
+from .noise import Noise
 
 
 def main() -> int:
@@ -24,7 +25,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module_name, _, function = config["entry"].partition(":")
     run = getattr(importlib.import_module(module_name), function)
-    meter = Meter(int(config["messages"]), latency=config["phase"] == "latency")
+    cpu = Noise(config["service_pids"], parent=config["parent_pid"]).run_cpu_s if "parent_pid" in config else None
+    meter = Meter(int(config["messages"]), latency=config["phase"] == "latency", run_cpu=cpu)
     run(config, meter)
     result = meter.result(float(config.get("warmup_s", 0.0)))
     path = Path(config["result_file"])

@@ -41,6 +41,9 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
     add("--latency-repeats", type=int, default=1,
         help="latency phases per contender; the one with the median p99 is reported, every phase's p99 "
              "beside it (default 1; a p99 target wants 3 or more)")
+    add("--drains", type=int, default=1,
+        help="throughput phases per contender; the one with the median msg/s is reported, every phase's "
+             "msg/s beside it (default 1; a throughput target wants 3)")
     add("--latency-warmup", type=float, default=None,
         help="leading seconds of the latency phase left out of the percentiles (default: 20%% of it, at most 2)")
     add("--broker-warmup", type=float, default=60.0,
@@ -81,6 +84,8 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
         parser.error("--db-latency-ms cannot be negative")
     if args.latency_repeats < 1:
         parser.error("--latency-repeats must be at least 1")
+    if args.drains < 1:
+        parser.error("--drains must be at least 1")
     if args.latency_warmup is not None and args.latency_warmup >= args.latency_seconds:
         parser.error("--latency-warmup must be shorter than --latency-seconds")
     opts = Options(
@@ -88,6 +93,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
         latency_seconds=args.latency_seconds, latency_warmup=args.latency_warmup, txn_messages=args.txn_messages,
         out=args.out, only=args.only, timeout=args.timeout, profile=args.profile, broker_warmup=args.broker_warmup,
         quiet_wait=args.quiet_wait, retries=args.retries, latency_repeats=args.latency_repeats,
+        drains=args.drains,
     )
     return opts, args
 
@@ -175,7 +181,7 @@ def _finish(results: dict[str, Any], opts: Options) -> None:
     """Ratios, the JSON file, the chart and the table: also after a failure, for what ran."""
     done = results["contenders"]
     results["ceilings"] = report.ceilings(done)
-    results["ratios"] = report.ratios(done)
+    results["ratios"] = report.ratios(done, results["machine"]["cpus"])
     results["rss_target"] = report.rss_target(done, opts.messages)
     results["latency_target"] = report.latency_target(done)
     json_path = opts.out / "benchmark.json"

@@ -1,4 +1,4 @@
-"""The loops on confluent-kafka: the raw read loop (2) and the ones a competent user writes by hand.
+"""The loops on confluent-kafka: the raw read loops (2, 31) and the ones a competent user writes by hand.
 
 Kept apart from the kafka-python loops so a confluent-kafka child never loads
 kafka-python (its peak RSS is its own). The hand-written loops are the
@@ -23,6 +23,9 @@ one transaction per message cannot keep up with 5,000 messages/s.
 
 from __future__ import annotations
 
+import functools
+import gc
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +115,43 @@ def raw(config: dict[str, Any], meter: Meter) -> None:
             if meter.latency:
                 meter.stamp(m.value() for m in msgs)
             if meter.counted(len(msgs)):
+                meter.finished()
+                return
+    finally:
+        consumer.close()
+
+
+def raw_messages(config: dict[str, Any], meter: Meter) -> None:
+    """Contender 31: the raw loop that turns every record into a :class:`kstore.Message`, as kstore's
+    fetch thread does (``to_messages``, the collector tuned as in a worker), and does nothing more:
+    the most a kstore processor that does nothing could drain on this client while kstore builds
+    its messages, in one thread."""
+    from confluent_kafka import Message
+
+    from kstore.engine.worker import tune_collector
+    from kstore.kafka.confluent.consumer import to_messages
+
+    is_error = functools.partial(operator.is_not, None)
+    # The collector tuned as a worker tunes it: at Python's defaults the young collections that
+    # millions of new Messages trigger cost about as much as building them.
+    gc.freeze()
+    tune_collector()
+
+    consumer = consumer_for(config, _ready(config))
+    fetch = fetcher(consumer, config, meter.latency, per_message=True)
+    topic = config["topic"]
+    try:
+        while True:
+            msgs = fetch()
+            if not msgs:
+                continue
+            meter.started()
+            if any(map(is_error, map(Message.error, msgs))):  # a C loop, as kstore's fetch checks them
+                _checked(msgs)
+            built = to_messages(msgs, topic)
+            if meter.latency:
+                meter.stamp(m.value for m in built)
+            if meter.counted(len(built)):
                 meter.finished()
                 return
     finally:

@@ -25,9 +25,13 @@ class Meter:
     message is that wall-clock time minus the produce time in its value.
     """
 
-    def __init__(self, expected: int, latency: bool) -> None:
+    def __init__(self, expected: int, latency: bool, run_cpu: Callable[[], float] | None = None) -> None:
         self.expected = expected
         self.latency = latency
+        #: The whole run's CPU seconds so far (this process, the broker, the database; see
+        #: noise.Noise.run_cpu_s), read as the clock starts and stops: what the drain cost the machine.
+        self._run_cpu = run_cpu
+        self._cpu_at_first = self._cpu_at_last = 0.0
         self.count = 0
         self.first: float | None = None
         self.last: float | None = None
@@ -42,6 +46,8 @@ class Meter:
     def started(self) -> None:
         """A batch of records is in hand; the first call starts the clock."""
         if self.first is None:
+            if self._run_cpu is not None:
+                self._cpu_at_first = self._run_cpu()
             self.first = time.perf_counter()
 
     def counted(self, n: int) -> bool:
@@ -55,6 +61,8 @@ class Meter:
         """The last message is done (committed): stop the clock."""
         if self.last is None:
             self.last = time.perf_counter()
+            if self._run_cpu is not None:
+                self._cpu_at_last = self._run_cpu()
 
     def stamp(self, values: Iterable[bytes]) -> None:
         """These messages are done now (latency phase only)."""
@@ -86,6 +94,8 @@ class Meter:
         out: dict[str, Any] = {"messages": self.count, "seconds": seconds, "throughput": self.count / seconds}
         if self.latency:
             out["latency"] = latency_stats(self._produced, self._done, int(warmup_s * 1e9))
+        if self._run_cpu is not None:
+            out["run_cpu_s"] = round(self._cpu_at_last - self._cpu_at_first, 3)
         out["vmhwm_kb"] = _status_kb("VmHWM")
         out["rss_mb_by_tenth"] = self.rss_mb
         return out | self.extra

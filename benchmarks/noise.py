@@ -61,8 +61,10 @@ def _descendants(procs: dict[int, tuple[int, float]], roots: set[int]) -> set[in
 class Noise:
     """CPU seconds used by other processes between :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, roots: list[int]) -> None:
-        self.roots = {os.getpid(), *roots}
+    def __init__(self, roots: list[int], parent: int | None = None) -> None:
+        """``roots``: the run's processes that are not descendants of the benchmark's own process
+        (a PostgreSQL started through pg_ctl); ``parent``: the benchmark's process, if not this one."""
+        self.roots = {parent or os.getpid(), *roots}
         self._busy = 0.0
         self._ours: dict[int, float] = {}
         self._started = 0.0
@@ -86,6 +88,11 @@ class Noise:
         other = max(0.0, busy - ours)
         return {"other_cpu_s": round(other, 2), "other_cores": round(other / seconds, 3),
                 "machine_busy_cores": round(busy / seconds, 3)}
+
+    def run_cpu_s(self) -> float:
+        """CPU seconds the run's processes (see :meth:`__init__`'s roots) have used so far; about 1 ms
+        to read. A contender's child reads it as its drain starts and ends (see Meter)."""
+        return sum(self._our_cpu().values())
 
     def wait_quiet(self, timeout: float, window: float = 2.0) -> float:
         """Until other processes use at most ``WARN_CORES`` over ``window`` seconds, or ``timeout``

@@ -59,8 +59,22 @@ def _meminfo_kib(key: str) -> int:
     return 0
 
 
-def ratios(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The throughput ratios of :data:`~benchmarks.contenders.RATIOS` among the contenders that ran."""
+def cpu_ceiling(contender: dict[str, Any], cores: int) -> float | None:
+    """The most msg/s the contender's drain could reach on ``cores`` cores doing the same work: its
+    messages over the CPU seconds the whole run (its process, the broker and the database) spent
+    from its first message to its last, times the cores. Taking turns, waiting and the GIL only keep
+    it lower. None when the run's CPU was not recorded."""
+    cpu = contender.get("run_cpu_s")
+    if not cpu:
+        return None
+    return float(contender["messages"] * cores / cpu)
+
+
+def ratios(contenders: list[dict[str, Any]], cores: int | None = None) -> list[dict[str, Any]]:
+    """The throughput ratios of :data:`~benchmarks.contenders.RATIOS` among the contenders that ran.
+
+    With ``cores``, each ratio also has ``cpu_bound``: the numerator's :func:`cpu_ceiling` over the
+    denominator's msg/s, the most the ratio could be on this machine without less work per message."""
     by_number = {c["number"]: c for c in contenders}
     out = []
     for r in RATIOS:
@@ -68,9 +82,11 @@ def ratios(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if num is None or den is None:
             continue
         value = num["throughput_msgs_per_s"] / den["throughput_msgs_per_s"]
+        ceiling = cpu_ceiling(num, cores) if cores else None
         out.append({
             "ratio": r.key, "numerator": num["name"], "denominator": den["name"], "value": value,
             "target": r.target, "met": None if r.target is None else value >= r.target, "section": r.section,
+            **({"cpu_bound": ceiling / den["throughput_msgs_per_s"]} if ceiling is not None else {}),
         })
     return out
 
@@ -126,6 +142,12 @@ def _noise(c: dict[str, Any]) -> str:
     return f"{max(shares):.2f}" if shares else "-"
 
 
+def _cores(c: dict[str, Any]) -> str:
+    """How many cores the run (contender, broker, database) kept busy while it drained."""
+    cpu = c.get("run_cpu_s")
+    return "-" if cpu is None else f"{cpu / c['seconds']:.2f}"
+
+
 def _met(met: bool | None) -> str:
     return "reference" if met is None else ("met" if met else "NOT MET")
 
@@ -134,7 +156,7 @@ def table(results: dict[str, Any]) -> str:
     """The results as plain text, for stdout and for docs/benchmarks.md."""
     rows = [
         f"{'#':>2}  {'contender':<40} {'messages':>10} {'msg/s':>9} {'RSS MB':>7} {'CPU s':>7}   "
-        f"{'latency at':>10} {'p50 ms':>8} {'p99 ms':>8}  {'exactly-once':<12}  other CPU"
+        f"{'cores':>5}   {'latency at':>10} {'p50 ms':>8} {'p99 ms':>8}  {'exactly-once':<12}  other CPU"
     ]
     for c in results["contenders"]:
         lat = c["latency"]
@@ -142,7 +164,7 @@ def table(results: dict[str, Any]) -> str:
                    else f"{'-':>10} {'-':>8} {'-':>8}")
         rows.append(
             f"{c['number']:>2}  {c['label']:<40} {c['messages']:>10,} {c['throughput_msgs_per_s']:>9,.0f} "
-            f"{c['peak_rss_mb']:>7.0f} {c['cpu_s']:>7.1f}   {latency}  "
+            f"{c['peak_rss_mb']:>7.0f} {c['cpu_s']:>7.1f} {_cores(c):>5}   {latency}  "
             f"{'passed' if c['exactly_once']['passed'] else 'FAILED':<12}  {_noise(c):>9}"
         )
     tops = ceilings(results["contenders"])
@@ -156,8 +178,10 @@ def table(results: dict[str, Any]) -> str:
             section = r["section"]
             rows.append(f" {section}")
         target = "" if r["target"] is None else f">= {r['target']:.2f}"
+        bound = (f"  (the run's CPU on this machine's cores allows at most {r['cpu_bound']:.2f})"
+                 if r["met"] is False and "cpu_bound" in r else "")
         rows.append(f"  {r['ratio']:>5}  {r['numerator']:<30} / {r['denominator']:<30} {r['value']:>6.2f}  "
-                    f"{target:>8}  {_met(r['met'])}")
+                    f"{target:>8}  {_met(r['met'])}{bound}")
     if any(c["latency"] and not c["latency"].get("kept_up", True) for c in results["contenders"]):
         rows.append("  * fell behind the offered rate: its latency measures a growing backlog (see docs)")
     for t in results.get("latency_target", []):

@@ -15,6 +15,7 @@ an error at the first contender that fails.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -56,6 +57,8 @@ class Options:
     retries: int = 0
     #: Latency phases per contender; the one with the median p99 is reported (see median_phase).
     latency_repeats: int = 1
+    #: Throughput phases per contender; the one with the median msg/s is reported (see median_drain).
+    drains: int = 1
 
     @property
     def warmup_s(self) -> float:
@@ -103,6 +106,17 @@ def median_phase(phases: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
+def median_drain(drains: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a contender's throughput phases, the one with the median msg/s (the lower of the two middle
+    ones for an even count), with every phase's msg/s beside it in run order: on a shared 2-core
+    machine one drain moves by 10% or more from run to run, and a target is judged on the median."""
+    if len(drains) == 1:
+        return drains[0]
+    chosen = dict(sorted(drains, key=lambda d: d["throughput_msgs_per_s"])[(len(drains) - 1) // 2])
+    chosen["throughput_each"] = [d["throughput_msgs_per_s"] for d in drains]
+    return chosen
+
+
 def libpq_params(dsn: str) -> dict[str, Any]:
     """psycopg2.connect() keywords for a SQLAlchemy DSN (the baseline does not load SQLAlchemy)."""
     url = make_url(dsn)
@@ -120,6 +134,7 @@ class Runner:
         #: The schema registry of the Avro workload (None: no contender of this run needs one).
         self.registry_url = registry_url
         self.noise = Noise(service_pids)
+        self.service_pids = service_pids
         self.bootstrap = bootstrap
         self.dsn = dsn
         self.run_id = uuid.uuid4().hex[:8]
@@ -179,7 +194,10 @@ class Runner:
 
     def run(self, c: Contender) -> dict[str, Any]:
         """Both phases of one contender; raises :class:`BenchmarkError` if either fails."""
-        drained = self._least_disturbed(lambda suffix: self._throughput(c, suffix))
+        def drain(rep: str) -> dict[str, Any]:
+            return self._least_disturbed(lambda suffix: self._throughput(c, f"{rep}{suffix}"))
+
+        drained = median_drain([drain(f"-drain{i}" if i else "") for i in range(self.opts.drains)])
         if c.throughput_only:
             return {"number": c.number, "name": c.name, "label": c.label, "client": c.client, **drained,
                     "latency": None}
@@ -231,6 +249,7 @@ class Runner:
             "dsn": with_driver(self.dsn, c.driver), "conninfo": libpq_params(self.dsn),
             "kstore_settings": settings, "tuning": c.tuning,
             "warmup_s": self.opts.warmup_s, "result_file": str(self.logs / f"{tag}.json"),
+            "parent_pid": os.getpid(), "service_pids": self.service_pids,
             **({"schema_registry_url": registry} if registry else {}),
         }
 
@@ -264,6 +283,7 @@ class Runner:
         return {
             "messages": messages, "seconds": r["seconds"], "throughput_msgs_per_s": r["throughput"],
             "peak_rss_mb": outcome.peak_rss_mb, "rss_mb_by_tenth": r["rss_mb_by_tenth"], "cpu_s": outcome.cpu_s,
+            **({"run_cpu_s": r["run_cpu_s"]} if "run_cpu_s" in r else {}),
             "exactly_once": check, "noise": noise,
             **({"kstore_settings": r["kstore_settings"]} if "kstore_settings" in r else {}),
         }

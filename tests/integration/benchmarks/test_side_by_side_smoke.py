@@ -34,7 +34,7 @@ CONTENDERS = [
     "exactly-once-by-hand-confluent", "at-least-once-confluent", "kstore-noop-confluent", "kstore-handle-confluent",
     "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
     "kafka-python-defaults", "exactly-once-by-hand-defaults", "database-copy",
-    "exactly-once-by-hand-confluent-avro", "kstore-batch-confluent-avro",
+    "exactly-once-by-hand-confluent-avro", "kstore-batch-confluent-avro", "confluent-kafka-messages",
 ]
 
 
@@ -60,6 +60,7 @@ def test_benchmark_runs_every_contender_exactly_once(
     assert [c["name"] for c in results["contenders"]] == CONTENDERS
     for c in results["contenders"]:
         assert c["throughput_msgs_per_s"] > 0, c["name"]
+        assert c["run_cpu_s"] > 0, c["name"]  # what the drain cost the machine, for the CPU bounds
         assert_checked(c["name"], c["exactly_once"], c["messages"])
         if BY_KEY[c["name"]].throughput_only:  # the database's own COPY reads no Kafka while timed
             assert c["latency"] is None, c["name"]
