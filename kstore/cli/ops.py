@@ -137,6 +137,9 @@ def outbox_show(ctx: click.Context, /, group: str, as_json: bool, **db: Any) -> 
     click.echo(table(["SHARD", "WAITING", "OLDEST", "NEXT_SEQ", "PUBLISHED_SEQ", "OWNER", "LEASE_LEFT"],
                       [[r.shard, r.waiting, None if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s",
                         r.next_seq, r.published_seq, r.owner, _lease(r)] for r in rows]))
+    for r in rows:
+        if r.refusal is not None:
+            click.echo(f"shard {r.shard}: last row Kafka refused: {r.refusal}")
 
 
 def _lease(r: outbox_admin.ShardStatus) -> str | None:

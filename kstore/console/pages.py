@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -32,7 +33,7 @@ from kstore.ops import replay as replays
 
 from .access import console_of, guard
 from .sampling import svg_chart, throughput
-from .state import Console, flash
+from .state import Console, Shown, flash
 
 T = TypeVar("T")
 #: How far back the overview's charts go.
@@ -126,18 +127,10 @@ async def letter(request: Request) -> Response:
     found, error = await _attempt(console, operator,
                                   lambda: deadletters.show_dead_letter(console.settings, letter_id))
     d, changes = found if found else (None, [])
+    key, value = (await run_in_threadpool(lambda: (console.shown(d.key), console.shown(d.value)))
+                  if d else (Shown(""), Shown("")))
     return console.render(request, "letter.html", operator, group=group, letter=d, changes=changes, error=error,
-                          key=_text(d.key) if d else "", value=_text(d.value) if d else "",
-                          can_replay=group in console.processors)
-
-
-def _text(data: bytes | None) -> str:
-    if data is None:
-        return ""
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        return repr(data)
+                          key=key, value=value, can_replay=group in console.processors)
 
 
 async def act_on_letter(request: Request) -> Response:

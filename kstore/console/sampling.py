@@ -1,16 +1,18 @@
 """Sampling every group's lag into the bounded samples table, and drawing it.
 
-A :class:`Sampler` thread reads each group (the console's one :class:`~kstore.ops.lag.LagReader`,
-under its lock) every ``console_sample_interval_s`` and writes what it read, every group in one
-INSERT, with the retention's DELETE in the same transaction (:mod:`kstore.db.samples`). Charts
-are drawn on the server as SVG: no script, nothing to load.
+A :class:`Sampler` thread reads every group (the console's one :class:`~kstore.ops.lag.LagReader`,
+under its lock) every ``console_sample_interval_s`` and writes what it read. The database is asked
+twice an interval however many groups there are: one statement reads every group's offsets and
+dead letters (:meth:`~kstore.ops.lag.LagReader.read_all`), one writes every group's sample and
+deletes those past the retention (:func:`kstore.db.samples.write`; two on SQLite). Charts are
+drawn on the server as SVG: no script, nothing to load.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from itertools import pairwise
 
@@ -38,9 +40,9 @@ def sample_of(reading: GroupReading) -> samples.Sample:
 class Sampler:
     """Takes a sample of every group with stored offsets each ``interval_s``, until :meth:`stop`."""
 
-    def __init__(self, store: Store, read: Callable[[str], GroupReading], interval_s: float,
-                 retention_s: float) -> None:
-        self.store, self.read = store, read
+    def __init__(self, store: Store, read_all: Callable[[], tuple[list[GroupReading], Mapping[str, KstoreError]]],
+                 interval_s: float, retention_s: float) -> None:
+        self.store, self.read_all = store, read_all
         self.interval_s, self.keep = interval_s, timedelta(seconds=retention_s)
         self.table = samples.build_table(store.settings.table_prefix, store.settings.schema)
         self._stop = threading.Event()
@@ -59,13 +61,11 @@ class Sampler:
             self._thread = None
 
     def sample_once(self) -> list[samples.Sample]:
-        """Read every group and write its sample; a group that cannot be read now is left out."""
-        taken = []
-        for group in self.store.groups():
-            try:
-                taken.append(sample_of(self.read(group)))
-            except KstoreError as exc:
-                log.warning("no lag sample of group %r: %s", group, exc)
+        """Read every group and write its sample; a group the brokers cannot answer for now is left out."""
+        readings, failed = self.read_all()
+        for group, exc in failed.items():
+            log.warning("no lag sample of group %r: %s", group, exc)
+        taken = [sample_of(reading) for reading in readings]
         samples.write(self.store.engine, self.table, taken, self.keep)
         return taken
 

@@ -7,8 +7,10 @@ with the operator recorded as who acts (:func:`kstore.db.writes.acting_as`). The
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,9 +21,11 @@ from starlette.templating import Jinja2Templates
 
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import acting_as
-from kstore.errors import ConfigurationError
+from kstore.errors import BrokerError, ConfigurationError, KstoreError
 from kstore.ops.lag import GroupReading, LagReader
 from kstore.processor import Processor
+from kstore.schemas import Registry, UnknownSchemaError, WireFormatError
+from kstore.schemas.formats import decoded_for_display
 from kstore.settings import Settings
 
 from .auth import CSRF_FIELD, Auth, LoginThrottle, Refused, csrf_token
@@ -29,6 +33,16 @@ from .sampling import Sampler
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A dead letter's key or value as its page shows it: the text, and how it was read when that
+    was through its schema (``avro, schema id 7``), or why it could not be."""
+
+    text: str
+    decoded: str | None = None
+    note: str | None = None
 
 
 class Console:
@@ -43,8 +57,9 @@ class Console:
         self.engine = make_engine(settings)
         self.store = Store(self.engine, settings)
         self._reader: LagReader | None = None
+        self._registry: Registry | None = None
         self._reader_lock = threading.Lock()
-        self.sampler = Sampler(self.store, self.read, settings.console_sample_interval_s,
+        self.sampler = Sampler(self.store, self.read_all, settings.console_sample_interval_s,
                                settings.console_sample_retention_s)
 
     @property
@@ -53,14 +68,41 @@ class Console:
 
     def read(self, group: str) -> GroupReading:
         """A group now: partitions, owners, dead letters, outbox (the pages' and the sampler's one reader)."""
+        return self._reading(lambda reader: reader.read(group))
+
+    def read_all(self) -> tuple[list[GroupReading], dict[str, BrokerError]]:
+        """Every group now, for the sampler: see :meth:`LagReader.read_all`."""
+        return self._reading(LagReader.read_all)
+
+    def _reading(self, read: Callable[[LagReader], T]) -> T:
         with self._reader_lock:
             if self._reader is None:
                 self._reader = LagReader(self.settings, owners=True, outbox=True)
             try:
-                return self._reader.read(group)
+                return read(self._reader)
             except Exception:
                 self._reader.reset()
                 raise
+
+    def shown(self, data: bytes | None) -> Shown:
+        """A letter's key or value for its page: in a registry's wire format (Avro, JSON Schema) and with
+        ``schema_registry_url`` set, decoded with the schema it names, as JSON; else its text (or its
+        bytes' repr). A registry that does not answer, or an id it does not know, shows the bytes and why."""
+        if data is None:
+            return Shown("")
+        if self.settings.schema_registry_url:
+            try:
+                if self._registry is None:
+                    self._registry = Registry.of(self.settings)
+                found = decoded_for_display(self._registry, data)
+            except (UnknownSchemaError, WireFormatError, KstoreError) as exc:  # an outage, an extra not installed
+                return Shown(_text(data), note=f"not decoded: {self.mask(str(exc))}")
+            except Exception as exc:  # the registry's other refusals: the page still shows the bytes
+                return Shown(_text(data), note=f"not decoded: {type(exc).__name__}: {self.mask(str(exc))}")
+            if found is not None:
+                described, value = found
+                return Shown(json.dumps(value, indent=2, default=str), decoded=described)
+        return Shown(_text(data))
 
     def processor(self, group: str) -> Processor:
         found = self.processors.get(group)
@@ -104,8 +146,15 @@ class Console:
         self.engine.dispose()
 
 
+def _text(data: bytes) -> str:
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return repr(data)
+
+
 def flash(request: Request, kind: str, text: str) -> None:
     request.session["flash"] = {"kind": kind, "text": text}
 
 
-__all__ = ["Console", "Refused", "flash"]
+__all__ = ["Console", "Refused", "Shown", "flash"]

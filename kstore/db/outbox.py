@@ -109,7 +109,7 @@ class OutboxTables:
 
 
 def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTables:
-    """The outbox's tables (migrations 0007 and 0010), named with ``prefix`` inside ``schema``."""
+    """The outbox's tables (migrations 0007, 0010 and 0012), named with ``prefix`` inside ``schema``."""
     md = MetaData(schema=schema)
     return OutboxTables(
         Table(
@@ -142,6 +142,10 @@ def build_tables(prefix: str = "kstore_", schema: str | None = None) -> OutboxTa
             Column("lease_expires", Float, nullable=False),
             Column("published_seq", BigInteger, nullable=False),
             Column("updated_at", DateTime(timezone=True), nullable=False),
+            # The last row Kafka refused in the shard (migration 0012): for the operator, never read to publish.
+            Column("refused_seq", BigInteger, nullable=True),
+            Column("refused_at", DateTime(timezone=True), nullable=True),
+            Column("refused_reason", Text, nullable=True),
         ),
         Table(
             f"{prefix}outbox_members", md,
@@ -205,6 +209,17 @@ class ShardState:
     epoch: int
     lease_left_s: float
     lane: int = 0
+    #: The last row Kafka refused in the shard: see :class:`Refusal` (None: none yet).
+    refused: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The last row of a shard Kafka refused: its seq, when, and Kafka's answer (no record contents)."""
+
+    seq: int
+    at: datetime
+    reason: str
 
 
 class Outbox:
@@ -592,7 +607,8 @@ class Outbox:
                 select(o.c.shard, func.count().label("n"), func.min(o.c.created_at).label("oldest"))
                 .where(o.c.consumer_group == self.group).group_by(o.c.shard))}
             rows = conn.execute(
-                select(s.c.shard, s.c.next_seq, r.c.published_seq, r.c.owner, r.c.epoch, r.c.lease_expires)
+                select(s.c.shard, s.c.next_seq, r.c.published_seq, r.c.owner, r.c.epoch, r.c.lease_expires,
+                       r.c.refused_seq, r.c.refused_at, r.c.refused_reason)
                 .join(r, (r.c.consumer_group == s.c.consumer_group) & (r.c.shard == s.c.shard))
                 .where(s.c.consumer_group == self.group).order_by(s.c.shard)).all()
         lanes = lanes_of(len(rows))
@@ -600,10 +616,20 @@ class Outbox:
         for row in rows:
             lane = int(row.shard) % lanes
             lease = rows[lane]  # the lane's lease is in the row of its number (rows are in shard order)
+            refused = (None if row.refused_seq is None
+                       else Refusal(int(row.refused_seq), aware(row.refused_at), row.refused_reason or ""))
             states.append(ShardState(int(row.shard), int(row.next_seq), int(row.published_seq),
                                      *waiting.get(row.shard, (0, None)), lease.owner, int(lease.epoch),
-                                     max(0.0, float(lease.lease_expires) - float(clock)), lane))
+                                     max(0.0, float(lease.lease_expires) - float(clock)), lane, refused))
         return states
+
+    def note_refusal(self, shard: int, seq: int, reason: str) -> None:
+        """Note that Kafka refused the shard's row ``seq`` (see :class:`Refusal`). Only informs the
+        operator's tools: any relay may write it, and publishing never reads it."""
+        r = self.tables.relays
+        with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
+            conn.execute(r.update().where(r.c.consumer_group == self.group, r.c.shard == shard)
+                         .values(refused_seq=seq, refused_at=now(), refused_reason=reason))
 
     def backlog(self) -> tuple[int, datetime | None]:
         """Records committed but not yet marked published, over all shards, and when the oldest was

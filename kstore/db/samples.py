@@ -46,16 +46,22 @@ def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
 
 
 def write(engine: Engine, table: Table, samples: Sequence[Sample], keep: timedelta) -> None:
-    """Add ``samples`` and delete every row older than ``keep`` before the newest of them, in one transaction."""
+    """Add ``samples`` and delete every row older than ``keep`` before the newest of them, in one
+    transaction: one statement on PostgreSQL (the DELETE in the INSERT's ``WITH``), two elsewhere."""
     if not samples:
         return
     newest = max(s.at for s in samples)
+    insert = table.insert().values([
+        {"consumer_group": s.group, "at": s.at, "lag_messages": s.lag_messages, "lag_seconds": s.lag_seconds,
+         "stored_offsets": s.stored_offsets, "dead_letters": s.dead_letters} for s in samples
+    ])
+    expired = table.delete().where(table.c.at < newest - keep)
     with engine.begin() as conn:
-        conn.execute(table.insert(), [
-            {"consumer_group": s.group, "at": s.at, "lag_messages": s.lag_messages, "lag_seconds": s.lag_seconds,
-             "stored_offsets": s.stored_offsets, "dead_letters": s.dead_letters} for s in samples
-        ])
-        conn.execute(table.delete().where(table.c.at < newest - keep))
+        if conn.dialect.name == "postgresql":
+            conn.execute(insert.add_cte(expired.cte("expired")))
+        else:
+            conn.execute(insert)
+            conn.execute(expired)
 
 
 def read(engine: Engine, table: Table, group: str, since: datetime) -> list[Sample]:

@@ -577,6 +577,7 @@ class Relay:
             log.error("outbox %s of group %r stopped on %s: Kafka refused it (%s); the rows wait, "
                       "nothing is skipped (tried again in %gs)", state.name, self.group, state.row_name(rows[0]),
                       exc, wait)
+            self._note_refusal(rows[0], str(exc))
             return False
         finally:
             state.publishing_since = None
@@ -587,6 +588,14 @@ class Relay:
         self.metrics.published(len(rows), min(p.created_at for p in rows))
         self._mark(state, due=False)
         return True
+
+    def _note_refusal(self, row: Pending, reason: str) -> None:
+        """The refused row, for ``kstore outbox show`` and the console. Only informs: a database that
+        cannot take it now leaves it to the next refusal, and the rows wait all the same."""
+        try:
+            self.outbox.note_refusal(row.shard, row.seq, reason)
+        except SQLAlchemyError as exc:
+            log.debug("could not note the refused row of shard %d: %s", row.shard, first_line(exc))
 
     def _sleep_until_written(self, state: _Lane) -> bool:
         """The lane has nothing to publish: on PostgreSQL, ask the next writer of each of its shards

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, null, select, union_all
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
@@ -107,8 +107,25 @@ class LagReader:
     def read(self, group: str) -> GroupReading:
         """The group now. Raises :class:`DatabaseError` or :class:`BrokerError` (the next call reconnects)."""
         rows, dead, shards = self._read_database(group)
+        return self._from_brokers(group, rows, dead, shards, self.owners)
+
+    def read_all(self) -> tuple[list[GroupReading], dict[str, BrokerError]]:
+        """Every group with a stored offset now, without owners or outbox: the readings, and the
+        brokers' error for each group they could not answer for. The database is asked once for
+        all of them (one statement), so a reading of many groups costs it no more than one group's.
+        Raises :class:`DatabaseError` (the next call reconnects)."""
+        found, failed = [], {}
+        for group, (rows, dead) in self._read_all_databases().items():
+            try:
+                found.append(self._from_brokers(group, rows, dead, [], owners=False))
+            except BrokerError as exc:
+                failed[group] = exc
+        return found, failed
+
+    def _from_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int], shards: list[ShardState],
+                      owners: bool) -> GroupReading:
         try:
-            return self._read_brokers(group, rows, dead, shards)
+            return self._read_brokers(group, rows, dead, shards, owners)
         except BrokerError:  # every error of the brokers' (kstore.kafka.seam.AdminReader)
             self._close_kafka()
             raise
@@ -126,9 +143,7 @@ class LagReader:
 
     def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int], list[ShardState]]:
         try:
-            if not self._migrated:
-                check_migrated(self.engine, self.settings)
-                self._migrated = True
+            self._check_migrated()
             rows = self.store.rows(group)
             t = self.dead_letters
             stmt = (select(t.c.topic, t.c.partition_id, func.count())
@@ -147,13 +162,51 @@ class LagReader:
             raise
         return rows, dead, shards
 
+    def _read_all_databases(self) -> dict[str, tuple[dict[TP, Row], dict[TP, int]]]:
+        """Every group with a stored offset: its rows and its dead letters waiting by partition, both
+        from one statement (a UNION ALL of the offsets and the letters' counts)."""
+        o, t = self.store.offsets, self.dead_letters
+        stored = select(o.c.consumer_group, o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch, o.c.owner,
+                        o.c.updated_at, null().label("dead"))
+        waiting = (select(t.c.consumer_group, t.c.topic, t.c.partition_id, null(), null(), null(), null(),
+                          func.count())
+                   .where(t.c.status == deadletters.DEAD)
+                   .group_by(t.c.consumer_group, t.c.topic, t.c.partition_id))
+        groups: dict[str, tuple[dict[TP, Row], dict[TP, int]]] = {}
+        letters: list[tuple[str, TP, int]] = []
+        try:
+            self._check_migrated()
+            with self.engine.connect() as conn:
+                for group, topic, partition, next_offset, epoch, owner, updated_at, dead in conn.execute(
+                        union_all(stored, waiting)):
+                    if dead is None:
+                        groups.setdefault(group, ({}, {}))[0][(topic, partition)] = Row(next_offset, epoch, owner,
+                                                                                          updated_at)
+                    else:
+                        letters.append((group, (topic, partition), dead))
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            raise DatabaseError(f"database {self.settings.safe_dsn}: {first_line(exc)}") from None
+        except DatabaseError:
+            self._migrated = False
+            raise
+        for group, tp, dead in letters:
+            if group in groups:  # a group's letters without a stored offset: not a group that is read
+                groups[group][1][tp] = dead
+        return dict(sorted(groups.items()))
+
+    def _check_migrated(self) -> None:
+        if not self._migrated:
+            check_migrated(self.engine, self.settings)
+            self._migrated = True
+
     # -- the brokers ---------------------------------------------------------------------------
 
     def _read_brokers(self, group: str, rows: Mapping[TP, Row], dead: Mapping[TP, int],
-                      shards: list[ShardState]) -> GroupReading:
+                      shards: list[ShardState], with_owners: bool) -> GroupReading:
         tps = [(topic, p) for topic in sorted({t for t, _ in rows}) for p in self._kafka.partitions(topic)]
         bounds = self._kafka.log_bounds(tps)
-        owners = self._kafka.group_view(group).owners(self.store.registered_members(group)) if self.owners else {}
+        owners = self._kafka.group_view(group).owners(self.store.registered_members(group)) if with_owners else {}
         nexts = {tp: _next_offset(rows.get(tp), bounds[tp][0]) for tp in tps}
         # Below the log start (retention deleted records meanwhile), the oldest record there is the oldest waiting.
         waiting = {tp: max(nexts[tp], bounds[tp][0]) for tp in tps if nexts[tp] < bounds[tp][1]}

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Outbox, ShardState, groups_with_outbox
+from kstore.db.outbox import Outbox, Refusal, ShardState, groups_with_outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import aware
@@ -48,10 +48,22 @@ class ShardStatus:
     epoch: int
     #: Seconds left on the owner's lease; 0 once it ran out (another relay may take the shard).
     lease_left_s: float
+    #: The last row Kafka refused in the shard (its seq, when, Kafka's answer), or None.
+    refused: Refusal | None = None
+
+    @property
+    def refusal(self) -> str | None:
+        """The last refusal in a line, or None: what ``kstore outbox show`` and the console print."""
+        r = self.refused
+        if r is None:
+            return None
+        since = "published past it since" if self.published_seq >= r.seq else "the shard waits on it"
+        return f"seq {r.seq} refused at {r.at:%Y-%m-%d %H:%M:%S} UTC: {r.reason} ({since})"
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["oldest"] = self.oldest.isoformat() if self.oldest else None
+        d["refused"] = None if self.refused is None else {**asdict(self.refused), "at": self.refused.at.isoformat()}
         return d
 
 
@@ -88,5 +100,5 @@ def _status(state: ShardState, at: datetime) -> ShardStatus:
     oldest = None if state.oldest is None else aware(state.oldest)
     age = None if oldest is None else max(0.0, (at - oldest).total_seconds())
     return ShardStatus(state.shard, state.waiting, oldest, age, state.next_seq, state.published_seq, state.owner,
-                       state.epoch, state.lease_left_s)
+                       state.epoch, state.lease_left_s, state.refused)
 

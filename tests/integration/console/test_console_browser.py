@@ -29,7 +29,9 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from kstore import Settings
 from kstore.db import deadletters
+from kstore.ops.offsets import set_offsets
 from tests.support.harness import REPO_DIR, SUPPORT_DIR, WorkerProcess, effects, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
@@ -225,6 +227,40 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     assert "1007" in _effect_values(pg_dsn)
     assert _statuses(pg_dsn)[letter_id] == deadletters.REPLAYED
     assert sorted(s for i, s in _statuses(pg_dsn).items() if i != letter_id) == ["dead", "dead"]
+
+
+def test_an_operator_sees_a_groups_lag_fall_on_the_chart_as_its_worker_drains_the_backlog(
+        pg_dsn: str, kafka: str, new_topic: Callable[..., str], produce: Callable[..., Any],
+        workers: Callable[..., WorkerProcess], console: Callable[..., ConsoleProcess], browser: WebDriver) -> None:
+    topic, group = new_topic(partitions=2), "console-lag-falls"
+    for partition in (0, 1):
+        produce(topic, [f"order {n}" for n in range(1500)], partition=partition)
+    # The group's offsets stored at the start and no worker yet: 3,000 messages behind.
+    set_offsets(Settings(dsn=pg_dsn, bootstrap_servers=kafka), group, topic, to_earliest=True, execute=True,
+                reason="a backlog to drain")
+    web = console(pg_dsn, group)
+    _log_in(browser, web.url, "ann")
+    browser.get(f"{web.url}/groups/{group}")
+
+    def caption(title: str) -> str:
+        browser.refresh()
+        return next((c.text for c in browser.find_elements(By.CSS_SELECTOR, "figure.chart figcaption")
+                     if c.text.startswith(title)), "")
+
+    wait_until(lambda: caption("lag (messages)").startswith("lag (messages): now 3,000.0 messages"), 30,
+               interval=1, what="two samples of the backlog on the lag chart")
+    workers(pg_dsn, topic, group)
+    wait_until(lambda: caption("lag (messages)").startswith("lag (messages): now 0.0 messages, most 3,000.0"), 90,
+               interval=1, what="the lag chart falling to 0")
+    # The line itself comes down: SVG's y grows downwards, so the last point sits below the first.
+    points = browser.find_element(By.CSS_SELECTOR, "figure.chart svg polyline").get_attribute("points") or ""
+    ys = [float(xy.split(",")[1]) for xy in points.split()]
+    assert ys[-1] > ys[0], points
+    throughput = caption("throughput (messages/s)")
+    assert throughput.startswith("throughput (messages/s): now ") and ", most 0.0 " not in throughput, throughput
+    assert browser.find_element(By.CSS_SELECTOR, "#partitions td.lag").text == "0"
+    assert len(_effect_values(pg_dsn)) == 3000
+    _shot(browser, "lag-falls")
 
 
 def test_an_operator_plans_and_executes_a_reset_that_the_running_worker_follows(

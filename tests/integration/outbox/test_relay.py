@@ -24,6 +24,7 @@ from kstore.engine import relay as relay_module
 from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
 from kstore.kafka.seam import Committed, Fenced, highest_mark, progress_mark, progress_topic, shard_id
+from kstore.ops.outbox import show_outbox
 from kstore.types import Produced
 from tests.support.harness import read_committed, read_committed_records, wait_until
 
@@ -206,6 +207,10 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     wait_until(lambda: [relay.turn(), len(refusal_waits(caplog)) >= 2][1], 60, interval=0.05,
                what="the relay to stop on the refused row again")
     assert state.blocked_on == (0, 2) and values(kafka, out) == [b"before"]
+    # The operator's tools name the row and Kafka's answer, and that the shard waits on it.
+    (shown,) = show_outbox(relay.settings, "refused")
+    assert shown.refused is not None and shown.refused.seq == 2 and "too large" in shown.refused.reason.lower()
+    assert shown.refusal is not None and shown.refusal.endswith("(the shard waits on it)")
     waits = refusal_waits(caplog)
     assert waits == [min(BLOCKED_RETRY_FIRST_S * 2**i, BLOCKED_RETRY_S) for i in range(len(waits))], (
         "first tried again after BLOCKED_RETRY_FIRST_S, each wait twice the last")
@@ -214,6 +219,9 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     drain(relay)
     assert values(kafka, out) == [b"before", b"x" * 5000, b"after"]
     assert relay.shards_blocked == []
+    (shown,) = show_outbox(relay.settings, "refused")
+    assert shown.refused is not None and shown.refused.seq == 2  # the last refusal stays, named as past
+    assert shown.refusal is not None and shown.refusal.endswith("(published past it since)")
     relay.close()
 
 

@@ -21,7 +21,7 @@ from kstore.console.sampling import Sampler, svg_chart, throughput
 from kstore.db import deadletters, samples
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import now
-from kstore.errors import ConfigurationError
+from kstore.errors import BrokerError, ConfigurationError, KstoreError
 from kstore.ops.lag import GroupReading, PartitionReading
 from tests.support.harness import wait_until
 
@@ -249,18 +249,21 @@ def test_sampling_writes_every_group_and_keeps_the_table_bounded(dsn: str) -> No
     start = datetime.now(timezone.utc).timestamp() - 100
     clock = [start]
 
-    def read(group: str) -> GroupReading:
+    def read_all() -> tuple[list[GroupReading], dict[str, KstoreError]]:
         # One message a second: the stored offset moves with the samples' clock (never wraps around).
-        return _reading(group, clock[0], lag=40, stored=1000 + int(clock[0] - start))
+        # A third group the brokers could not answer for is left out of this sample.
+        return ([_reading(group, clock[0], lag=40 + n, stored=1000 + int(clock[0] - start))
+                 for n, group in enumerate((GROUP, "other"))], {"third": BrokerError("no answer")})
 
-    sampler = Sampler(store, read, interval_s=10, retention_s=30)
+    sampler = Sampler(store, read_all, interval_s=10, retention_s=30)
     for _ in range(6):
-        sampler.sample_once()
+        assert [s.group for s in sampler.sample_once()] == [GROUP, "other"]
         clock[0] += 10
     kept = sampler.history(GROUP, timedelta(hours=1))
     assert [s.lag_messages for s in kept] == [40] * 4  # 50 s of samples, 30 s kept (the newest and 3 before)
+    assert [s.lag_messages for s in sampler.history("other", timedelta(hours=1))] == [41] * 4
     with engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(samples.build_table())).scalar_one() == 4
+        assert conn.execute(sa.select(sa.func.count()).select_from(samples.build_table())).scalar_one() == 8
     rates = throughput(kept)
     assert [round(r, 3) for _, r in rates] == [1.0, 1.0, 1.0]
     assert "<polyline" in svg_chart("lag", [(s.at, float(s.lag_messages)) for s in kept], "messages")
