@@ -59,6 +59,7 @@ def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *
         Route("/login", login, methods=["POST"], name="login_post"),
         Route("/logout", logout, methods=["POST"], name="logout"),
         Route("/groups/{group}", pages.overview, name="overview"),
+        Route("/groups/{group}/partitions/{topic}/{partition:int}", pages.partition, name="partition"),
         Route("/groups/{group}/dead-letters", pages.letters, name="letters"),
         Route("/groups/{group}/dead-letters/matching/{action}", pages.act_on_matching, methods=["POST"],
               name="letters_matching"),

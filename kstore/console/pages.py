@@ -32,7 +32,7 @@ from kstore.ops import outbox as outbox_admin
 from kstore.ops import replay as replays
 
 from .access import console_of, guard
-from .sampling import svg_chart, throughput
+from .sampling import PARTITION_RETENTION, svg_chart, throughput
 from .state import Console, Shown, flash
 
 T = TypeVar("T")
@@ -102,6 +102,20 @@ def _when(raw: str | None) -> datetime | None:
     if when.tzinfo is None:
         raise ConfigurationError(f"give the time a timezone, e.g. {raw}Z")
     return when
+
+
+async def partition(request: Request) -> Response:
+    """One partition's lag and throughput over its last samples (kept for PARTITION_RETENTION)."""
+    operator, _ = await guard(request)
+    console, group = console_of(request), request.path_params["group"]
+    topic, number = request.path_params["topic"], request.path_params["partition"]
+    history, error = await _attempt(console, None, lambda: console.sampler.partition_history(group, topic, number))
+    charts = [
+        svg_chart("lag (messages)", [(s.at, float(s.lag_messages)) for s in history or []], "messages"),
+        svg_chart("throughput (messages/s)", throughput(history or []), "messages/s"),
+    ]
+    return console.render(request, "partition.html", operator, group=group, topic=topic, partition=number,
+                          charts=charts, error=error, hours=PARTITION_RETENTION.total_seconds() / 3600)
 
 
 async def letters(request: Request) -> Response:

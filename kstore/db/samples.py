@@ -1,8 +1,10 @@
-"""Lag samples (migration 0011): a group's lag and stored position over time, in a bounded table.
+"""Lag samples (migrations 0011 and 0013): a group's lag and stored position over time, and each
+of its partitions', in bounded tables.
 
-The web console (:mod:`kstore.console.sampling`) writes one row per group per interval, every
-group of one interval in one INSERT, and deletes the rows past the retention in the same
-transaction; its charts read a group's rows back. Nothing else reads or writes them.
+The web console (:mod:`kstore.console.sampling`) writes one row per group and one per partition
+per interval, every group of one interval in one statement on PostgreSQL, which also deletes the
+rows past their retention; its charts read a group's or a partition's rows back. Nothing else reads
+or writes them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import BigInteger, Column, DateTime, Engine, Float, MetaData, String, Table, select
+from sqlalchemy import BigInteger, Column, DateTime, Engine, Float, Integer, MetaData, String, Table, select
 
 from .writes import aware
 
@@ -30,6 +32,32 @@ class Sample:
     stored_offsets: int
     #: Dead letters waiting.
     dead_letters: int
+    #: Each partition's lag and stored offset at the same moment.
+    partitions: tuple[PartitionSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartitionSample:
+    """One partition of a group at one moment (the moment of its group's :class:`Sample`)."""
+
+    topic: str
+    partition: int
+    lag_messages: int
+    #: The stored next offset (None: the partition has no stored offset): its rise is the throughput.
+    stored_offset: int | None
+
+
+def build_partition_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
+    return Table(
+        f"{prefix}lag_partition_samples",
+        MetaData(schema=schema),
+        Column("consumer_group", String(255), primary_key=True),
+        Column("topic", String(255), primary_key=True),
+        Column("partition_id", Integer, primary_key=True, autoincrement=False),
+        Column("at", DateTime(timezone=True), primary_key=True),
+        Column("lag_messages", BigInteger, nullable=False),
+        Column("stored_offset", BigInteger, nullable=True),
+    )
 
 
 def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
@@ -45,9 +73,12 @@ def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
     )
 
 
-def write(engine: Engine, table: Table, samples: Sequence[Sample], keep: timedelta) -> None:
-    """Add ``samples`` and delete every row older than ``keep`` before the newest of them, in one
-    transaction: one statement on PostgreSQL (the DELETE in the INSERT's ``WITH``), two elsewhere."""
+def write(engine: Engine, table: Table, partition_table: Table, samples: Sequence[Sample], keep: timedelta,
+          keep_partitions: timedelta) -> None:
+    """Add ``samples`` (with their partitions' rows) and delete every row older than ``keep``
+    (``keep_partitions`` for the partitions' rows) before the newest of them, in one transaction:
+    one statement on PostgreSQL (the partitions' INSERT and both DELETEs in the group INSERT's
+    ``WITH``), four elsewhere."""
     if not samples:
         return
     newest = max(s.at for s in samples)
@@ -55,13 +86,28 @@ def write(engine: Engine, table: Table, samples: Sequence[Sample], keep: timedel
         {"consumer_group": s.group, "at": s.at, "lag_messages": s.lag_messages, "lag_seconds": s.lag_seconds,
          "stored_offsets": s.stored_offsets, "dead_letters": s.dead_letters} for s in samples
     ])
-    expired = table.delete().where(table.c.at < newest - keep)
+    parts = [{"consumer_group": s.group, "topic": p.topic, "partition_id": p.partition, "at": s.at,
+              "lag_messages": p.lag_messages, "stored_offset": p.stored_offset} for s in samples for p in s.partitions]
+    more = [partition_table.insert().values(parts)] if parts else []
+    expired = [table.delete().where(table.c.at < newest - keep),
+               partition_table.delete().where(partition_table.c.at < newest - keep_partitions)]
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(insert.add_cte(expired.cte("expired")))
+            conn.execute(insert.add_cte(*(s.cte(f"also_{n}") for n, s in enumerate([*more, *expired]))))
         else:
-            conn.execute(insert)
-            conn.execute(expired)
+            for statement in [insert, *more, *expired]:
+                conn.execute(statement)
+
+
+def read_partition(engine: Engine, table: Table, group: str, topic: str, partition: int,
+                   since: datetime) -> list[tuple[datetime, int, int | None]]:
+    """A partition's samples from ``since`` on, oldest first: ``(at, lag, stored offset)``."""
+    t = table
+    stmt = (select(t.c.at, t.c.lag_messages, t.c.stored_offset)
+            .where(t.c.consumer_group == group, t.c.topic == topic, t.c.partition_id == partition, t.c.at >= since)
+            .order_by(t.c.at))
+    with engine.connect() as conn:
+        return [(aware(r.at), int(r.lag_messages), r.stored_offset) for r in conn.execute(stmt)]
 
 
 def read(engine: Engine, table: Table, group: str, since: datetime) -> list[Sample]:

@@ -261,6 +261,11 @@ def test_an_operator_sees_a_groups_lag_fall_on_the_chart_as_its_worker_drains_th
     assert browser.find_element(By.CSS_SELECTOR, "#partitions td.lag").text == "0"
     assert len(_effect_values(pg_dsn)) == 3000
     _shot(browser, "lag-falls")
+    # On demand, one partition's own chart: its 1,500 behind, then none.
+    _click(browser, browser.find_element(By.CSS_SELECTOR, "#partitions a.partition"))
+    assert browser.find_element(By.ID, "partition-title").text == f"{topic}[0]"
+    assert caption("lag (messages)").startswith("lag (messages): now 0.0 messages, most 1,500.0")
+    _shot(browser, "partition")
 
 
 def test_an_operator_plans_and_executes_a_reset_that_the_running_worker_follows(

@@ -1,5 +1,6 @@
-"""The console's lag sampling against real Kafka and PostgreSQL: what it reads of every group, and
-that one round asks the database twice however many groups there are (one read, one write)."""
+"""The console's lag sampling against real Kafka and PostgreSQL: what it reads of every group and
+partition, and that one round asks the database twice however many groups there are (one read, one
+write)."""
 
 from __future__ import annotations
 
@@ -72,5 +73,8 @@ def test_one_round_of_sampling_reads_every_group_in_one_statement_and_writes_the
         assert [s.dead_letters for s in taken] == [2, 0, 1, 0]  # waiting only: the replayed one is not
         history = console.sampler.history(groups[2], timedelta(hours=1))
         assert [(s.lag_messages, s.dead_letters) for s in history] == [(33, 1), (33, 1)]
+        # And each partition's, written in the same statement: partition 1 of group 2 is 12 - 1 behind.
+        assert [(s.lag_messages, s.stored_offsets) for s in console.sampler.partition_history(
+            groups[2], topics[2], 1)] == [(11, 1), (11, 1)]
     finally:
         console.close()

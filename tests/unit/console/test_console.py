@@ -262,8 +262,13 @@ def test_sampling_writes_every_group_and_keeps_the_table_bounded(dsn: str) -> No
     kept = sampler.history(GROUP, timedelta(hours=1))
     assert [s.lag_messages for s in kept] == [40] * 4  # 50 s of samples, 30 s kept (the newest and 3 before)
     assert [s.lag_messages for s in sampler.history("other", timedelta(hours=1))] == [41] * 4
+    # Each partition's samples too, for its own chart, kept as long (the retention is under an hour).
+    kept_partition = sampler.partition_history("other", "t", 0)
+    assert [(s.lag_messages, s.stored_offsets) for s in kept_partition] == [(41, s.stored_offsets) for s in kept]
+    assert sampler.partition_history("other", "t", 1) == []
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(samples.build_table())).scalar_one() == 8
+        assert conn.execute(sa.select(sa.func.count()).select_from(samples.build_partition_table())).scalar_one() == 8
     rates = throughput(kept)
     assert [round(r, 3) for _, r in rates] == [1.0, 1.0, 1.0]
     assert "<polyline" in svg_chart("lag", [(s.at, float(s.lag_messages)) for s in kept], "messages")
