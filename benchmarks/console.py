@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,7 +39,7 @@ from kstore.db import deadletters
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import now
 
-from .services import local_kafka, local_postgres
+from .services import local_kafka, local_postgres_dsn
 
 #: The server's time for one overview, judged on the median and the 90th percentile of the warm loads.
 TARGET_MS = 300.0
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         bootstrap = args.bootstrap_servers or stack.enter_context(local_kafka())
-        dsn = args.dsn or stack.enter_context(_postgres_dsn())
+        dsn = args.dsn or stack.enter_context(local_postgres_dsn())
         started = time.monotonic()
         groups = prepare(bootstrap, dsn, args.groups, args.partitions, args.letters)
         print(f"{args.groups} groups of {args.partitions:,} partitions, {args.letters:,} dead letters: "
@@ -162,12 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one round of sampling ({args.groups} groups) sent {statements} statements to the database "
           f"(target < {args.groups}: {'met' if sampled else 'NOT MET'})")
     return 0 if met and sampled else 1
-
-
-@contextlib.contextmanager
-def _postgres_dsn() -> Iterator[str]:
-    with local_postgres() as pg:
-        yield pg.dsn
 
 
 if __name__ == "__main__":

@@ -106,6 +106,13 @@ def local_postgres() -> Iterator[LocalPostgres]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def local_postgres_dsn() -> Iterator[str]:
+    """:func:`local_postgres`'s DSN, for a benchmark that needs nothing else of it."""
+    with local_postgres() as pg:
+        yield pg.dsn
+
+
 def _quiet(what: str, cmd: list[str]) -> None:
     # cwd=/ because `postgres` may not be allowed into the caller's directory.
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd="/")

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaProducer
@@ -29,7 +29,7 @@ from kafka.admin import NewTopic
 from kstore import Processor, Settings, Worker, migrate
 from kstore.ops.offsets import set_offsets
 
-from .services import local_kafka, local_postgres
+from .services import local_kafka, local_postgres_dsn
 
 
 class _FirstMessage(Processor):
@@ -102,18 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         bootstrap = args.bootstrap_servers or stack.enter_context(local_kafka())
-        dsn = args.dsn or stack.enter_context(_postgres_dsn())
+        dsn = args.dsn or stack.enter_context(local_postgres_dsn())
         result = measure(bootstrap, dsn, args.partitions)
     print(f"{result['partitions']:,} stored partitions: claimed and sought {result['claimed_s']:.3f} s after "
           f"assignment, first message {result['first_message_s']:.3f} s after (target < 1 s); "
           f"{result['messages']:,} messages delivered")
     return 0 if result["first_message_s"] < 1.0 and result["messages"] == result["partitions"] else 1
-
-
-@contextlib.contextmanager
-def _postgres_dsn() -> Iterator[str]:
-    with local_postgres() as pg:
-        yield pg.dsn
 
 
 if __name__ == "__main__":

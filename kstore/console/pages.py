@@ -115,7 +115,7 @@ async def partition(request: Request) -> Response:
         svg_chart("throughput (messages/s)", throughput(history or []), "messages/s"),
     ]
     return console.render(request, "partition.html", operator, group=group, topic=topic, partition=number,
-                          charts=charts, error=error, hours=PARTITION_RETENTION.total_seconds() / 3600)
+                          charts=charts, error=error, minutes=round(PARTITION_RETENTION.total_seconds() / 60))
 
 
 async def letters(request: Request) -> Response:

@@ -15,9 +15,10 @@ top``) a reading also holds the group's outbox shards, read in the same visit to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -142,7 +143,7 @@ class LagReader:
     # -- the database --------------------------------------------------------------------------
 
     def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int], list[ShardState]]:
-        try:
+        with self._database():
             self._check_migrated()
             rows = self.store.rows(group)
             t = self.dead_letters
@@ -153,13 +154,6 @@ class LagReader:
                 dead = {(topic, p): n for topic, p, n in conn.execute(stmt)}
             outbox = Outbox(self.engine, group, self.settings.table_prefix, self.settings.schema)
             shards = outbox.state() if self.outbox else []
-        except SQLAlchemyError as exc:
-            # Drop pooled connections that may be dead, so the next reading starts afresh.
-            self.engine.dispose()
-            raise DatabaseError(f"database {self.settings.safe_dsn}: {first_line(exc)}") from None
-        except DatabaseError:
-            self._migrated = False
-            raise
         return rows, dead, shards
 
     def _read_all_databases(self) -> dict[str, tuple[dict[TP, Row], dict[TP, int]]]:
@@ -174,7 +168,7 @@ class LagReader:
                    .group_by(t.c.consumer_group, t.c.topic, t.c.partition_id))
         groups: dict[str, tuple[dict[TP, Row], dict[TP, int]]] = {}
         letters: list[tuple[str, TP, int]] = []
-        try:
+        with self._database():
             self._check_migrated()
             with self.engine.connect() as conn:
                 for group, topic, partition, next_offset, epoch, owner, updated_at, dead in conn.execute(
@@ -184,16 +178,24 @@ class LagReader:
                                                                                           updated_at)
                     else:
                         letters.append((group, (topic, partition), dead))
+        for group, tp, dead in letters:
+            if group in groups:  # a group's letters without a stored offset: not a group that is read
+                groups[group][1][tp] = dead
+        return dict(sorted(groups.items()))
+
+    @contextlib.contextmanager
+    def _database(self) -> Iterator[None]:
+        """A visit to the database: its errors as :class:`DatabaseError`, and after one the pooled
+        connections (which may be dead) dropped and the migrations checked again, so the next
+        reading starts afresh."""
+        try:
+            yield
         except SQLAlchemyError as exc:
             self.engine.dispose()
             raise DatabaseError(f"database {self.settings.safe_dsn}: {first_line(exc)}") from None
         except DatabaseError:
             self._migrated = False
             raise
-        for group, tp, dead in letters:
-            if group in groups:  # a group's letters without a stored offset: not a group that is read
-                groups[group][1][tp] = dead
-        return dict(sorted(groups.items()))
 
     def _check_migrated(self) -> None:
         if not self._migrated:
