@@ -60,7 +60,8 @@ def test_benchmark_runs_every_contender_exactly_once(
     assert [c["name"] for c in results["contenders"]] == CONTENDERS
     for c in results["contenders"]:
         assert c["throughput_msgs_per_s"] > 0, c["name"]
-        assert c["run_cpu_s"] > 0, c["name"]  # what the drain cost the machine, for the CPU bounds
+        # What the drain cost the machine, for the CPU bounds: read in clock ticks, so a tiny drain may read 0.
+        assert c["run_cpu_s"] >= 0, c["name"]
         assert_checked(c["name"], c["exactly_once"], c["messages"])
         if BY_KEY[c["name"]].throughput_only:  # the database's own COPY reads no Kafka while timed
             assert c["latency"] is None, c["name"]
@@ -68,6 +69,7 @@ def test_benchmark_runs_every_contender_exactly_once(
         assert_checked(c["name"], c["latency"]["exactly_once"], c["latency"]["messages"])
         assert c["latency"]["count"] > 0 and c["latency"]["p99_ms"] >= c["latency"]["p50_ms"] > 0, c["name"]
     assert {c["name"]: c["messages"] for c in results["contenders"]}["kstore-txn-per-msg"] == 200
+    assert sum(c["run_cpu_s"] for c in results["contenders"]) > 0
     assert [r["ratio"] for r in results["ratios"]] == [r.key for r in RATIOS]
     assert [t["contender"] for t in results["latency_target"]] == [
         "kstore-handle", "kstore-batch", "kstore-text", "kstore-copy",
