@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import gc
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -101,24 +101,14 @@ def _checked(msgs: list[Any]) -> list[Any]:
 
 def raw(config: dict[str, Any], meter: Meter) -> None:
     """Contender 2: reads every message's value and does nothing with it."""
-    consumer = consumer_for(config, _ready(config))
-    fetch = fetcher(consumer, config, meter.latency, per_message=True)
-    nbytes = 0
-    try:
-        while True:
-            msgs = fetch()
-            if not msgs:
-                continue
-            meter.started()
-            for msg in _checked(msgs):
-                nbytes += len(msg.value())
-            if meter.latency:
-                meter.stamp(m.value() for m in msgs)
-            if meter.counted(len(msgs)):
-                meter.finished()
-                return
-    finally:
-        consumer.close()
+
+    def read(msgs: list[Any]) -> Iterable[bytes]:
+        nbytes = 0
+        for msg in _checked(msgs):
+            nbytes += len(msg.value())
+        return (m.value() for m in msgs)
+
+    _read_loop(config, meter, read)
 
 
 def raw_messages(config: dict[str, Any], meter: Meter) -> None:
@@ -132,26 +122,35 @@ def raw_messages(config: dict[str, Any], meter: Meter) -> None:
     from kstore.kafka.confluent.consumer import to_messages
 
     is_error = functools.partial(operator.is_not, None)
+    topic = config["topic"]
     # The collector tuned as a worker tunes it: at Python's defaults the young collections that
     # millions of new Messages trigger cost about as much as building them.
     gc.freeze()
     tune_collector()
 
+    def build(msgs: list[Any]) -> Iterable[bytes]:
+        if any(map(is_error, map(Message.error, msgs))):  # a C loop, as kstore's fetch checks them
+            _checked(msgs)
+        return (m.value for m in to_messages(msgs, topic))
+
+    _read_loop(config, meter, build)
+
+
+def _read_loop(config: dict[str, Any], meter: Meter, take: Callable[[list[Any]], Iterable[bytes]]) -> None:
+    """The raw loops' shape: fetch (``poll()`` per message in the latency phase), ``take`` each batch
+    (it returns their values, stamped in the latency phase), until every message is in."""
     consumer = consumer_for(config, _ready(config))
     fetch = fetcher(consumer, config, meter.latency, per_message=True)
-    topic = config["topic"]
     try:
         while True:
             msgs = fetch()
             if not msgs:
                 continue
             meter.started()
-            if any(map(is_error, map(Message.error, msgs))):  # a C loop, as kstore's fetch checks them
-                _checked(msgs)
-            built = to_messages(msgs, topic)
+            values = take(msgs)
             if meter.latency:
-                meter.stamp(m.value for m in built)
-            if meter.counted(len(built)):
+                meter.stamp(values)
+            if meter.counted(len(msgs)):
                 meter.finished()
                 return
     finally:

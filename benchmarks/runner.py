@@ -99,7 +99,7 @@ def median_phase(phases: list[dict[str, Any]]) -> dict[str, Any]:
     median of several is what a p99 target is judged on. Kept up only if every phase kept up."""
     if len(phases) == 1:
         return phases[0]
-    chosen = dict(sorted(phases, key=lambda p: p["p99_ms"])[(len(phases) - 1) // 2])
+    chosen = _lower_median(phases, "p99_ms")
     chosen["p50_ms_each"] = [p["p50_ms"] for p in phases]
     chosen["p99_ms_each"] = [p["p99_ms"] for p in phases]
     chosen["kept_up"] = all(p.get("kept_up", True) for p in phases)
@@ -112,9 +112,14 @@ def median_drain(drains: list[dict[str, Any]]) -> dict[str, Any]:
     machine one drain moves by 10% or more from run to run, and a target is judged on the median."""
     if len(drains) == 1:
         return drains[0]
-    chosen = dict(sorted(drains, key=lambda d: d["throughput_msgs_per_s"])[(len(drains) - 1) // 2])
+    chosen = _lower_median(drains, "throughput_msgs_per_s")
     chosen["throughput_each"] = [d["throughput_msgs_per_s"] for d in drains]
     return chosen
+
+
+def _lower_median(phases: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """A copy of the phase whose ``key`` is the median (the lower of the two middle ones for an even count)."""
+    return dict(sorted(phases, key=lambda p: p[key])[(len(phases) - 1) // 2])
 
 
 def libpq_params(dsn: str) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def write(engine: Engine, table: Table, partition_table: Table, samples: Sequenc
                partition_table.delete().where(partition_table.c.at < newest - keep_partitions)]
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(insert.add_cte(*(s.cte(f"also_{n}") for n, s in enumerate([*more, *expired]))))
+            conn.execute(insert.add_cte(*(other.cte(f"also_{n}") for n, other in enumerate([*more, *expired]))))
         else:
             for statement in [insert, *more, *expired]:
                 conn.execute(statement)

@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, null, select, union_all
+from sqlalchemy import Select, func, null, select, union_all
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
@@ -146,12 +147,9 @@ class LagReader:
         with self._database():
             self._check_migrated()
             rows = self.store.rows(group)
-            t = self.dead_letters
-            stmt = (select(t.c.topic, t.c.partition_id, func.count())
-                    .where(t.c.consumer_group == group, t.c.status == deadletters.DEAD)
-                    .group_by(t.c.topic, t.c.partition_id))
+            stmt = self._waiting_letters().where(self.dead_letters.c.consumer_group == group)
             with self.engine.connect() as conn:
-                dead = {(topic, p): n for topic, p, n in conn.execute(stmt)}
+                dead = {(topic, p): n for _group, topic, p, n in conn.execute(stmt)}
             outbox = Outbox(self.engine, group, self.settings.table_prefix, self.settings.schema)
             shards = outbox.state() if self.outbox else []
         return rows, dead, shards
@@ -159,19 +157,16 @@ class LagReader:
     def _read_all_databases(self) -> dict[str, tuple[dict[TP, Row], dict[TP, int]]]:
         """Every group with a stored offset: its rows and its dead letters waiting by partition, both
         from one statement (a UNION ALL of the offsets and the letters' counts)."""
-        o, t = self.store.offsets, self.dead_letters
-        stored = select(o.c.consumer_group, o.c.topic, o.c.partition_id, o.c.next_offset, o.c.epoch, o.c.owner,
-                        o.c.updated_at, null().label("dead"))
-        waiting = (select(t.c.consumer_group, t.c.topic, t.c.partition_id, null(), null(), null(), null(),
-                          func.count())
-                   .where(t.c.status == deadletters.DEAD)
-                   .group_by(t.c.consumer_group, t.c.topic, t.c.partition_id))
+        o = self.store.offsets
+        stored = select(o.c.consumer_group, o.c.topic, o.c.partition_id, null().label("dead"), o.c.next_offset,
+                        o.c.epoch, o.c.owner, o.c.updated_at)
+        waiting = self._waiting_letters().add_columns(null(), null(), null(), null())
         groups: dict[str, tuple[dict[TP, Row], dict[TP, int]]] = {}
         letters: list[tuple[str, TP, int]] = []
         with self._database():
             self._check_migrated()
             with self.engine.connect() as conn:
-                for group, topic, partition, next_offset, epoch, owner, updated_at, dead in conn.execute(
+                for group, topic, partition, dead, next_offset, epoch, owner, updated_at in conn.execute(
                         union_all(stored, waiting)):
                     if dead is None:
                         groups.setdefault(group, ({}, {}))[0][(topic, partition)] = Row(next_offset, epoch, owner,
@@ -182,6 +177,13 @@ class LagReader:
             if group in groups:  # a group's letters without a stored offset: not a group that is read
                 groups[group][1][tp] = dead
         return dict(sorted(groups.items()))
+
+    def _waiting_letters(self) -> Select[Any]:
+        """Dead letters waiting, counted by group and partition: ``(group, topic, partition, count)``."""
+        t = self.dead_letters
+        return (select(t.c.consumer_group, t.c.topic, t.c.partition_id, func.count())
+                .where(t.c.status == deadletters.DEAD)
+                .group_by(t.c.consumer_group, t.c.topic, t.c.partition_id))
 
     @contextlib.contextmanager
     def _database(self) -> Iterator[None]:
