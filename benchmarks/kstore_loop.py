@@ -183,6 +183,20 @@ def _run(processor: _BenchProcessor, config: dict[str, Any]) -> None:
     if settings.metrics_port is not None:
         threading.Thread(target=_scrape, args=(worker, processor.meter), daemon=True).start()
     worker.run()
+    if not config.get("unrecorded"):
+        processor.meter.extra["main_thread"] = main_thread(worker)
+
+
+def main_thread(worker: Worker) -> dict[str, float]:
+    """Where the worker's main thread spent the drain, from its own metrics: inside batches (from
+    taking one to its COMMIT's answer), and of that in the offsets' write and COMMIT. The rest of
+    the drain it waited for records (or did a claim, an epoch check)."""
+    def total(name: str) -> float:
+        return worker.metrics.registry.get_sample_value(name, {"group": worker.group}) or 0.0
+
+    return {"batches": int(total("kstore_batches_committed_total")),
+            "in_batches_s": round(total("kstore_batch_duration_seconds_sum"), 3),
+            "committing_s": round(total("kstore_commit_duration_seconds_sum"), 3)}
 
 
 class _Unrecorded(Metrics):

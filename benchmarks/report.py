@@ -189,11 +189,28 @@ def table(results: dict[str, Any]) -> str:
                 if "p99_ms_each" in t else "")
         rows.append(f"  p99 of {t['contender']:<23} {t['p99_ms']:>7.1f} ms  <= {t['baseline']}'s "
                     f"{t['baseline_p99_ms']:.1f} ms: {_met(t['met'])}{each}")
+    rows += main_threads(results["contenders"])
     rss = results.get("rss_target")
     if rss:
         rows.append(f"  peak RSS of kstore ({rss['contender']}, {rss['messages']:,} messages): "
                     f"{rss['peak_rss_mb']:.0f} MB, target < {rss['target_mb']} MB: {_met(rss['met'])}")
     return "\n".join(rows)
+
+
+def main_threads(contenders: list[dict[str, Any]]) -> list[str]:
+    """Where each kstore worker's main thread spent its drain (from the worker's own metrics): what
+    is not in a batch, it waited for records the fetch thread had not yet queued."""
+    rows = []
+    for c in contenders:
+        m = c.get("main_thread")
+        if not m or not m["batches"] or not c["seconds"]:
+            continue
+        share = {k: 100 * m[k] / c["seconds"] for k in ("in_batches_s", "committing_s")}
+        rows.append(f"  {c['number']:>2} {c['name']:<30} in batches {share['in_batches_s']:3.0f}% of the drain "
+                    f"(handler and writes {share['in_batches_s'] - share['committing_s']:.0f}%, offsets and COMMIT "
+                    f"{share['committing_s']:.0f}%), waiting for records {100 - share['in_batches_s']:.0f}%; "
+                    f"{m['batches']:,} batches of {c['messages'] / m['batches']:,.0f} on average")
+    return ["", "where each kstore worker's main thread spent the drain", *rows] if rows else []
 
 
 def _each(values: list[float]) -> str:

@@ -291,6 +291,7 @@ class Runner:
             **({"run_cpu_s": r["run_cpu_s"]} if "run_cpu_s" in r else {}),
             "exactly_once": check, "noise": noise,
             **({"kstore_settings": r["kstore_settings"]} if "kstore_settings" in r else {}),
+            **({"main_thread": r["main_thread"]} if "main_thread" in r else {}),
         }
 
     def warm_up(self, c: Contender) -> None:

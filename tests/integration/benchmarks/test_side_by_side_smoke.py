@@ -63,6 +63,10 @@ def test_benchmark_runs_every_contender_exactly_once(
         # What the drain cost the machine, for the CPU bounds: read in clock ticks, so a tiny drain may read 0.
         assert c["run_cpu_s"] >= 0, c["name"]
         assert_checked(c["name"], c["exactly_once"], c["messages"])
+        if "kstore_settings" in c and c["name"] != "kstore-batch-unrecorded":
+            # The worker's own metrics say where its main thread spent the drain.
+            m = c["main_thread"]
+            assert m["batches"] >= 1 and 0 < m["committing_s"] <= m["in_batches_s"] <= c["seconds"] + 0.5, c["name"]
         if BY_KEY[c["name"]].throughput_only:  # the database's own COPY reads no Kafka while timed
             assert c["latency"] is None, c["name"]
             continue

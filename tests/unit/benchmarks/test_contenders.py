@@ -194,3 +194,22 @@ def test_a_ratio_not_met_says_how_high_the_runs_cpu_lets_it_go_on_this_machine()
     assert "NOT MET" in line and "allows at most 0.50" in line
     assert "allows at most" not in next(line for line in text.splitlines() if "25/19" in line)
     assert " 1.60 " in next(line for line in text.splitlines() if line.startswith("25 "))  # 4 CPU s in 2.5 s
+
+
+def test_the_table_says_where_a_kstore_workers_main_thread_spent_its_drain() -> None:
+    """25 drained 1,000 messages in 2.5 s, 2.0 s of it inside its 4 batches, 0.5 s of those
+    committing: 80% in batches (60% handler and writes, 20% offsets and COMMIT), 20% waiting."""
+    from benchmarks import report
+
+    c = BY_NUMBER[25]
+    ran = {"number": 25, "name": c.name, "label": c.label, "messages": 1000, "throughput_msgs_per_s": 400.0,
+           "seconds": 2.5, "peak_rss_mb": 100.0, "cpu_s": 1.0, "exactly_once": {"passed": True}, "latency": None,
+           "main_thread": {"batches": 4, "in_batches_s": 2.0, "committing_s": 0.5}}
+    raw = dict(ran, number=2, name=BY_NUMBER[2].name)
+    del raw["main_thread"]  # a loop that is not a kstore worker records none
+    lines = report.main_threads([raw, ran])
+    assert lines[1] == "where each kstore worker's main thread spent the drain" and len(lines) == 3
+    assert lines[2].split() == ["25", c.name, "in", "batches", "80%", "of", "the", "drain", "(handler", "and",
+                                "writes", "60%,", "offsets", "and", "COMMIT", "20%),", "waiting", "for", "records",
+                                "20%;", "4", "batches", "of", "250", "on", "average"]
+    assert report.main_threads([raw]) == []
