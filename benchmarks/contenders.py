@@ -152,6 +152,10 @@ CONTENDERS: tuple[Contender, ...] = (
     # and nothing else: the ceiling of a kstore no-op (21) while kstore builds its messages.
     Contender(31, "confluent-kafka-messages", "raw confluent-kafka loop, kstore Messages",
               "benchmarks.confluent_loops:raw_messages", client="confluent", tuning=RAW_CONFLUENT),
+    # Contender 28's rows through kstore's copy_rows (its checks and encoding timed), no Kafka: between
+    # the database's own COPY (28) and the worker that COPYs (25).
+    Contender(32, "database-copy-rows", "PostgreSQL alone: kstore's copy_rows",
+              "benchmarks.database_copy:run_copy_rows", writes_rows=True, client="confluent", throughput_only=True),
 )
 
 BY_KEY: dict[str, Contender] = {c.name: c for c in CONTENDERS} | {str(c.number): c for c in CONTENDERS}
@@ -214,6 +218,8 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(12, 27, None, DEFAULTS),
     Ratio(6, 27, None, DEFAULTS),
     Ratio(25, 28, 0.85, DATABASE),
+    Ratio(32, 28, None, DATABASE),
+    Ratio(25, 32, None, DATABASE),
     Ratio(14, 28, None, DATABASE),
     Ratio(18, 28, None, DATABASE),
     Ratio(30, 29, 1.0, AVRO),

@@ -35,6 +35,7 @@ CONTENDERS = [
     "kstore-batch-confluent", "kstore-text-confluent", "kstore-copy-confluent",
     "kafka-python-defaults", "exactly-once-by-hand-defaults", "database-copy",
     "exactly-once-by-hand-confluent-avro", "kstore-batch-confluent-avro", "confluent-kafka-messages",
+    "database-copy-rows",
 ]
 
 

@@ -146,6 +146,8 @@ def test_sqlite_one_worker_publishes_once_across_a_kill(
     w2 = workers(sqlite_dsn, source, "booker", BOOKER, env=env, args=["--max-batch-size", "200"])
     wait_done(sqlite_dsn, "booker", sent)
     check_outputs(read_committed(kafka, out), sent)
+    # w1 may have processed everything before its kill: the stop is asked of a w2 that is running.
+    w2.wait_for_log(r"claimed ", timeout=90)
     assert w2.terminate() == 0
 
 
