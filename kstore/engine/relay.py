@@ -49,6 +49,7 @@ from kstore.kafka.seam import (
     AdminReader,
     Fenced,
     GroupReader,
+    GroupView,
     PublishFailed,
     ShardPublisher,
     progress_topic,
@@ -422,10 +423,14 @@ class Relay:
                 log.debug("looking for relays whose worker left group %r failed: %s", self.group, exc)
 
     def _free_departed(self) -> None:
-        live = self._settled_members()
+        seen: set[str] = set()
+        live = self._settled_members(seen)
         if live is None:
+            self._in_group |= seen
             return
-        gone, self._in_group = self._in_group - live - {self.member}, live
+        # A member listed while the group rebalanced counts too: a worker killed mid-rebalance
+        # (after this relay's last settled view, or before its first) is in no settled view.
+        gone, self._in_group = (self._in_group | seen) - live - {self.member}, live
         freed = self.outbox.expire(gone)
         if freed:
             shards = sorted(s for lane in freed for s in lane_shards(lane, self.outbox.shards))
@@ -438,16 +443,21 @@ class Relay:
         self._heartbeat_now.set()
         self._wake.set()
 
-    def _settled_members(self) -> set[str] | None:
-        """The group's members once it has settled, or None if it does not within SETTLE_PATIENCE_S."""
+    def _settled_members(self, seen: set[str]) -> set[str] | None:
+        """The group's members once it has settled, or None if it does not within SETTLE_PATIENCE_S;
+        every member listed meanwhile, settled or not, is added to ``seen``."""
         deadline = time.monotonic() + SETTLE_PATIENCE_S
         while not self._stop.is_set():
             with self._admin_lock:
                 if self._stop.is_set():  # the relay is closing its admin client
                     return None
-                live = settled_members(self._reader(), self.group)
-            if live is not None or time.monotonic() > deadline:
-                return live
+                view = group_view(self._reader(), self.group)
+            if view is not None:
+                seen.update(m.client_id for m in view.members)
+                if view.settled:
+                    return {m.client_id for m in view.members}
+            if time.monotonic() > deadline:
+                return None
             self._stop.wait(SETTLE_RECHECK_S)
         return None
 
@@ -764,15 +774,20 @@ def share(shards: int, counts: dict[str, int], me: str) -> int:
     return 0
 
 
-def settled_members(reader: GroupReader, group: str) -> set[str] | None:
-    """The client ids of a group's members once it is settled (``Stable``), or None while it
-    rebalances or if the brokers cannot say."""
+def group_view(reader: GroupReader, group: str) -> GroupView | None:
+    """The group's members and whether it is settled, or None if the brokers cannot say."""
     try:
-        view = reader.group_view(group)
+        return reader.group_view(group)
     except BrokerError as exc:
         log.debug("describing group %r failed: %s", group, exc)
         return None
-    return {m.client_id for m in view.members} if view.settled else None
+
+
+def settled_members(reader: GroupReader, group: str) -> set[str] | None:
+    """The client ids of a group's members once it is settled (``Stable``), or None while it
+    rebalances or if the brokers cannot say."""
+    view = group_view(reader, group)
+    return {m.client_id for m in view.members} if view is not None and view.settled else None
 
 
 def _close_publisher(state: _Lane) -> None:
