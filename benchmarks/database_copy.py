@@ -46,7 +46,12 @@ def read_backlog(config: dict[str, Any]) -> list[tuple[int, int, bytes]]:
 def text_chunks(rows: list[tuple[int, int, bytes]], size: int) -> list[tuple[int, bytes]]:
     """``(row count, COPY text data)`` per ``size`` rows: bytea as ``\\\\x`` hex."""
     return [(len(chunk), b"".join(b"%d\t%d\t\\\\x%s\n" % (p, o, v.hex().encode()) for p, o, v in chunk))
-            for chunk in (rows[i:i + size] for i in range(0, len(rows), size))]
+            for chunk in chunked(rows, size)]
+
+
+def chunked(rows: list[tuple[int, int, bytes]], size: int) -> list[list[tuple[int, int, bytes]]]:
+    """``rows`` in transactions of ``size``."""
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
 def run_copy_rows(config: dict[str, Any], meter: Meter) -> None:
@@ -54,8 +59,7 @@ def run_copy_rows(config: dict[str, Any], meter: Meter) -> None:
 
     from kstore.db.copy import copy_rows
 
-    rows = read_backlog(config)
-    chunks = [rows[i:i + ROWS_PER_TRANSACTION] for i in range(0, len(rows), ROWS_PER_TRANSACTION)]
+    chunks = chunked(read_backlog(config), ROWS_PER_TRANSACTION)
     engine = sa.create_engine(config["dsn"], poolclass=sa.pool.StaticPool)
     try:
         with engine.connect() as conn:

@@ -453,9 +453,10 @@ class Relay:
                     return None
                 view = group_view(self._reader(), self.group)
             if view is not None:
-                seen.update(m.client_id for m in view.members)
+                members = {m.client_id for m in view.members}
+                seen |= members
                 if view.settled:
-                    return {m.client_id for m in view.members}
+                    return members
             if time.monotonic() > deadline:
                 return None
             self._stop.wait(SETTLE_RECHECK_S)

@@ -46,7 +46,8 @@ def relay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Relay:
     return r
 
 
-def held(r: Relay) -> set[int]:
+def free(r: Relay) -> set[int]:
+    """The lanes no live lease holds."""
     return set(r.outbox.free_lanes())
 
 
@@ -57,9 +58,9 @@ def describe(r: Relay, reader: ScriptedGroup) -> None:
 
 def test_a_worker_gone_between_two_settled_views_loses_its_shards_at_once(relay: Relay) -> None:
     describe(relay, ScriptedGroup(view("w1", "w2", settled=True)))
-    assert held(relay) == {2}  # both still leased: nobody left yet
+    assert free(relay) == {2}  # both still leased: nobody left yet
     describe(relay, ScriptedGroup(view("w2", settled=True)))
-    assert held(relay) == {0, 2}  # w1's shard is free now; the standalone relay's is not
+    assert free(relay) == {0, 2}  # w1's shard is free now; the standalone relay's is not
 
 
 def test_a_worker_killed_while_the_group_rebalanced_loses_its_shards_once_it_settles(relay: Relay) -> None:
@@ -68,18 +69,18 @@ def test_a_worker_killed_while_the_group_rebalanced_loses_its_shards_once_it_set
     reader = ScriptedGroup(view("w1", "w2", settled=False), view("w2", settled=False), view("w2", settled=True))
     describe(relay, reader)
     assert reader.asked == 3
-    assert held(relay) == {0, 2}
+    assert free(relay) == {0, 2}
 
 
 def test_members_seen_while_the_group_never_settled_are_remembered_for_the_next_look(
         relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(relay_module, "SETTLE_PATIENCE_S", 0.0)
     describe(relay, ScriptedGroup(view("w1", "w2", settled=False)))
-    assert held(relay) == {2}  # no settled view: nothing decided
+    assert free(relay) == {2}  # no settled view: nothing decided
     describe(relay, ScriptedGroup(view("w2", settled=True)))
-    assert held(relay) == {0, 2}
+    assert free(relay) == {0, 2}
 
 
 def test_a_relay_never_in_the_group_keeps_its_lease(relay: Relay) -> None:
     describe(relay, ScriptedGroup(view("w2", settled=False), view("w2", settled=True)))
-    assert held(relay) == {2}
+    assert free(relay) == {2}
