@@ -7,6 +7,7 @@ time: :meth:`Settings.from_env` does, when called.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -232,6 +233,14 @@ class Settings:
     #: ``kstore console``: the key its login cookies are signed with (default: a new random one each
     #: start, which logs everyone out at a restart); give one to several consoles behind one address.
     console_session_key: str | None = field(default=None, repr=False)
+    #: ``kstore console`` behind proxies: the addresses (IPs, or networks such as ``10.0.0.0/8``) of those
+    #: whose ``X-Forwarded-For`` is believed for the client's address (so the login throttle counts each
+    #: client apart) and ``X-Forwarded-Proto`` for the scheme. Empty: no ``X-Forwarded-*`` header is
+    #: believed, from anyone.
+    console_trusted_proxies: tuple[str, ...] = ()
+    #: ``kstore console``: mark its cookies ``Secure`` even on a request that came in over plain HTTP: behind a
+    #: proxy that ends TLS but is not among ``console_trusted_proxies`` (one that is says ``https`` itself).
+    console_secure_cookie: bool = False
     #: ``kstore console``: show, never act; no login is asked for.
     console_read_only: bool = False
     #: ``kstore console``: seconds between two samples of every group's lag (its charts); 0: no sampling.
@@ -247,6 +256,10 @@ class Settings:
     def __post_init__(self) -> None:
         if isinstance(self.topics, str):
             object.__setattr__(self, "topics", _split(self.topics))
+        proxies = self.console_trusted_proxies
+        object.__setattr__(self, "console_trusted_proxies", _split(proxies) if isinstance(proxies, str)
+                           else tuple(p.strip() for p in proxies))
+        _check_proxies(self.console_trusted_proxies)
         object.__setattr__(self, "security_protocol", self.security_protocol.strip().upper())
         if self.sasl_mechanism is not None:
             object.__setattr__(self, "sasl_mechanism", self.sasl_mechanism.strip().upper())
@@ -344,6 +357,21 @@ def _check_breaker(max_dead_letters: int, max_rejects: int, breaker: str) -> Non
             raise ConfigurationError(f"{name} must be 0 (never) or more, got {value}")
     if breaker not in ("stop", "pause"):
         raise ConfigurationError(f"dead_letter_breaker must be stop or pause, got {breaker!r}")
+
+
+def _check_proxies(proxies: tuple[str, ...]) -> None:
+    """Each is an address or a network: uvicorn would take anything else as a name that no client
+    address ever equals, and the proxy's headers would be silently ignored."""
+    for proxy in proxies:
+        try:
+            if "/" in proxy:
+                ipaddress.ip_network(proxy)
+            else:
+                ipaddress.ip_address(proxy)
+        except ValueError as exc:
+            reason = f" ({exc})" if "/" in proxy else ""
+            raise ConfigurationError(f"console_trusted_proxies: {proxy!r} is not an IP address or network, "
+                                     f"e.g. 10.0.0.5 or 10.0.0.0/8{reason}") from None
 
 
 REBALANCE_PROTOCOLS = ("eager", "cooperative", "consumer")

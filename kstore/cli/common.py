@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 import click
 
-from kstore.cli.masking import Masker
 from kstore.errors import KstoreError
 from kstore.kafka.options import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
+from kstore.masking import Masker
 from kstore.settings import Settings
 
 #: The commands' own log lines (a stop signal, a rolled back batch): one logger for the whole command.

@@ -30,6 +30,12 @@ from kstore.settings import Settings
 @click.option("--user-header", "console_user_header", default=None, metavar="NAME",
               help="Take the operator's name from this request header, set by a proxy that authenticates "
                    "[env KSTORE_CONSOLE_USER_HEADER]")
+@click.option("--trusted-proxy", "console_trusted_proxies", multiple=True, metavar="ADDR",
+              help="A proxy (IP or network) whose X-Forwarded-For and -Proto headers are believed; repeatable. "
+                   "Without one, no such header is [env KSTORE_CONSOLE_TRUSTED_PROXIES, comma-separated]")
+@click.option("--secure-cookie", "console_secure_cookie", is_flag=True, default=None,
+              help="Mark the cookies Secure even on plain HTTP, behind a TLS proxy that is not trusted "
+                   "[env KSTORE_CONSOLE_SECURE_COOKIE]")
 @click.option("--sample-interval", "console_sample_interval_s", type=click.FloatRange(min=0), default=None,
               help="Seconds between lag samples for the charts; 0: none [env KSTORE_CONSOLE_SAMPLE_INTERVAL_S; "
                    "default 15]")
@@ -38,6 +44,9 @@ from kstore.settings import Settings
 @click.pass_context
 def console(ctx: click.Context, /, host: str, port: int, processors: tuple[str, ...], **opts: Any) -> None:
     """Serve the web console: overview, lag over time, dead letters, offsets and outbox, with actions."""
+    # No --trusted-proxy is None, not (), so that KSTORE_CONSOLE_TRUSTED_PROXIES still counts.
+    opts["console_trusted_proxies"] = opts["console_trusted_proxies"] or None
+
     def serve(settings: Settings) -> None:
         try:  # when the command runs: the other commands never need the console's extra
             import uvicorn
@@ -48,7 +57,12 @@ def console(ctx: click.Context, /, host: str, port: int, processors: tuple[str, 
         web = app(settings, _processors(settings, processors))
         log.info("kstore console on http://%s:%d/ (%s)", host, port,
                  "read-only" if settings.console_read_only else "log in to act")
-        uvicorn.run(web, host=host, port=port, log_level="warning", access_log=False)
+        # uvicorn believes X-Forwarded-* from 127.0.0.1 (or FORWARDED_ALLOW_IPS) unless told otherwise, which
+        # let any local client pick its own address and so escape the login throttle: only the proxies named
+        # here are believed, and with none uvicorn's proxy middleware is not installed at all.
+        trusted = list(settings.console_trusted_proxies)
+        uvicorn.run(web, host=host, port=port, log_level="warning", access_log=False,
+                    proxy_headers=bool(trusted), forwarded_allow_ips=trusted)
 
     run(ctx, lambda: Settings.from_env(**opts), serve)
 

@@ -9,28 +9,28 @@ from __future__ import annotations
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kstore.processor import Processor
 from kstore.settings import Settings
 
-from . import pages
+from . import pages, urls
 from .access import LoginNeeded, console_of, guard
 from .auth import CSRF_FIELD, MAX_NAME, Refused, check_csrf, client_address, new_session
+from .sessions import ServerSessions
 from .state import HERE, Console
 
-#: The login cookie's name.
-COOKIE = "kstore_console"
+#: A group's pages, and a dead letter's: any name Kafka allows travels in the path (see :mod:`.urls`).
+GROUP = "/groups/{group:kstore_name}"
+LETTER = GROUP + "/dead-letters/{letter_id:kstore_row_id}"
 
 
 def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *, sample: bool = True) -> Starlette:
@@ -42,6 +42,7 @@ def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *
     (and ``.close()``) from your own. Raises ConfigurationError if the console can act and no
     login is configured.
     """
+    urls.register()
     console = Console(settings, processors or {})
 
     @asynccontextmanager
@@ -58,26 +59,25 @@ def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *
         Route("/login", login_page, name="login"),
         Route("/login", login, methods=["POST"], name="login_post"),
         Route("/logout", logout, methods=["POST"], name="logout"),
-        Route("/groups/{group}", pages.overview, name="overview"),
-        Route("/groups/{group}/partitions/{topic}/{partition:int}", pages.partition, name="partition"),
-        Route("/groups/{group}/dead-letters", pages.letters, name="letters"),
-        Route("/groups/{group}/dead-letters/matching/{action}", pages.act_on_matching, methods=["POST"],
+        Route(GROUP, pages.overview, name="overview"),
+        Route(GROUP + "/partitions/{topic:kstore_name}/{partition:kstore_partition}", pages.partition,
+              name="partition"),
+        Route(GROUP + "/dead-letters", pages.letters, name="letters"),
+        Route(GROUP + "/dead-letters/matching/{action}", pages.act_on_matching, methods=["POST"],
               name="letters_matching"),
-        Route("/groups/{group}/dead-letters/{letter_id:int}", pages.letter, name="letter"),
-        Route("/groups/{group}/dead-letters/{letter_id:int}/{action}", pages.act_on_letter, methods=["POST"],
-              name="letter_action"),
-        Route("/groups/{group}/offsets", pages.offsets, name="offsets"),
-        Route("/groups/{group}/offsets/plan", pages.plan_reset, methods=["POST"], name="offsets_plan"),
-        Route("/groups/{group}/offsets/execute", pages.execute_reset, methods=["POST"], name="offsets_execute"),
-        Route("/groups/{group}/outbox", pages.outbox, name="outbox"),
+        Route(LETTER, pages.letter, name="letter"),
+        Route(LETTER + "/{action}", pages.act_on_letter, methods=["POST"], name="letter_action"),
+        Route(GROUP + "/offsets", pages.offsets, name="offsets"),
+        Route(GROUP + "/offsets/plan", pages.plan_reset, methods=["POST"], name="offsets_plan"),
+        Route(GROUP + "/offsets/execute", pages.execute_reset, methods=["POST"], name="offsets_execute"),
+        Route(GROUP + "/outbox", pages.outbox, name="outbox"),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     key = settings.console_session_key or secrets.token_urlsafe(32)
-    web = Starlette(
+    web = _Console(
         routes=routes, lifespan=lifespan,
-        middleware=[Middleware(_SecurityHeaders),
-                    Middleware(SessionMiddleware, secret_key=key, session_cookie=COOKIE, same_site="strict",
-                               max_age=12 * 3600)],
+        middleware=[Middleware(ServerSessions, store=console.store, auth=console.auth, key=key,
+                               force_secure=settings.console_secure_cookie)],
         exception_handlers={Refused: _refused},
     )
     web.state.console = console
@@ -137,34 +137,33 @@ async def _refused(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, Refused)
     console = console_of(request)
     if isinstance(exc, LoginNeeded):
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return RedirectResponse(f"{request.url_for('login')}?{urlencode({'next': path})}", status_code=303)
+        return RedirectResponse(f"{request.url_for('login')}?{urlencode({'next': urls.here(request)})}",
+                                status_code=303)
     return console.render(request, "refused.html", None, status=exc.status, why=exc.why)
 
 
-class _SecurityHeaders:
-    """No framing, no scripts or styles but the console's own, nothing cached."""
-
-    HEADERS = [
-        (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'; form-action 'self'"),
-        (b"x-frame-options", b"DENY"),
-        (b"x-content-type-options", b"nosniff"),
-        (b"referrer-policy", b"same-origin"),
-        (b"cache-control", b"no-store"),
-    ]
-
-    def __init__(self, inner: ASGIApp) -> None:
-        self.inner = inner
+class _Console(Starlette):
+    """The console's Starlette app, every answer of which carries :data:`SECURITY_HEADERS`: pages,
+    refusals, 404s and the 500 of an error nothing caught (which Starlette's outermost layer sends)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.inner(scope, receive, send)
+            await super().__call__(scope, receive, send)
             return
 
-        async def sending(message: Any) -> None:
+        async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], *self.HEADERS]
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
             await send(message)
 
-        await self.inner(scope, receive, sending)
+        await super().__call__(scope, receive, sending)
+
+
+#: No framing, no scripts or styles but the console's own, nothing cached.
+SECURITY_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'; form-action 'self'"),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"cache-control", b"no-store"),
+]

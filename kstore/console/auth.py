@@ -3,11 +3,11 @@
 - **Login.** Unless the console is read-only, every page asks for an operator: either the name a
   trusted proxy put in ``console_user_header``, or a name and ``console_password`` given on the
   login page (compared by their SHA-256 digests, in constant time). The operator's name goes into
-  the signed session cookie (Starlette's ``SessionMiddleware``, itsdangerous), and into every
-  history row an action writes (:func:`kstore.db.writes.acting_as`).
+  the login kept on the server (:mod:`~kstore.console.sessions`), and into every history row an
+  action writes (:func:`kstore.db.writes.acting_as`).
 - **CSRF.** The session holds a random token; every form carries it, and a POST whose token does
-  not match the session's is refused (403) before anything is read from the database. The cookie
-  is ``SameSite=Strict`` as well.
+  not match the session's is refused (403) before anything is read from the database. The cookies
+  are ``SameSite=Strict`` as well.
 - **Read-only.** No login; the pages hide their forms and every POST is refused (403).
 """
 
@@ -32,6 +32,9 @@ CSRF = "csrf"
 CSRF_FIELD = "csrf_token"
 #: Longest operator name kept (the histories' ``by_user`` column holds 255).
 MAX_NAME = 100
+#: The shortest console password taken: the login throttle slows guessing, it cannot make a short
+#: password safe.
+MIN_PASSWORD = 12
 
 
 class Refused(Exception):
@@ -54,7 +57,11 @@ class Auth:
 
     @classmethod
     def of(cls, settings: Settings) -> Auth:
-        digest = None if not settings.console_password else _digest(settings.console_password)
+        password = settings.console_password
+        if password and len(password) < MIN_PASSWORD:
+            raise ConfigurationError(f"console_password is {len(password)} characters: give at least {MIN_PASSWORD} "
+                                     "(a long random one, from a file: --password-file)")
+        digest = None if not password else _digest(password)
         header = (settings.console_user_header or "").strip() or None
         if not settings.console_read_only and digest is None and header is None:
             raise ConfigurationError(

@@ -7,9 +7,9 @@ page it redirects to.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
@@ -20,7 +20,6 @@ from starlette.responses import RedirectResponse, Response
 from kstore.db import deadletters
 from kstore.db.deadletters import Edit
 from kstore.db.letterquery import (
-    LetterFilter,
     discard_matching,
     list_dead_letters,
     resolve_matching,
@@ -31,6 +30,7 @@ from kstore.ops import offsets as offsets_admin
 from kstore.ops import outbox as outbox_admin
 from kstore.ops import replay as replays
 
+from . import params
 from .access import console_of, guard
 from .sampling import PARTITION_RETENTION, svg_chart, throughput
 from .state import Console, Shown, flash
@@ -39,7 +39,6 @@ T = TypeVar("T")
 #: How far back the overview's charts go.
 CHART_SPAN = timedelta(hours=3)
 PAGE_SIZE = 50
-_FILTERS = ("status", "topic", "partition", "error_type", "error", "since", "until")
 
 
 async def _attempt(console: Console, operator: str | None, fn: Callable[[], T]) -> tuple[T | None, str | None]:
@@ -79,31 +78,6 @@ async def overview(request: Request) -> Response:
                           outbox_oldest=oldest, charts=charts)
 
 
-def _letter_filter(params: Mapping[str, Any]) -> LetterFilter:
-    def given(name: str) -> str | None:
-        value = str(params.get(name, "") or "").strip()
-        return value or None
-
-    status = given("status") or deadletters.DEAD
-    partition = given("partition")
-    try:
-        return LetterFilter(
-            status=None if status == "any" else status, topic=given("topic"),
-            partition=None if partition is None else int(partition), error_type=given("error_type"),
-            error=given("error"), since=_when(given("since")), until=_when(given("until")))
-    except ValueError as exc:
-        raise ConfigurationError(f"bad filter: {exc}") from None
-
-
-def _when(raw: str | None) -> datetime | None:
-    if raw is None:
-        return None
-    when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    if when.tzinfo is None:
-        raise ConfigurationError(f"give the time a timezone, e.g. {raw}Z")
-    return when
-
-
 async def partition(request: Request) -> Response:
     """One partition's lag and throughput over its last samples (kept for PARTITION_RETENTION)."""
     operator, _ = await guard(request)
@@ -121,17 +95,20 @@ async def partition(request: Request) -> Response:
 async def letters(request: Request) -> Response:
     operator, _ = await guard(request)
     console, group = console_of(request), request.path_params["group"]
-    params = request.query_params
-    shown = {name: params.get(name, "") for name in _FILTERS}
-
-    def page() -> Any:
-        after = int(params.get("after") or 0)
-        return list_dead_letters(console.settings, group, _letter_filter(params), PAGE_SIZE, after)
-
-    found, error = await _attempt(console, operator, page)
-    return console.render(request, "letters.html", operator, group=group, page=found, error=error,
-                          filters=shown, statuses=("any", *deadletters.STATUSES),
-                          can_replay=group in console.processors)
+    query = request.query_params
+    shown = {name: query.get(name, "") for name in params.FILTERS}
+    try:
+        where, after = params.letter_filter(query), params.integer("after", params.given(query, "after")) or 0
+    except params.BadParameter as exc:
+        return console.render(request, "letters.html", operator, status=exc.status, group=group, page=None,
+                              error=exc.why, filters=shown, statuses=params.STATUSES, can_replay=False)
+    found, error = await _attempt(
+        console, operator, lambda: list_dead_letters(console.settings, group, where, PAGE_SIZE, after))
+    # The next page's link is built from the route, not this request's path (which the server decoded once).
+    next_url = found and request.url_for("letters", group=group).include_query_params(
+        **{k: v for k, v in query.items() if k != "after"}, after=found.next_after)
+    return console.render(request, "letters.html", operator, group=group, page=found, error=error, next_url=next_url,
+                          filters=shown, statuses=params.STATUSES, can_replay=group in console.processors)
 
 
 async def letter(request: Request) -> Response:
@@ -189,9 +166,9 @@ async def act_on_matching(request: Request) -> Response:
     assert form is not None
     console, group, action = console_of(request), request.path_params["group"], request.path_params["action"]
     reason = str(form.get("reason", "")).strip()
+    where = params.letter_filter(form, status=deadletters.DEAD)
 
     def act() -> str:
-        where = _letter_filter({**form, "status": deadletters.DEAD})
         if action == "replay":
             done = replays.replay_matching(console.settings, console.processor(group), group, where, reason or None)
         elif action in ("discard", "resolve"):
@@ -204,7 +181,7 @@ async def act_on_matching(request: Request) -> Response:
 
     said, error = await _attempt(console, operator, act)
     flash(request, "error" if error else "done", error or said or "")
-    query = {k: str(form.get(k, "")) for k in _FILTERS if form.get(k)}
+    query = {k: str(form.get(k, "")) for k in params.FILTERS if form.get(k)}
     return RedirectResponse(request.url_for("letters", group=group).include_query_params(**query), status_code=303)
 
 
@@ -219,45 +196,20 @@ async def offsets(request: Request) -> Response:
                           topics=topics, form={})
 
 
-_RESET_FIELDS = ("topic", "partitions", "target", "value", "clamp")
-
-
-def _reset_request(form: Mapping[str, Any]) -> tuple[str, list[int] | None, dict[str, Any]]:
-    """The topic, partitions (None: all) and the target keyword of ``set_offsets`` the form asks for."""
-    topic = str(form.get("topic", "")).strip()
-    if not topic:
-        raise ConfigurationError("choose a topic")
-    raw = str(form.get("partitions", "")).replace(" ", "")
-    try:
-        partitions = [int(p) for p in raw.split(",") if p] or None
-        target, value = str(form.get("target", "")), str(form.get("value", "")).strip()
-        kinds: dict[str, Callable[[], dict[str, Any]]] = {
-            "offset": lambda: {"to_offset": int(value)},
-            "datetime": lambda: {"to_datetime": _when(value)},
-            "earliest": lambda: {"to_earliest": True},
-            "latest": lambda: {"to_latest": True},
-            "shift": lambda: {"shift_by": int(value)},
-        }
-        if target not in kinds:
-            raise ConfigurationError("choose a target: offset, time, earliest, latest or shift")
-        chosen = kinds[target]()
-    except ValueError as exc:
-        raise ConfigurationError(f"bad reset: {exc}") from None
-    return topic, partitions, {**chosen, "clamp": form.get("clamp") == "on"}
-
-
 async def plan_reset(request: Request) -> Response:
     operator, form = await guard(request, action=True)
     assert form is not None
     console, group = console_of(request), request.path_params["group"]
 
-    def plan() -> list[offsets_admin.PlannedReset]:
-        topic, partitions, target = _reset_request(form)
-        return offsets_admin.set_offsets(console.settings, group, topic, partitions, **target)
-
-    planned, error = await _attempt(console, operator, plan)
-    return console.render(request, "plan.html", operator, group=group, plan=planned or [], error=error,
-                          form={k: str(form.get(k, "")) for k in _RESET_FIELDS})
+    asked = {k: str(form.get(k, "")) for k in params.RESET_FIELDS}
+    try:
+        topic, partitions, target = params.reset_request(form)
+    except params.BadParameter as exc:
+        return console.render(request, "plan.html", operator, status=exc.status, group=group, plan=[],
+                              error=exc.why, form=asked)
+    planned, error = await _attempt(console, operator, lambda: offsets_admin.set_offsets(
+        console.settings, group, topic, partitions, **target))
+    return console.render(request, "plan.html", operator, group=group, plan=planned or [], error=error, form=asked)
 
 
 async def execute_reset(request: Request) -> Response:
@@ -265,8 +217,9 @@ async def execute_reset(request: Request) -> Response:
     assert form is not None
     console, group = console_of(request), request.path_params["group"]
 
+    topic, partitions, target = params.reset_request(form)
+
     def execute() -> str:
-        topic, partitions, target = _reset_request(form)
         done = offsets_admin.set_offsets(console.settings, group, topic, partitions, **target,
                                          reason=str(form.get("reason", "")), execute=True, via="kstore console")
         moves = ", ".join(f"{p.topic}[{p.partition}] {p.from_offset} -> {p.to_offset}" for p in done)

@@ -11,6 +11,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,8 +21,9 @@ from starlette.responses import Response
 from starlette.templating import Jinja2Templates
 
 from kstore.db.store import Store, make_engine
-from kstore.db.writes import acting_as
+from kstore.db.writes import acting_as, aware
 from kstore.errors import BrokerError, ConfigurationError, KstoreError
+from kstore.masking import Masker
 from kstore.ops.lag import GroupReading, LagReader
 from kstore.processor import Processor
 from kstore.schemas import Registry, UnknownSchemaError, WireFormatError
@@ -30,9 +32,11 @@ from kstore.settings import Settings
 
 from .auth import CSRF_FIELD, Auth, LoginThrottle, Refused, csrf_token
 from .sampling import Sampler
+from .urls import segment
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
+_MASKER = Masker()
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Console:
         self.logins = LoginThrottle()
         self.processors = dict(processors)
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.templates.env.filters["segment"] = segment
+        self.templates.env.filters["utc"] = utc
         self.engine = make_engine(settings)
         self.store = Store(self.engine, settings)
         self._reader: LagReader | None = None
@@ -122,10 +128,10 @@ class Console:
         return await run_in_threadpool(acting)
 
     def mask(self, text: str) -> str:
-        """``text`` with every secret of the settings (the DSN's password too) replaced by ``***``."""
-        for secret in sorted(self.settings.secrets, key=len, reverse=True):
-            text = text.replace(secret, "***")
-        return text
+        """``text`` with what stands in a credential's place (a URL's password, a ``password=`` value)
+        shown as ``***``. By structure alone, never by comparing with the settings' secrets: text shown
+        to a visitor may hold what they sent, and masking their guess would say it was right."""
+        return _MASKER.mask(text)
 
     def render(self, request: Request, name: str, operator: str | None, status: int = 200,
                **context: Any) -> Response:
@@ -133,7 +139,8 @@ class Console:
         response: Response = self.templates.TemplateResponse(request, name, {
             "operator": operator, "read_only": self.read_only, "csrf_field": CSRF_FIELD,
             "csrf": csrf_token(request) if "session" in request.scope else "", "flash": flash,
-            "database": self.settings.safe_dsn if not self.settings.secrets else self.mask(self.settings.safe_dsn),
+            # Which database this is, for operators only: the login page shows it to no one.
+            "database": self.settings.safe_dsn if operator is not None or self.read_only else None,
             **context,
         }, status_code=status)
         return response
@@ -151,6 +158,13 @@ def _text(data: bytes) -> str:
         return data.decode()
     except UnicodeDecodeError:
         return repr(data)
+
+
+def utc(when: datetime | None) -> str:
+    """A time as the pages show it: ISO 8601 in UTC, ``Z`` and all, as the filters take it back."""
+    if when is None:
+        return "-"
+    return aware(when).astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def flash(request: Request, kind: str, text: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from kstore.errors import ConfigurationError
 from kstore.kafka.rdkafkaoptions import check_librdkafka_options, refuse_reserved
+from kstore.masking import MASK
 
 #: The Kafka clients kstore's worker can consume with: kafka-python (the default) or
 #: confluent-kafka (librdkafka), whose ``kafka_options`` are librdkafka's property names.
@@ -161,8 +162,6 @@ CONSUMER_OPTIONS: dict[str, type | None] = {
 }
 
 
-#: What a secret is shown as.
-MASK = "***"
 #: Kafka option names (either client's spelling) whose value is a secret.
 _SECRET_OPTION = re.compile(r"(?i)password|passwd|secret|passphrase|private[._]key|key[._]pem")
 

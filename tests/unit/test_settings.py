@@ -35,3 +35,43 @@ def test_safe_dsn_masks_the_password() -> None:
 def test_a_postgres_scheme_dsn_is_understood() -> None:
     assert Settings(dsn="postgres://u:pw@db:5432/app").dsn == "postgresql://u:pw@db:5432/app"
     assert Settings(dsn="postgres+psycopg2://u@db/app").dsn == "postgresql+psycopg2://u@db/app"
+
+
+def test_the_console_believes_no_proxy_and_sets_no_forced_secure_cookie_by_default() -> None:
+    s = Settings.from_env({})
+    assert (s.console_trusted_proxies, s.console_secure_cookie) == ((), False)
+
+
+def test_trusted_proxies_and_the_secure_cookie_come_from_the_environment() -> None:
+    s = Settings.from_env({"KSTORE_CONSOLE_TRUSTED_PROXIES": "127.0.0.1, 10.0.0.0/8,::1,fd00::/8",
+                           "KSTORE_CONSOLE_SECURE_COOKIE": "true"})
+    assert s.console_trusted_proxies == ("127.0.0.1", "10.0.0.0/8", "::1", "fd00::/8")
+    assert s.console_secure_cookie is True
+
+
+def test_trusted_proxies_given_as_an_argument_win_over_the_environment() -> None:
+    s = Settings.from_env({"KSTORE_CONSOLE_TRUSTED_PROXIES": "10.0.0.1"}, console_trusted_proxies=("192.168.0.0/16",))
+    assert s.console_trusted_proxies == ("192.168.0.0/16",)
+    assert Settings(console_trusted_proxies="10.0.0.1,10.0.0.2").console_trusted_proxies == ("10.0.0.1", "10.0.0.2")
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    ("not-an-ip", ""),
+    ("proxy.example.com", ""),
+    ("*", ""),
+    ("10.0.0.1/8", "has host bits set"),
+    ("10.0.0.0/33", ""),
+    ("300.1.2.3", ""),
+])
+def test_a_trusted_proxy_that_is_not_an_address_or_network_is_a_one_line_error(value: str, reason: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        Settings.from_env({"KSTORE_CONSOLE_TRUSTED_PROXIES": f"127.0.0.1,{value}"})
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"console_trusted_proxies: {value!r} is not an IP address or network"), message
+    assert reason in message
+
+
+def test_a_secure_cookie_value_that_is_not_a_bool_is_an_error() -> None:
+    with pytest.raises(ConfigurationError, match="KSTORE_CONSOLE_SECURE_COOKIE='maybe' is not a valid bool"):
+        Settings.from_env({"KSTORE_CONSOLE_SECURE_COOKIE": "maybe"})

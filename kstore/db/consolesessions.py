@@ -1,0 +1,83 @@
+"""The web console's logins (migration 0014): one row per logged-in operator, found by the SHA-256
+of the random token its browser holds.
+
+Only the console (:mod:`kstore.console.sessions`) reads or writes them. The token itself is never
+stored, so whoever reads the table cannot act as an operator; a row past ``expires_at``, or made
+under another console password (``password_check``), is no login.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, delete, insert, select, update
+
+from .writes import aware, now
+
+
+def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
+    return Table(
+        f"{prefix}console_sessions",
+        MetaData(schema=schema),
+        Column("token_sha256", String(64), primary_key=True),
+        Column("operator", String(255), nullable=False),
+        Column("csrf", String(64), nullable=False),
+        Column("password_check", String(64), nullable=True),
+        Column("outcome", Text, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("expires_at", DateTime(timezone=True), nullable=False),
+    )
+
+
+@dataclass(frozen=True)
+class Login:
+    """A live login: who, its CSRF token and the outcome waiting to be shown (JSON text, or None)."""
+
+    operator: str
+    csrf: str
+    outcome: str | None
+
+
+def _key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Logins:
+    """The logins of one console's database."""
+
+    def __init__(self, engine: Engine, table: Table) -> None:
+        self.engine, self.table = engine, table
+
+    def create(self, operator: str, csrf: str, password_check: str | None, lifetime: timedelta,
+               outcome: str | None = None) -> str:
+        """A new login for ``operator``: the token for its cookie. Expired logins are deleted on the way."""
+        token = secrets.token_urlsafe(32)
+        at = now()
+        with self.engine.begin() as conn:
+            conn.execute(delete(self.table).where(self.table.c.expires_at < at))
+            conn.execute(insert(self.table).values(
+                token_sha256=_key(token), operator=operator, csrf=csrf, password_check=password_check,
+                outcome=outcome, created_at=at, expires_at=at + lifetime))
+        return token
+
+    def find(self, token: str, password_check: str | None) -> Login | None:
+        """The login of ``token``, or None: unknown, logged out, expired, or made under another password."""
+        t = self.table
+        with self.engine.connect() as conn:
+            row = conn.execute(select(t.c.operator, t.c.csrf, t.c.password_check, t.c.outcome, t.c.expires_at)
+                               .where(t.c.token_sha256 == _key(token))).first()
+        if row is None or aware(row.expires_at) <= now() or row.password_check != password_check:
+            return None
+        return Login(row.operator, row.csrf, row.outcome)
+
+    def set_outcome(self, token: str, outcome: str | None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(self.table).where(self.table.c.token_sha256 == _key(token)).values(outcome=outcome))
+
+    def end(self, token: str) -> None:
+        """Log ``token`` out: its cookie is no login from now on, wherever it is sent."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(self.table).where(self.table.c.token_sha256 == _key(token)))
