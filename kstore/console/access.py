@@ -18,8 +18,10 @@ def console_of(request: Request) -> Console:
     return found
 
 
-async def guard(request: Request, *, action: bool = False) -> tuple[str | None, FormData | None]:
-    """The operator (None on a read-only console), and for an action its checked form.
+async def guard(request: Request, *, action: bool = False,
+                max_part_size: int = 1024 * 1024) -> tuple[str | None, FormData | None]:
+    """The operator (None on a read-only console), and for an action its checked form, whose fields
+    may be up to ``max_part_size`` bytes each as sent (Starlette's default: a megabyte).
 
     A page without an operator redirects to the login page (:class:`LoginNeeded`); an action
     without one is refused (401), on a read-only console refused (403), and without the session's
@@ -35,7 +37,7 @@ async def guard(request: Request, *, action: bool = False) -> tuple[str | None, 
         raise LoginNeeded()
     form = None
     if action:
-        form = await request.form()
+        form = await request.form(max_part_size=max_part_size)
         check_csrf(request, form.get(CSRF_FIELD))
     return operator, form
 

@@ -6,19 +6,21 @@ page it redirects to.
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from kstore.db import deadletters
-from kstore.db.deadletters import Edit
+from kstore.db.deadletters import Change, DeadLetter, DeadLetters, Edit
 from kstore.db.letterquery import (
     discard_matching,
     list_dead_letters,
@@ -32,8 +34,9 @@ from kstore.ops import replay as replays
 
 from . import params
 from .access import console_of, guard
+from .auth import Refused
 from .sampling import PARTITION_RETENTION, svg_chart, throughput
-from .state import Console, Shown, flash
+from .state import BASE64, SCHEMA_JSON, TEXT, Console, Shown, flash, plain
 
 T = TypeVar("T")
 #: How far back the overview's charts go.
@@ -111,54 +114,199 @@ async def letters(request: Request) -> Response:
                           filters=shown, statuses=params.STATUSES, can_replay=group in console.processors)
 
 
+#: The largest record Kafka takes by default (the broker's ``message.max.bytes``): the largest value
+#: the edit page offers to edit (a larger one: ``kstore dead-letters replay --value-file``).
+KAFKA_RECORD_BYTES = 1_048_588
+#: A letter action's largest form field as a browser sends it: a value of that size with each byte
+#: sent as six (a line break as ``%0D%0A``); its base64, a third longer with ``+`` and ``/`` sent as
+#: three, stays below.
+EDIT_FIELD_BYTES = 6 * KAFKA_RECORD_BYTES + 1024
+#: How much of a letter's error and traceback its page shows: an error may quote the whole value.
+ERROR_PREVIEW_CHARS = 16 * 1024
+#: How much of an edited replay's value the letter's history shows.
+HISTORY_PREVIEW_CHARS = 256
+_CLOSE = {"discard": deadletters.discard_dead_letters, "resolve": deadletters.resolve_dead_letters}
+
+
 async def letter(request: Request) -> Response:
+    """A dead letter's page: its key, value and headers cut to a preview (each downloaded whole), and
+    small forms to discard, resolve or replay it as it is; editing its value is a page of its own."""
     operator, _ = await guard(request)
     console, group = console_of(request), request.path_params["group"]
+    found, error = await _find(request, operator, history=True)
+    shown = await run_in_threadpool(lambda: _letter_shown(console, *found)) if found else {"letter": None}
+    return console.render(request, "letter.html", operator, group=group, error=error,
+                          can_replay=group in console.processors, **shown)
+
+
+def _letter_shown(console: Console, letter: DeadLetter, changes: list[Change]) -> dict[str, Any]:
+    """What the letter page shows of ``letter``: each part cut to its preview."""
+    return {
+        "letter": letter, "key": console.shown(letter.key), "value": console.shown(letter.value),
+        "headers": [(name, plain(value)) for name, value in letter.headers],
+        "letter_error": Shown(letter.error, limit=ERROR_PREVIEW_CHARS),
+        "traceback": Shown(letter.traceback, limit=ERROR_PREVIEW_CHARS),
+        "history": [(c, plain(c.replayed_value, HISTORY_PREVIEW_CHARS) if c.edited else None) for c in changes],
+    }
+
+
+def _letter_of(console: Console, group: str, letter_id: int,
+               history: bool) -> tuple[DeadLetter, list[Change]] | None:
+    """The group's dead letter ``letter_id`` and, if asked, its history; None if the group has no
+    such letter: a group's pages never show, nor act on, another group's letters."""
+    with DeadLetters(console.settings, console.engine) as letters:
+        try:
+            found = letters.get(letter_id)
+        except KstoreError:  # its one refusal, no such letter (the database's failures are SQLAlchemy's)
+            return None
+        if found.consumer_group != group:
+            return None
+        return found, letters.history(letter_id) if history else []
+
+
+async def _find(request: Request, operator: str | None,
+                history: bool = False) -> tuple[tuple[DeadLetter, list[Change]] | None, str | None]:
+    """The letter the path names (with its history if asked), or the database's error; Refused (404)
+    if the path's group has no such letter."""
+    console, group = console_of(request), request.path_params["group"]
     letter_id = request.path_params["letter_id"]
-    found, error = await _attempt(console, operator,
-                                  lambda: deadletters.show_dead_letter(console.settings, letter_id))
-    d, changes = found if found else (None, [])
-    key, value = (await run_in_threadpool(lambda: (console.shown(d.key), console.shown(d.value)))
-                  if d else (Shown(""), Shown("")))
-    return console.render(request, "letter.html", operator, group=group, letter=d, changes=changes, error=error,
-                          key=key, value=value, can_replay=group in console.processors)
+    found, error = await _attempt(console, operator, lambda: _letter_of(console, group, letter_id, history))
+    if found is None and error is None:
+        raise Refused(404, "this group has no dead letter with that id")
+    return found, error
+
+
+async def _needed(request: Request, operator: str | None) -> DeadLetter:
+    """The letter the path names, for a download, the edit page or an action; a database that fails
+    is refused (503) with its error."""
+    found, error = await _find(request, operator)
+    if found is None:
+        raise Refused(503, error or "the database did not answer")
+    return found[0]
+
+
+async def letter_key(request: Request) -> Response:
+    """A dead letter's key, its bytes exactly, as a file."""
+    return await _download(request, "key")
+
+
+async def letter_value(request: Request) -> Response:
+    """A dead letter's value, its bytes exactly, as a file."""
+    return await _download(request, "value")
+
+
+async def _download(request: Request, part: str) -> Response:
+    operator, _ = await guard(request)
+    found = await _needed(request, operator)
+    data = found.key if part == "key" else found.value
+    if data is None:
+        raise Refused(404, f"this dead letter's {part} is null: there is nothing to download")
+    # The id alone names the file: nothing of the letter's own (a topic, a group) reaches the header.
+    name = f"dead-letter-{found.id}-{part}.bin"
+    return Response(data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+async def letter_edit(request: Request) -> Response:
+    """The page that replays a dead letter with its value edited: the whole value in the box of a form
+    of its own, as text, as base64, or decoded as JSON (see :func:`kstore.console.state.plain`)."""
+    operator, _ = await guard(request)
+    console = console_of(request)
+    if console.read_only:
+        raise Refused(403, "this console is read-only: it takes no action")
+    found = await _needed(request, operator)
+    value = await run_in_threadpool(lambda: console.shown(found.value))
+    return _edit_page(request, operator, found, value, value.text)
+
+
+def _edit_page(request: Request, operator: str | None, found: DeadLetter, value: Shown, box: str,
+               error: str | None = None, status: int = 200) -> Response:
+    """The edit page with ``box`` in its box (the letter's value, or the operator's edit sent back)."""
+    console, group = console_of(request), request.path_params["group"]
+    # Within these, the box as a browser sends it fits EDIT_FIELD_BYTES, whatever its characters.
+    editable = (value.size or 0) <= KAFKA_RECORD_BYTES and len(value.text) <= 2 * KAFKA_RECORD_BYTES
+    return console.render(request, "letter.html", operator, status=status, editing=True, group=group,
+                          letter=found, value=value, box=box, error=error, editable=editable,
+                          largest=KAFKA_RECORD_BYTES, can_replay=group in console.processors)
 
 
 async def act_on_letter(request: Request) -> Response:
-    operator, form = await guard(request, action=True)
-    assert form is not None
+    """Discard, resolve or replay one dead letter: as it is, or with the value the edit page sends."""
+    operator, form = await _action_form(request)
     console, group = console_of(request), request.path_params["group"]
-    letter_id, action = request.path_params["letter_id"], request.path_params["action"]
+    action = request.path_params["action"]
+    found = await _needed(request, operator)
     reason = str(form.get("reason", "")).strip()
-
-    def act() -> str:
-        if action == "replay":
-            edits = _edit(console, letter_id, form)
-            done = replays.replay_dead_letters(console.settings, console.processor(group), group, [letter_id],
-                                               edits, reason or None)
-            if done.failed:
-                raise KstoreError(f"dead letter {letter_id} failed again: {done.failed[letter_id]}")
-            if not done.replayed:
-                return f"dead letter {letter_id} was not replayed (already replayed, or not of {group!r})"
-            return f"replayed dead letter {letter_id}" + (" with the edited value" if edits else "")
-        close = {"discard": deadletters.discard_dead_letters, "resolve": deadletters.resolve_dead_letters}.get(action)
-        if close is None:
-            raise ConfigurationError(f"no action {action!r}")
-        changed = close(console.settings, group, [letter_id], reason)
-        return f"{changed.status} dead letter {letter_id}" if changed.changed else f"already {changed.status}"
-
-    said, error = await _attempt(console, operator, act)
+    try:
+        edits = await console.call(operator, lambda: _edit(console, found, form)) if action == "replay" else {}
+    except KstoreError as exc:  # the box is not what its encoding says: the edit page again, the edit kept
+        value = await run_in_threadpool(lambda: console.shown(found.value))
+        return _edit_page(request, operator, found, value, str(form.get("value", "")), console.mask(str(exc)), 400)
+    said, error = await _attempt(console, operator, lambda: _act(console, group, found.id, action, reason, edits))
     flash(request, "error" if error else "done", error or said or "")
-    return RedirectResponse(request.url_for("letter", group=group, letter_id=letter_id), status_code=303)
+    return RedirectResponse(request.url_for("letter", group=group, letter_id=found.id), status_code=303)
 
 
-def _edit(console: Console, letter_id: int, form: FormData) -> dict[int, Edit]:
-    """The edit the form asks for: the value box, where it differs from the letter's value."""
+async def _action_form(request: Request) -> tuple[str | None, FormData]:
+    """:func:`guard`'s checks of an action on a letter, its form read with room for an edited value
+    as large as Kafka takes."""
+    try:
+        operator, form = await guard(request, action=True, max_part_size=EDIT_FIELD_BYTES)
+    except HTTPException as exc:  # Starlette's answer to a form over its limits
+        raise Refused(413, f"the form is larger than this console takes ({exc.detail}): replay a value over "
+                           f"{KAFKA_RECORD_BYTES:,} bytes with kstore dead-letters replay --value-file") from None
+    assert form is not None
+    return operator, form
+
+
+def _act(console: Console, group: str, letter_id: int, action: str, reason: str, edits: dict[int, Edit]) -> str:
+    """Take ``action`` on the group's letter; what was done, as the page's flash says it."""
+    if action == "replay":
+        done = replays.replay_dead_letters(console.settings, console.processor(group), group, [letter_id],
+                                           edits, reason or None)
+        if done.failed:
+            raise KstoreError(f"dead letter {letter_id} failed again: {done.failed[letter_id]}")
+        if not done.replayed:
+            return f"dead letter {letter_id} was not replayed: it was replayed already"
+        return f"replayed dead letter {letter_id}" + (" with the edited value" if edits else "")
+    close = _CLOSE.get(action)
+    if close is None:
+        raise ConfigurationError("no such action: discard, resolve or replay")
+    changed = close(console.settings, group, [letter_id], reason)
+    return f"{changed.status} dead letter {letter_id}" if changed.changed else f"already {changed.status}"
+
+
+def _edit(console: Console, letter: DeadLetter, form: FormData) -> dict[int, Edit]:
+    """The edit the form asks for: the value box read as its ``encoding`` says, where it differs from
+    the letter's value (unchanged, the letter replays as it is and no edit is recorded)."""
     if form.get("edit") != "on":
         return {}
-    value = str(form.get("value", "")).replace("\r\n", "\n").encode()
-    original = deadletters.show_dead_letter(console.settings, letter_id)[0].value
-    return {} if value == original else {letter_id: Edit(value=value)}
+    value = _edited_value(console, letter.value, str(form.get("value", "")), str(form.get("encoding", TEXT)))
+    return {} if value is None else {letter.id: Edit(value=value)}
+
+
+def _edited_value(console: Console, original: bytes | None, box: str, encoding: str) -> bytes | None:
+    """The box's bytes; None if they are the original's. A textarea sends each line break as CR LF,
+    and text shown in one never held a CR (:func:`~kstore.console.state.plain`): each CR LF was a LF."""
+    if encoding == SCHEMA_JSON:
+        text = box.replace("\r\n", "\n")
+        return None if text == console.shown(original).text else text.encode()
+    if encoding == BASE64:
+        new = _from_base64(box)
+    elif encoding == TEXT:
+        new = box.replace("\r\n", "\n").encode()
+    else:
+        raise ConfigurationError("the edit's encoding is text, base64 or json")
+    return None if new == (original or b"") else new
+
+
+def _from_base64(box: str) -> bytes:
+    """The box's base64, strictly: line breaks and spaces aside, a character outside its alphabet or
+    a missing ``=`` is an error, never bytes silently dropped."""
+    try:
+        return base64.b64decode("".join(box.split()), validate=True)
+    except ValueError as exc:  # binascii.Error, or a character that is not ASCII
+        raise ConfigurationError(f"the edited value is not base64 ({exc}): nothing was replayed") from None
 
 
 async def act_on_matching(request: Request) -> Response:

@@ -7,10 +7,12 @@ with the operator recorded as who acts (:func:`kstore.db.writes.acting_as`). The
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,14 +41,40 @@ HERE = Path(__file__).resolve().parent
 _MASKER = Masker()
 
 
+#: How much of a key, a value or a header's value the letter page shows (characters of its text or
+#: its base64): the page stays small whatever the letter holds, and the whole is downloaded.
+PREVIEW_CHARS = 4096
+#: How a letter's bytes are shown and edited: their UTF-8 text, their base64, or decoded through
+#: their schema as JSON (the form's ``encoding`` field says which, so the server reads it back alike).
+TEXT, BASE64, SCHEMA_JSON = "text", "base64", "json"
+#: Characters a form does not carry back as they are (a textarea sends a line break as CR LF and
+#: cannot hold NUL) and other control characters no one sees on a page: text with any is base64.
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: Base64 in lines of MIME's length, so a long value reads (and is edited) as a block.
+_BASE64_LINE = 76
+
+
 @dataclass(frozen=True)
 class Shown:
-    """A dead letter's key or value as its page shows it: the text, and how it was read when that
-    was through its schema (``avro, schema id 7``), or why it could not be."""
+    """A dead letter's key or value (or a header's value, an error) as its pages show it: ``text`` in
+    ``encoding`` (see :data:`TEXT`), how it was read when that was through its schema (``decoded``:
+    ``avro, schema id 7``) or why it could not be (``note``), and its length in bytes (``size``;
+    None for a null key or value). A page shows the first ``limit`` characters (:attr:`preview`)."""
 
     text: str
     decoded: str | None = None
     note: str | None = None
+    encoding: str = TEXT
+    size: int | None = None
+    limit: int = PREVIEW_CHARS
+
+    @property
+    def preview(self) -> str:
+        return self.text[:self.limit]
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.text) > self.limit
 
 
 class Console:
@@ -91,24 +119,24 @@ class Console:
                 raise
 
     def shown(self, data: bytes | None) -> Shown:
-        """A letter's key or value for its page: in a registry's wire format (Avro, JSON Schema) and with
-        ``schema_registry_url`` set, decoded with the schema it names, as JSON; else its text (or its
-        bytes' repr). A registry that does not answer, or an id it does not know, shows the bytes and why."""
-        if data is None:
-            return Shown("")
-        if self.settings.schema_registry_url:
-            try:
-                if self._registry is None:
-                    self._registry = Registry.of(self.settings)
-                found = decoded_for_display(self._registry, data)
-            except (UnknownSchemaError, WireFormatError, KstoreError) as exc:  # an outage, an extra not installed
-                return Shown(_text(data), note=f"not decoded: {self.mask(str(exc))}")
-            except Exception as exc:  # the registry's other refusals: the page still shows the bytes
-                return Shown(_text(data), note=f"not decoded: {type(exc).__name__}: {self.mask(str(exc))}")
-            if found is not None:
-                described, value = found
-                return Shown(json.dumps(value, indent=2, default=str), decoded=described)
-        return Shown(_text(data))
+        """A letter's key or value for its pages: in a registry's wire format (Avro, JSON Schema) and with
+        ``schema_registry_url`` set, decoded with the schema it names, as JSON; else as :func:`plain`
+        shows it. A registry that does not answer, or an id it does not know, shows the bytes and why."""
+        if data is None or not self.settings.schema_registry_url:
+            return plain(data)
+        try:
+            if self._registry is None:
+                self._registry = Registry.of(self.settings)
+            found = decoded_for_display(self._registry, data)
+        except (UnknownSchemaError, WireFormatError, KstoreError) as exc:  # an outage, an extra not installed
+            return replace(plain(data), note=f"not decoded: {self.mask(str(exc))}")
+        except Exception as exc:  # the registry's other refusals: the page still shows the bytes
+            return replace(plain(data), note=f"not decoded: {type(exc).__name__}: {self.mask(str(exc))}")
+        if found is None:
+            return plain(data)
+        described, value = found
+        return Shown(json.dumps(value, indent=2, default=str), decoded=described, encoding=SCHEMA_JSON,
+                     size=len(data))
 
     def processor(self, group: str) -> Processor:
         found = self.processors.get(group)
@@ -153,11 +181,25 @@ class Console:
         self.engine.dispose()
 
 
-def _text(data: bytes) -> str:
+def plain(data: bytes | None, limit: int = PREVIEW_CHARS) -> Shown:
+    """``data`` as its UTF-8 text where a form carries that back byte for byte, else as base64."""
+    if data is None:
+        return Shown("", limit=limit)
+    text, encoding = _text(data)
+    return Shown(text, encoding=encoding, size=len(data), limit=limit)
+
+
+def _text(data: bytes) -> tuple[str, str]:
+    """``data``'s text and :data:`TEXT`, if it is UTF-8 without a character a form would change;
+    else its base64, in lines, and :data:`BASE64`."""
     try:
-        return data.decode()
+        text = data.decode()
     except UnicodeDecodeError:
-        return repr(data)
+        text = None
+    if text is not None and not _UNSAFE.search(text):
+        return text, TEXT
+    encoded = base64.b64encode(data).decode()
+    return "\n".join(encoded[i:i + _BASE64_LINE] for i in range(0, len(encoded), _BASE64_LINE)), BASE64
 
 
 def utc(when: datetime | None) -> str:

@@ -1,39 +1,50 @@
 """How names and numbers travel in the console's URLs.
 
 Kafka allows any character in a group id (``/``, ``?``, ``#``, ``%``, spaces), so a name is put
-into a path segment percent-encoded twice: the server decodes a request's path once before it
-routes it (``%2F`` would become a ``/`` and split the segment), and the route decodes it the
-second time. Numbers are bounded where the URL is matched: a letter id or partition too large for
-the database's integer types is a page that does not exist (404), never a query that fails.
+into its path segment with every character but letters, digits, ``.``, ``_`` and ``-`` written as
+``~`` and the hex of its UTF-8 bytes (``a/b`` is ``a~2Fb``). Percent-encoding would not do: servers,
+proxies and test clients decode a path before routing it, some more than once, and ``%2F`` becomes
+a ``/`` that splits the segment; ``~`` means nothing to any of them. Numbers are bounded where the
+URL is matched: a letter id or partition too large for the database's integer types is a page that
+does not exist (404), never a query that fails.
 """
 
 from __future__ import annotations
 
-from typing import Any
-from urllib.parse import quote, unquote
+import re
 
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 
-#: The path convertors the console's routes use: ``{group:name}`` and so on.
+#: The path convertors the console's routes use: ``{group:kstore_name}`` and so on.
 NAME, ROW_ID, PARTITION = "kstore_name", "kstore_row_id", "kstore_partition"
+_KEPT = re.compile(r"[A-Za-z0-9_-]")  # "." too, but not a name of dots alone: "." and ".." are dot-segments
+_ESCAPED = re.compile(r"~([0-9A-F]{2})")
 
 
 def segment(name: str) -> str:
-    """``name`` as one path segment of a link (what the browser sends; the server decodes it once)."""
-    once = quote(name, safe="")
-    if once.strip(".") == "":  # "." and ".." are dot-segments a browser would resolve away
-        once = once.replace(".", "%2E")
-    return quote(once, safe="")
+    """``name`` as one path segment of a link."""
+    dots_only = name.strip(".") == ""
+    return "".join(c if _KEPT.match(c) or (c == "." and not dots_only) else
+                   "".join(f"~{b:02X}" for b in c.encode()) for c in name)
+
+
+def _unescape(text: str) -> str:
+    out, pos = bytearray(), 0
+    for found in _ESCAPED.finditer(text):
+        out += text[pos:found.start()].encode() + bytes([int(found.group(1), 16)])
+        pos = found.end()
+    out += text[pos:].encode()
+    return out.decode(errors="replace")
 
 
 class NameConvertor(Convertor[str]):
     """A group or topic name, any characters; see :func:`segment`."""
 
-    regex = "[^/]+"
+    regex = r"(?:[A-Za-z0-9._-]|~[0-9A-F]{2})+"
 
     def convert(self, value: str) -> str:
-        return unquote(value)
+        return _unescape(value)
 
     def to_string(self, value: str) -> str:
         return segment(str(value))
@@ -61,7 +72,5 @@ def register() -> None:
 
 
 def here(request: Request) -> str:
-    """This request's path and query as the browser sent them (encoded), to come back to after a login."""
-    raw: Any = request.scope.get("raw_path")
-    path = raw.decode("latin-1") if isinstance(raw, bytes) else quote(request.url.path)
-    return path + (f"?{request.url.query}" if request.url.query else "")
+    """This request's path and query, to come back to after a login."""
+    return request.url.path + (f"?{request.url.query}" if request.url.query else "")

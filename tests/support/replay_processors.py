@@ -14,15 +14,18 @@ Imported as ``replay_processors`` by those processes, and as ``tests.support.rep
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
 from kstore import Message, Processor
+from kstore.db.deadletters import DEAD, build_table
 from tests.support.processors import effects
 
 LOG_ENV = "KSTORE_TEST_REPLAY_LOG"
@@ -33,6 +36,7 @@ class Step(NamedTuple):
     at: float
     what: str  # setup, start, end, teardown
     n: int | None
+    pid: int
 
 
 def note(what: str, n: int | None = None) -> None:
@@ -40,7 +44,7 @@ def note(what: str, n: int | None = None) -> None:
     if not path:
         return
     with _log_lock, open(path, "a") as log:
-        log.write(f"{time.time():.6f} {what} {'-' if n is None else n}\n")
+        log.write(f"{time.time():.6f} {what} {'-' if n is None else n} {os.getpid()}\n")
 
 
 def steps(path: Path) -> list[Step]:
@@ -48,8 +52,8 @@ def steps(path: Path) -> list[Step]:
         return []
     found = []
     for line in path.read_text().splitlines():
-        at, what, n = line.split()
-        found.append(Step(float(at), what, None if n == "-" else int(n)))
+        at, what, n, pid = line.split()
+        found.append(Step(float(at), what, None if n == "-" else int(n), int(pid)))
     return found
 
 
@@ -57,6 +61,22 @@ def when(found: list[Step], what: str, n: int | None = None) -> float:
     """When the one ``what`` step of message ``n`` ran (every message is handled once in these tests)."""
     [at] = [s.at for s in found if s.what == what and s.n == n]
     return at
+
+
+def dead_letter(dsn: str, value: dict[str, Any], topic: str = "orders") -> int:
+    """A dead letter of ``SlowReplay``'s group, its offset ``value["n"]``, waiting to be replayed."""
+    t = build_table()
+    stamp = datetime.now(timezone.utc)
+    engine = sa.create_engine(dsn)
+    try:
+        with engine.begin() as conn:
+            return int(conn.execute(t.insert().returning(t.c.id), {
+                "consumer_group": SlowReplay.group, "topic": topic, "partition_id": 0, "offset": value["n"],
+                "key": None, "value": json.dumps(value).encode(), "headers": "[]", "timestamp": stamp,
+                "error": "ValueError: bad order", "traceback": "Traceback ...", "attempts": 1,
+                "first_failure_at": stamp, "last_failure_at": stamp, "status": DEAD}).scalar_one())
+    finally:
+        engine.dispose()
 
 
 class SlowReplay(Processor):

@@ -6,80 +6,22 @@ The brokers are not needed for these pages (the overview's are, and are in the i
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
 
-from kstore import Settings, migrate
+from kstore import Settings
 from kstore.console import app
 from kstore.console.auth import LoginThrottle
 from kstore.console.sampling import Sampler, svg_chart, throughput
 from kstore.db import deadletters, samples
 from kstore.db.store import Store, make_engine
-from kstore.db.writes import now
 from kstore.errors import BrokerError, ConfigurationError, KstoreError
 from kstore.ops.lag import GroupReading, PartitionReading
+from tests.support.console_pages import GROUP, PASSWORD, console_client, csrf_of, log_in, statuses
 from tests.support.harness import wait_until
-
-PASSWORD = "c0nsole-Pa55"
-GROUP = "orders"
-
-
-def _letter(conn: sa.Connection, table: sa.Table, n: int, error: str) -> None:
-    now = datetime.now(timezone.utc)
-    conn.execute(table.insert().values(
-        consumer_group=GROUP, topic="t", partition_id=n % 2, offset=n, key=None, value=f"v{n}".encode(),
-        headers="[]", timestamp=now, error=error, traceback="Traceback ...", attempts=2, first_failure_at=now,
-        last_failure_at=now, status=deadletters.DEAD))
-
-
-@pytest.fixture
-def dsn(tmp_path: Path) -> str:
-    dsn = f"sqlite:///{tmp_path / 'kstore.db'}"
-    settings = Settings(dsn=dsn)
-    migrate(settings)
-    engine = make_engine(settings)
-    table = deadletters.build_table()
-    with engine.begin() as conn:
-        for n in range(1, 8):
-            _letter(conn, table, n, "ValueError: bad order" if n % 2 else "KeyError: 'sku'")
-        conn.execute(Store(engine, settings).offsets.insert().values(
-            consumer_group=GROUP, topic="t", partition_id=0, next_offset=5, epoch=1, updated_at=now()))
-    engine.dispose()
-    return dsn
-
-
-def _client(dsn: str, **settings: object) -> Iterator[TestClient]:
-    web = app(Settings(dsn=dsn, bootstrap_servers="127.0.0.1:1", console_sample_interval_s=0, **settings))
-    with TestClient(web, base_url="http://127.0.0.1") as client:
-        yield client
-
-
-@pytest.fixture
-def client(dsn: str) -> Iterator[TestClient]:
-    yield from _client(dsn, console_password=PASSWORD)
-
-
-@pytest.fixture
-def read_only(dsn: str) -> Iterator[TestClient]:
-    yield from _client(dsn, console_read_only=True)
-
-
-def _csrf(page: str) -> str:
-    found = re.search(r'name="csrf_token" value="([^"]+)"', page)
-    assert found, page
-    return found.group(1)
-
-
-def _log_in(client: TestClient, name: str = "ann") -> str:
-    token = _csrf(client.get("/login").text)
-    r = client.post("/login", data={"csrf_token": token, "operator": name, "password": PASSWORD})
-    assert r.status_code == 200 and f'<span id="operator">{name}</span>' in r.text
-    return _csrf(r.text)
 
 
 def test_a_console_that_can_act_refuses_to_start_without_a_login_configured(dsn: str) -> None:
@@ -95,7 +37,7 @@ def test_every_page_redirects_to_the_login_without_one(client: TestClient) -> No
 
 
 def test_a_wrong_password_is_refused_and_sets_no_operator(client: TestClient) -> None:
-    token = _csrf(client.get("/login").text)
+    token = csrf_of(client.get("/login").text)
     r = client.post("/login", data={"csrf_token": token, "operator": "ann", "password": "wrong"})
     assert r.status_code == 401
     assert client.get("/", follow_redirects=False).status_code == 303
@@ -106,7 +48,7 @@ def test_failed_logins_from_one_address_are_refused_for_a_while_the_right_passwo
                        console_password=PASSWORD))
     with TestClient(web, base_url="http://127.0.0.1", client=("10.0.0.1", 1)) as guesser, \
             TestClient(web, base_url="http://127.0.0.1", client=("10.0.0.2", 1)) as operator:
-        token = _csrf(guesser.get("/login").text)
+        token = csrf_of(guesser.get("/login").text)
         for n in range(5):
             r = guesser.post("/login", data={"csrf_token": token, "operator": "eve", "password": f"guess{n}"})
             assert r.status_code == 401, n
@@ -114,7 +56,7 @@ def test_failed_logins_from_one_address_are_refused_for_a_while_the_right_passwo
         assert r.status_code == 429 and "too many failed logins" in r.text
         assert 1 <= int(r.headers["Retry-After"]) <= 300
         assert guesser.get("/", follow_redirects=False).status_code == 303, "the right password let nobody in"
-        _log_in(operator)  # another address is not held up
+        log_in(operator)  # another address is not held up
 
 
 def test_the_login_throttle_lets_an_address_try_again_once_its_failures_leave_the_window() -> None:
@@ -135,23 +77,23 @@ def test_a_login_without_the_forms_csrf_token_is_refused(client: TestClient) -> 
 
 
 def test_every_action_is_refused_without_a_login(client: TestClient, dsn: str) -> None:
-    token = _csrf(client.get("/login").text)
+    token = csrf_of(client.get("/login").text)
     for path in (f"/groups/{GROUP}/dead-letters/1/discard", f"/groups/{GROUP}/dead-letters/1/resolve",
                  f"/groups/{GROUP}/dead-letters/1/replay", f"/groups/{GROUP}/dead-letters/matching/discard",
                  f"/groups/{GROUP}/offsets/plan", f"/groups/{GROUP}/offsets/execute"):
         r = client.post(path, data={"csrf_token": token, "reason": "r", "topic": "t", "target": "earliest"})
         assert r.status_code == 401, path
-    assert _statuses(dsn) == {deadletters.DEAD}
+    assert statuses(dsn) == {deadletters.DEAD}
 
 
 def test_every_action_is_refused_with_a_bad_csrf_token(client: TestClient, dsn: str) -> None:
-    _log_in(client)
+    log_in(client)
     for path in (f"/groups/{GROUP}/dead-letters/1/discard", f"/groups/{GROUP}/dead-letters/1/resolve",
                  f"/groups/{GROUP}/dead-letters/matching/resolve", f"/groups/{GROUP}/offsets/execute", "/logout"):
         for data in ({"csrf_token": "forged", "reason": "r"}, {"reason": "r"}):
             r = client.post(path, data=data)
             assert r.status_code == 403 and "CSRF" in r.text, path
-    assert _statuses(dsn) == {deadletters.DEAD}
+    assert statuses(dsn) == {deadletters.DEAD}
 
 
 def test_a_read_only_console_shows_without_a_login_hides_its_forms_and_refuses_actions(
@@ -162,11 +104,11 @@ def test_a_read_only_console_shows_without_a_login_hides_its_forms_and_refuses_a
     for path in (f"/groups/{GROUP}/dead-letters/1/discard", f"/groups/{GROUP}/offsets/plan", "/login"):
         r = read_only.post(path, data={"reason": "r"})
         assert r.status_code == 403, path
-    assert _statuses(dsn) == {deadletters.DEAD}
+    assert statuses(dsn) == {deadletters.DEAD}
 
 
 def test_discarding_a_letter_records_the_operator_and_the_reason(client: TestClient, dsn: str) -> None:
-    token = _log_in(client, "ann")
+    token = log_in(client, "ann")
     r = client.post(f"/groups/{GROUP}/dead-letters/3/discard", data={"csrf_token": token, "reason": "a test order"})
     assert r.status_code == 200 and "discarded dead letter 3" in r.text
     assert '<td class="by">ann@' in r.text and "a test order" in r.text
@@ -176,16 +118,16 @@ def test_discarding_a_letter_records_the_operator_and_the_reason(client: TestCli
 
 
 def test_an_action_that_fails_says_why_on_the_page_and_changes_nothing(client: TestClient, dsn: str) -> None:
-    token = _log_in(client)
+    token = log_in(client)
     r = client.post(f"/groups/{GROUP}/dead-letters/3/resolve", data={"csrf_token": token, "reason": ""})
     assert r.status_code == 200 and 'id="flash"' in r.text and "give a reason" in r.text
     r = client.post(f"/groups/{GROUP}/dead-letters/3/replay", data={"csrf_token": token, "reason": "x"})
     assert "--processor" in r.text
-    assert _statuses(dsn) == {deadletters.DEAD}
+    assert statuses(dsn) == {deadletters.DEAD}
 
 
 def test_the_list_filters_and_pages_and_a_filter_resolves_what_it_matches(client: TestClient, dsn: str) -> None:
-    token = _log_in(client)
+    token = log_in(client)
     r = client.get(f"/groups/{GROUP}/dead-letters", params={"error_type": "KeyError"})
     assert re.findall(r'dead-letters/(\d+)">', r.text) == ["2", "4", "6"]
     r = client.get(f"/groups/{GROUP}/dead-letters", params={"partition": "1", "error": "BAD"})
@@ -193,7 +135,7 @@ def test_the_list_filters_and_pages_and_a_filter_resolves_what_it_matches(client
     r = client.post(f"/groups/{GROUP}/dead-letters/matching/resolve",
                     data={"csrf_token": token, "reason": "sku fixed", "error_type": "KeyError"})
     assert "resolve: done 3" in r.text
-    assert _statuses(dsn, "resolved") == [2, 4, 6]
+    assert statuses(dsn, "resolved") == [2, 4, 6]
     r = client.get(f"/groups/{GROUP}/dead-letters", params={"partition": "x"})
     assert r.status_code == 400 and 'id="error">partition: give a whole number' in r.text
 
@@ -221,19 +163,19 @@ def test_pages_forbid_framing_and_caching(client: TestClient) -> None:
 
 
 def test_the_login_only_sends_back_to_a_path_of_the_console(client: TestClient) -> None:
-    token = _csrf(client.get("/login").text)
+    token = csrf_of(client.get("/login").text)
     r = client.post("/login", data={"csrf_token": token, "operator": "ann", "password": PASSWORD,
                                     "next": "//evil.example/x"}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "http://127.0.0.1/"
 
 
 def test_a_trusted_header_names_the_operator(dsn: str) -> None:
-    for client in _client(dsn, console_user_header="X-Forwarded-User"):
+    with console_client(dsn, console_user_header="X-Forwarded-User") as client:
         assert client.get("/", follow_redirects=False).status_code == 303
         r = client.get(f"/groups/{GROUP}/dead-letters/5", headers={"X-Forwarded-User": "bob"})
         assert r.status_code == 200 and '<span id="operator">bob</span>' in r.text
         r = client.post(f"/groups/{GROUP}/dead-letters/5/resolve", headers={"X-Forwarded-User": "bob"},
-                        data={"csrf_token": _csrf(r.text), "reason": "done by hand"})
+                        data={"csrf_token": csrf_of(r.text), "reason": "done by hand"})
         assert "resolved dead letter 5" in r.text
     assert [c.by_user for c in deadletters.show_dead_letter(Settings(dsn=dsn), 5)[1]] == ["bob"]
 
@@ -274,15 +216,3 @@ def test_sampling_writes_every_group_and_keeps_the_table_bounded(dsn: str) -> No
     assert "<polyline" in svg_chart("lag", [(s.at, float(s.lag_messages)) for s in kept], "messages")
     assert "not enough samples" in svg_chart("lag", [], "messages")
     engine.dispose()
-
-
-def _statuses(dsn: str, status: str | None = None) -> object:
-    engine = make_engine(Settings(dsn=dsn))
-    t = deadletters.build_table()
-    with engine.connect() as conn:
-        if status is None:
-            found: object = set(conn.execute(sa.select(t.c.status)).scalars())
-        else:
-            found = list(conn.execute(sa.select(t.c.id).where(t.c.status == status).order_by(t.c.id)).scalars())
-    engine.dispose()
-    return found
