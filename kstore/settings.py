@@ -308,7 +308,7 @@ class Settings:
     @property
     def secrets(self) -> list[str]:
         """Every secret value these settings hold (the DSN's password too): what a
-        :class:`~kstore.cli.masking.Masker` needs to find where one ends in a driver's text."""
+        :class:`~kstore.ops.masking.Masker` needs to find where one ends in a driver's text."""
         found = [make_url(self.dsn).password, self.sasl_password, self.ssl_key_password, self.schema_registry_password,
                  self.console_password, self.console_session_key, *_url_passwords(self.schema_registry_url)]
         return [str(v) for v in found if v]

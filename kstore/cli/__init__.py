@@ -6,8 +6,7 @@
 - :mod:`~kstore.cli.migrate`: ``kstore migrate`` (the database side);
 - :mod:`~kstore.cli.ops` and :mod:`~kstore.cli.letters`: the operator's commands (``offsets``,
   ``outbox``, ``exporter``, ``top``, ``topics``; ``dead-letters``);
-- :mod:`~kstore.cli.common`: what every command shares (options, one-line errors, signals);
-- :mod:`~kstore.cli.masking`: credentials kept out of what a driver or a client says.
+- :mod:`~kstore.cli.common`: what every command shares (options, one-line errors, signals).
 
 May import everything below it (the engine, the operator's tools, the database side, settings);
 nothing in kstore imports it but ``python -m kstore``. No SQL and no Kafka here: a command parses

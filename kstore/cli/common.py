@@ -1,6 +1,6 @@
 """What every ``kstore`` command shares: the options that build :class:`~kstore.settings.Settings`,
 running one library call with a KstoreError as one line and an exit code, and keeping credentials
-out of what is printed and logged (:mod:`kstore.cli.masking`).
+out of what is printed and logged (:mod:`kstore.ops.masking`).
 
 Each command group (:mod:`kstore.cli.worker`, :mod:`kstore.cli.migrate`, :mod:`kstore.cli.ops`,
 :mod:`kstore.cli.letters`) builds on this; :mod:`kstore.cli.command` puts them under the ``kstore``
@@ -20,7 +20,7 @@ import click
 
 from kstore.errors import KstoreError
 from kstore.kafka.options import KAFKA_CLIENTS, SASL_MECHANISM_NAMES, SECURITY_PROTOCOLS
-from kstore.masking import Masker
+from kstore.ops.masking import Masker
 from kstore.settings import Settings
 
 #: The commands' own log lines (a stop signal, a rolled back batch): one logger for the whole command.
@@ -142,7 +142,7 @@ def run(ctx: click.Context, settings_factory: Callable[[], Settings], action: Ca
 def _fail(ctx: click.Context, masker: Masker, message: str, code: int) -> NoReturn:
     if ctx.obj["debug"]:
         log.exception("failed")
-    # kstore's own messages hold no secret; a driver's text inside one might (see kstore.cli.masking).
+    # kstore's own messages hold no secret; a driver's text inside one might (see kstore.ops.masking).
     click.echo(masker.mask(" ".join(message.splitlines())), err=True)
     ctx.exit(code)
     raise AssertionError("unreachable")

@@ -301,12 +301,18 @@ def _edited_value(console: Console, original: bytes | None, box: str, encoding: 
 
 
 def _from_base64(box: str) -> bytes:
-    """The box's base64, strictly: line breaks and spaces aside, a character outside its alphabet or
-    a missing ``=`` is an error, never bytes silently dropped."""
+    """The box's base64, strictly: line breaks and spaces aside, it must be exactly the base64 of the
+    bytes it gives (a character outside its alphabet, a missing or extra ``=`` is an error), so no
+    character of the edit is silently dropped."""
+    given = "".join(box.split())
     try:
-        return base64.b64decode("".join(box.split()), validate=True)
+        found = base64.b64decode(given, validate=True)
     except ValueError as exc:  # binascii.Error, or a character that is not ASCII
         raise ConfigurationError(f"the edited value is not base64 ({exc}): nothing was replayed") from None
+    if base64.b64encode(found).decode() != given:
+        raise ConfigurationError("the edited value is not base64 (it has more than the base64 of its bytes, "
+                                 "e.g. an extra '='): nothing was replayed")
+    return found
 
 
 async def act_on_matching(request: Request) -> Response:

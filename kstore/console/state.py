@@ -25,8 +25,8 @@ from starlette.templating import Jinja2Templates
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import acting_as, aware
 from kstore.errors import BrokerError, ConfigurationError, KstoreError
-from kstore.masking import Masker
 from kstore.ops.lag import GroupReading, LagReader
+from kstore.ops.masking import Masker
 from kstore.processor import Processor
 from kstore.schemas import Registry, UnknownSchemaError, WireFormatError
 from kstore.schemas.formats import decoded_for_display

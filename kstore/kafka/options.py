@@ -22,7 +22,9 @@ from typing import Any, cast
 
 from kstore.errors import ConfigurationError
 from kstore.kafka.rdkafkaoptions import check_librdkafka_options, refuse_reserved
-from kstore.masking import MASK
+
+#: What a secret is shown as.
+MASK = "***"
 
 #: The Kafka clients kstore's worker can consume with: kafka-python (the default) or
 #: confluent-kafka (librdkafka), whose ``kafka_options`` are librdkafka's property names.

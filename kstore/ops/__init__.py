@@ -6,6 +6,8 @@
 - :mod:`~kstore.ops.lag`: a group's lag in messages and seconds, from the database and the brokers;
   :mod:`~kstore.ops.exporter` serves it as Prometheus metrics, :mod:`~kstore.ops.top` in the terminal.
 - :mod:`~kstore.ops.topics`: a processor's topics, looked up or created (``kstore topics``).
+- :mod:`~kstore.ops.masking`: credentials kept out of what a driver or a client says, wherever kstore
+  prints, logs or shows it (the command line, the web console).
 
 Their commands are :mod:`kstore.cli.ops` and :mod:`kstore.cli.letters`.
 

@@ -5,14 +5,19 @@ the transaction that marks the letter replayed (:meth:`kstore.db.deadletters.Dea
 so its effects and the mark commit together, once, even if two operators replay it at once.
 The processor's ``setup`` and ``teardown`` run around a replay as around a worker's life.
 No worker is needed, and none is involved: this runs in the operator's process.
+
+Replays through one :class:`Processor` object run one at a time (the console's operators, or a
+program's threads, sharing it): a processor is written for a worker, which runs one batch at a time
+between one ``setup`` and one ``teardown``. A second waits for the first (:data:`BUSY_WAIT_S`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy import Connection
@@ -141,17 +146,62 @@ def replay_matching(settings: Settings, processor: Processor, group: str, where:
 @contextmanager
 def _replaying(letters: DeadLetters, processor: Processor, group: str) -> Iterator[Callable[[Produced], None]]:
     """The processor's ``setup`` (under the group's setup lock, as a worker's) and ``teardown``
-    around replays, and the check of what they produce."""
+    around replays, and the check of what they produce; all of it one replay at a time per
+    processor object (:func:`_one_at_a_time`)."""
     settings = letters.settings
-    bind_formats(processor, settings)
-    call_setup(processor, letters.engine, group)
-    partitions = partition_counts(settings)
+    with _one_at_a_time(processor, group):
+        bind_formats(processor, settings)
+        call_setup(processor, letters.engine, group)
+        partitions = partition_counts(settings)
+        try:
+            yield produce_check(partitions.count, settings.outbox_max_record_bytes,
+                                f"Kafka at {settings.bootstrap_servers}", declared_topics(processor))
+        finally:
+            partitions.close()
+        call_hook(processor, "teardown")
+
+
+#: How long a replay waits for another one through the same processor object: an operator's page
+#: or command behind a long walk is told to try again rather than left hanging.
+BUSY_WAIT_S = 60.0
+
+
+@dataclass
+class _Turn:
+    """A processor object's replays: the lock one holds, and how many hold it or wait for it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
+
+
+#: By ``id(processor)`` (a processor need not be hashable); an entry lives only while a replay holds
+#: or waits for it, so its processor is alive and no other object has that id.
+_turns: dict[int, _Turn] = {}
+_turns_lock = threading.Lock()
+
+
+@contextmanager
+def _one_at_a_time(processor: Processor, group: str) -> Iterator[None]:
+    """Hold ``processor`` for one replay, after waiting up to :data:`BUSY_WAIT_S` for the one
+    holding it; :class:`DeadLetterBusyError` if it is still held then (nothing ran)."""
+    key = id(processor)
+    with _turns_lock:
+        turn = _turns.setdefault(key, _Turn())
+        turn.users += 1
     try:
-        yield produce_check(partitions.count, settings.outbox_max_record_bytes,
-                            f"Kafka at {settings.bootstrap_servers}", declared_topics(processor))
+        if not turn.lock.acquire(timeout=BUSY_WAIT_S):
+            raise DeadLetterBusyError(
+                f"another replay through the processor of group {group!r} ({type(processor).__name__}) is "
+                f"running: try again when it has finished; nothing was replayed")
+        try:
+            yield
+        finally:
+            turn.lock.release()
     finally:
-        partitions.close()
-    call_hook(processor, "teardown")
+        with _turns_lock:
+            turn.users -= 1
+            if not turn.users:
+                del _turns[key]
 
 
 #: How often a walk tries one letter through database errors before it stops, and the first pause.
@@ -230,4 +280,3 @@ def edits_from_options(ids: Sequence[int], key: str | None, value: str | None,
     if value is not None:
         new_value = value.encode()
     return {ids[0]: Edit(key=None if key is None else key.encode(), value=new_value)}
-BUSY_WAIT_S = 60.0

@@ -5,7 +5,7 @@ replay and :func:`kstore.testing.run_batch`; and what :meth:`~kstore.Processor.p
 Invariants: the processor's writes join the caller's open transaction, which only the caller
 commits; a message set aside as rejected wrote nothing and produces nothing; what ``produce()``
 refused that is not the message's fault (:data:`NOT_THE_MESSAGE`) fails the batch even if the
-processor caught it.
+processor caught it; a processor object runs one batch at a time (another thread's is refused).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol, cast
@@ -215,9 +216,13 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
     An async processor (``async def handle``) runs the batch's messages concurrently on its
     event loop, as ``concurrency`` says (default: the processor's own attributes); it returns
     only once every message has finished, and raises if any failed (see :mod:`kstore.running.concurrency`).
+
+    One processor object runs one batch at a time: a call while another thread's batch of it runs
+    raises :class:`~kstore.errors.ProcessorContractError` before anything runs.
     """
     default = type(processor).handle_batch is Processor.handle_batch
     span = tracing if tracing is not None and tracing.enabled else None
+    claimed = _claim(processor)  # before the try: a refused call must not end the other thread's batch
     try:
         with batch_session(conn, defer_inserts=processor.defer_inserts) as session:
             processor.session = session
@@ -245,6 +250,30 @@ def run_handler(processor: Processor, conn: Connection, msgs: Sequence[Message],
         # transaction on the worker's connection that nothing ends.
         vars(processor).pop("session", None)
         vars(processor).pop("_outgoing", None)
+        if claimed:
+            with _batches_lock:
+                del _batches[id(processor)]
+
+
+#: The thread running a batch of each processor object, by ``id`` (a processor need not be
+#: hashable): an entry lives only while its batch runs, so no other object has that id then.
+_batches: dict[int, int] = {}
+_batches_lock = threading.Lock()
+
+
+def _claim(processor: Processor) -> bool:
+    """Mark ``processor`` as running a batch in this thread: True if this call marked it (a call nested
+    in this thread's batch leaves the mark to the outer one). A batch of it running in another thread
+    raises: both would set ``processor.session``, and one's writes would land in the other's transaction."""
+    key, me = id(processor), threading.get_ident()
+    with _batches_lock:
+        holder = _batches.get(key)
+        if holder is None:
+            _batches[key] = me
+    if holder is not None and holder != me:
+        raise ProcessorContractError(f"{type(processor).__name__} is running a batch in another thread: a Processor "
+                                     f"runs one batch at a time; give each thread its own processor")
+    return holder is None
 
 
 def _raise_refused(outgoing: Outgoing | None, raised: Exception | None) -> None:

@@ -87,9 +87,11 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     click(browser, listed[0].find_element(By.TAG_NAME, "a"))
     letter_id = int(browser.find_element(By.ID, "letter-id").text)
     assert json.loads(browser.find_element(By.ID, "value").text) == {"n": 7, "kind": "crash"}
+    shot(browser, "dead-letter")
 
     # Replay it with the value edited (the crash marker taken out): the processor writes its effect.
-    browser.find_element(By.ID, "edit").click()
+    # The edit is a page of its own, the whole value in its box.
+    click(browser, browser.find_element(By.ID, "edit"))
     box = browser.find_element(By.ID, "edited-value")
     box.clear()
     box.send_keys('{"n": 1007}')
@@ -99,7 +101,6 @@ def test_an_operator_watches_a_running_worker_and_replays_an_edited_dead_letter(
     browser.find_element(By.ID, "reason").send_keys("order 7 fixed by hand" + Keys.ENTER)
     assert browser.find_element(By.ID, "status").text == "dead"
     assert _statuses(pg_dsn)[letter_id] == "dead"
-    shot(browser, "dead-letter")
     click(browser, browser.find_element(By.ID, "replay"))
     assert browser.find_element(By.ID, "flash").text == f"replayed dead letter {letter_id} with the edited value"
     assert browser.find_element(By.ID, "status").text == "replayed"

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.masking import Masker
+from kstore.ops.masking import Masker
 from tests.conftest import KAFKA_CLIENT, PG_DRIVER, PG_PASSWORD
 from tests.integration.cli.test_cli import kstore
 from tests.support.harness import WorkerProcess

@@ -26,6 +26,8 @@ PASSWORD = "letter-page-Pa55word"
 GROUP = "orders"
 #: The letter page's HTML, whatever the letter holds, stays under this.
 SMALL_PAGE = 64 * 1024
+#: More than the edit form takes in a field (a value as large as Kafka takes, as a browser sends it).
+OVER_THE_EDIT_FORM = 7 * 1024 * 1024
 #: Each letter its own offset.
 _OFFSETS = itertools.count(1)
 
@@ -250,6 +252,16 @@ def test_an_edited_value_as_large_as_kafka_takes_is_replayed_byte_for_byte(clien
     r = _replay_edited(client, letter_id, lambda box: box.replace("line", "LINE", 1))
     assert f"replayed dead letter {letter_id} with the edited value" in r.text
     assert _kept(dsn) == [value.replace(b"line", b"LINE", 1)]
+
+
+def test_an_edit_larger_than_the_console_takes_is_refused_on_a_page_and_nothing_is_replayed(
+        client: TestClient, dsn: str) -> None:
+    letter_id = _insert(dsn, b"small")
+    form = _edit_form(_page(client, letter_id, "/edit"))
+    r = client.post(f"/groups/{GROUP}/dead-letters/{letter_id}/replay",
+                    data={**form, "value": "x" * OVER_THE_EDIT_FORM})
+    assert r.status_code == 413 and 'id="refused"' in r.text and "--value-file" in r.text
+    assert _status(dsn, letter_id) == deadletters.DEAD and _kept(dsn) == []
 
 
 def test_a_value_larger_than_kafka_takes_is_not_offered_for_editing(client: TestClient, dsn: str) -> None:

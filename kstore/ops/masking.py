@@ -1,5 +1,5 @@
-"""Secrets kept out of what kstore prints, logs and shows (the ``kstore`` command, the web console): by
-where they stand, never by their text.
+"""Secrets kept out of what kstore prints, logs and shows (the ``kstore`` command, the web console):
+by where they stand, never by their text.
 
 kstore's own lines never hold a secret in the first place: a DSN is shown as SQLAlchemy renders
 it with the password hidden (``Settings.safe_dsn``), and Kafka passwords are never formatted
@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote, quote_plus
 
-#: What stands where a secret was.
-MASK = "***"
+from kstore.kafka.options import MASK
+
 #: A URL up to its password: ``scheme://user:``.
 _URL_PASSWORD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@?#'\"]*:")
 #: A pair whose name says it holds a secret, up to its value: ``password=``, ``'sasl.password': ``.
