@@ -19,6 +19,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Message, Receive, Scope, Send
 
+from kstore.db.migration import check_migrated
+from kstore.errors import DatabaseError, NotMigratedError
 from kstore.processor import Processor
 from kstore.settings import Settings
 
@@ -44,6 +46,8 @@ def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *
     """
     urls.register()
     console = Console(settings, processors or {})
+    if not console.read_only:
+        _check_migrated(console)
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -85,6 +89,18 @@ def app(settings: Settings, processors: Mapping[str, Processor] | None = None, *
     )
     web.state.console = console
     return web
+
+
+def _check_migrated(console: Console) -> None:
+    """A console that acts keeps its logins in the database: refuse to start on one that lacks the table
+    (one clear line), but serve on through an outage (its pages say so)."""
+    try:
+        check_migrated(console.engine, console.settings)
+    except NotMigratedError:
+        console.close()
+        raise
+    except DatabaseError:
+        pass
 
 
 async def login_page(request: Request) -> Response:

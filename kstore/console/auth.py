@@ -117,7 +117,8 @@ class LoginThrottle:
 
 
 def client_address(request: Request) -> str:
-    """The address a request came from (the proxy's, behind one: all its users share one count)."""
+    """The address a request came from: the client's own, or behind a trusted proxy
+    (``console_trusted_proxies``) the one that proxy names; any other proxy's users share its address."""
     return request.client.host if request.client is not None else "unknown"
 
 

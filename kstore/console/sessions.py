@@ -40,6 +40,7 @@ FLASH = "flash"
 #: How long a login lasts, however active.
 LIFETIME = timedelta(hours=12)
 _NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
+_UNAVAILABLE = PlainTextResponse("the console's database does not answer: try again shortly", status_code=503)
 
 
 class ServerSessions:
@@ -62,8 +63,7 @@ class ServerSessions:
         try:
             login = await run_in_threadpool(self.logins.find, token, self.password_check) if token else None
         except SQLAlchemyError:
-            await PlainTextResponse("the console's database does not answer: try again shortly",
-                                    status_code=503)(scope, receive, send)
+            await _UNAVAILABLE(scope, receive, send)
             return
         nonce = cookies.get(FORM_COOKIE, "")
         new_nonce = None if _NONCE.fullmatch(nonce) else secrets.token_urlsafe(24)
@@ -72,10 +72,20 @@ class ServerSessions:
         before = dict(session)
         scope["session"] = session
 
+        unsaved = False
+
         async def sending(message: Message) -> None:
+            nonlocal unsaved
+            if unsaved:  # the page's own answer, replaced by the 503 below
+                return
             if message["type"] == "http.response.start":
-                set_cookies = await run_in_threadpool(self._save, token if login else None, login, before, session,
-                                                      secure)
+                try:
+                    set_cookies = await run_in_threadpool(self._save, token if login else None, login, before,
+                                                          session, secure)
+                except SQLAlchemyError:  # the login (or logout) did not happen: say so, not what the page said
+                    unsaved = True
+                    await _UNAVAILABLE(scope, receive, send)
+                    return
                 if new_nonce is not None and login is None:
                     set_cookies.append(_cookie(FORM_COOKIE, new_nonce, None, secure))
                 message["headers"] = [*message.get("headers", []),

@@ -13,12 +13,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from kstore import Processor, Settings
+from kstore import Processor, Settings, migrate
 from kstore.console import app
 from kstore.db import deadletters
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import now
-from kstore.errors import ConfigurationError
+from kstore.errors import ConfigurationError, NotMigratedError
 from kstore.types import Message
 from tests.support.console_pages import GROUP, PASSWORD, add_letter, console_client, csrf_of, log_in, statuses
 
@@ -169,7 +169,6 @@ def test_error_text_answers_a_right_guess_of_a_secret_as_it_answers_a_wrong_one(
 def test_a_console_password_that_is_also_an_ordinary_word_is_not_masked_out_of_the_pages(tmp_path: Path) -> None:
     word = "orders-orders"  # the password, and a group's name: pages show the group as it is
     dsn = f"sqlite:///{tmp_path / 'kstore.db'}"
-    from kstore import migrate
     migrate(Settings(dsn=dsn))
     _offsets_of(dsn, word)
     with console_client(dsn, console_password=word) as client:
@@ -280,3 +279,25 @@ def test_times_are_shown_with_their_timezone(client: TestClient) -> None:
     log_in(client)
     page = client.get(f"/groups/{GROUP}/dead-letters").text
     assert len(re.findall(r"<td>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ</td>", page)) == 7
+
+
+def test_a_console_that_acts_refuses_to_start_on_a_database_without_its_logins_table(tmp_path: Path) -> None:
+    dsn = f"sqlite:///{tmp_path / 'old.db'}"
+    migrate(Settings(dsn=dsn), "0013")
+    with pytest.raises(NotMigratedError, match="is at migration 0013, need 0014: run `kstore migrate"):
+        app(Settings(dsn=dsn, console_password=PASSWORD))
+    app(Settings(dsn=dsn, console_read_only=True))  # reading needs no logins
+
+
+def test_a_console_whose_database_does_not_answer_says_so_and_logs_no_one_in() -> None:
+    web = app(Settings(dsn="postgresql+psycopg2://kstore@127.0.0.1:1/nowhere", console_password=PASSWORD,
+                       console_sample_interval_s=0, db_timeout_s=1))
+    with TestClient(web) as client:
+        form = client.get("/login")
+        assert form.status_code == 200  # a login form asks nothing of the database
+        r = client.post("/login", data={"csrf_token": csrf_of(form.text), "operator": "ann", "password": PASSWORD})
+        assert r.status_code == 503 and "database does not answer" in r.text and not r.cookies.get("kstore_console")
+        client.cookies.set("kstore_console", "a-token-from-before-the-outage")
+        r = client.get("/")
+    assert r.status_code == 503 and "database does not answer" in r.text
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
