@@ -30,8 +30,8 @@ def add_letter(conn: sa.Connection, table: sa.Table, n: int, error: str) -> None
         last_failure_at=now, status=deadletters.DEAD))
 
 
-def seeded_dsn(tmp_path: Path) -> str:
-    dsn = f"sqlite:///{tmp_path / 'kstore.db'}"
+def seeded_dsn(tmp_path: Path, file: str = "kstore.db") -> str:
+    dsn = f"sqlite:///{tmp_path / file}"
     settings = Settings(dsn=dsn)
     migrate(settings)
     engine = make_engine(settings)

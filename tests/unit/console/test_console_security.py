@@ -20,7 +20,16 @@ from kstore.db.store import Store, make_engine
 from kstore.db.writes import now
 from kstore.errors import ConfigurationError, NotMigratedError
 from kstore.types import Message
-from tests.support.console_pages import GROUP, PASSWORD, add_letter, console_client, csrf_of, log_in, statuses
+from tests.support.console_pages import (
+    GROUP,
+    PASSWORD,
+    add_letter,
+    console_client,
+    csrf_of,
+    log_in,
+    seeded_dsn,
+    statuses,
+)
 
 SECRET = "SuperSecretKey123"
 
@@ -167,14 +176,14 @@ def test_error_text_answers_a_right_guess_of_a_secret_as_it_answers_a_wrong_one(
 
 
 def test_a_console_password_that_is_also_an_ordinary_word_is_not_masked_out_of_the_pages(tmp_path: Path) -> None:
-    word = "orders-orders"  # the password, and a group's name: pages show the group as it is
-    dsn = f"sqlite:///{tmp_path / 'kstore.db'}"
-    migrate(Settings(dsn=dsn))
-    _offsets_of(dsn, word)
+    word = "orders-ledger"  # the console's password, and the name of its database's file
+    dsn = seeded_dsn(tmp_path, f"{word}.db")
     with console_client(dsn, console_password=word) as client:
         token = csrf_of(client.get("/login").text)
-        client.post("/login", data={"csrf_token": token, "operator": "ann", "password": word})
-        assert f">{word}</a>" in client.get("/").text
+        page = client.post("/login", data={"csrf_token": token, "operator": "ann", "password": word}).text
+        assert f"/{word}.db" in page and "***" not in page
+        r = client.post(f"/groups/{GROUP}/dead-letters/1/resolve", data={"csrf_token": csrf_of(page), "reason": ""})
+        assert "give a reason" in r.text and f"/{word}.db" in r.text and "***" not in r.text
 
 
 def test_the_login_page_names_no_database(client: TestClient, dsn: str) -> None:
