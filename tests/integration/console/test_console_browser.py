@@ -224,3 +224,41 @@ def test_every_action_is_refused_without_a_login_or_with_a_bad_csrf_token(
         assert conn.execute(sa.text("SELECT count(*) FROM kstore_offset_history WHERE reason LIKE 'kstore console%'")
                             ).scalar_one() == 0
     engine.dispose()
+
+
+#: Group ids Kafka allows that break a link or a path: separators, a query, a fragment, an escape, dots, markup.
+HOSTILE_GROUPS = ["team/orders", "q?x=1&y=2", "a#b", "50%off", "..", "<img src=x onerror=alert(1)>", "zürich 2"]
+
+
+def test_an_operator_reaches_and_acts_on_groups_whose_names_break_urls_and_markup(
+        pg_dsn: str, kafka: str, new_topic: Callable[..., str], console: Callable[..., ConsoleProcess],
+        browser: WebDriver) -> None:
+    topic = new_topic(partitions=1)
+    engine = sa.create_engine(pg_dsn)
+    letters = deadletters.build_table()
+    with engine.begin() as conn:
+        for group in HOSTILE_GROUPS:
+            conn.execute(sa.text("INSERT INTO kstore_offsets (consumer_group, topic, partition_id, next_offset, epoch, "
+                                 "updated_at) VALUES (:g, :t, 0, 0, 1, now())"), {"g": group, "t": topic})
+            conn.execute(letters.insert().values(
+                consumer_group=group, topic=topic, partition_id=0, offset=2, key=None, value=b"{}", headers="[]",
+                error="ValueError: bad", traceback="...", attempts=1, first_failure_at=sa.func.now(),
+                last_failure_at=sa.func.now(), status=deadletters.DEAD))
+    engine.dispose()
+    web = console(pg_dsn, "any")
+    log_in(browser, web.url, "ann")
+
+    for group in HOSTILE_GROUPS:
+        browser.get(web.url + "/")
+        [link] = [a for a in browser.find_elements(By.CSS_SELECTOR, "#groups a") if a.text == group]
+        click(browser, link)
+        assert browser.title == f"{group}: kstore console", browser.current_url
+        assert topic in browser.find_element(By.ID, "partitions").text
+        click(browser, browser.find_element(By.LINK_TEXT, "dead letters"))
+        click(browser, browser.find_element(By.CSS_SELECTOR, "#letters tr.letter a"))
+        browser.find_element(By.ID, "reason").send_keys("a group of an awkward name")
+        click(browser, browser.find_element(By.ID, "discard"))
+        assert browser.find_element(By.ID, "status").text == "discarded", group
+        assert browser.execute_script("return document.images.length") == 0  # the markup stayed text
+
+    assert set(_statuses(pg_dsn).values()) == {deadletters.DISCARDED} and len(_statuses(pg_dsn)) == len(HOSTILE_GROUPS)
