@@ -230,8 +230,9 @@ class Settings:
     #: ``kstore console`` behind a proxy that authenticates: the request header holding the operator's
     #: name (e.g. ``X-Forwarded-User``). Only where no one can reach the console but through that proxy.
     console_user_header: str | None = None
-    #: ``kstore console``: the key its login cookies are signed with (default: a new random one each
-    #: start, which logs everyone out at a restart); give one to several consoles behind one address.
+    #: ``kstore console``: the key that signs its login form's token and ties logins to the password
+    #: (default: a new random one each start, which logs everyone out at a restart); give one to keep
+    #: logins across restarts, the same one to several consoles behind one address.
     console_session_key: str | None = field(default=None, repr=False)
     #: ``kstore console`` behind proxies: the addresses (IPs, or networks such as ``10.0.0.0/8``) of those
     #: whose ``X-Forwarded-For`` is believed for the client's address (so the login throttle counts each
