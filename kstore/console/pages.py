@@ -243,8 +243,9 @@ async def act_on_letter(request: Request) -> Response:
         value = await run_in_threadpool(lambda: console.shown(found.value))
         return _edit_page(request, operator, found, value, str(form.get("value", "")), console.mask(str(exc)), 400)
     said, error = await _attempt(console, operator, lambda: _act(console, group, found.id, action, reason, edits))
-    flash(request, "error" if error else "done", error or said or "")
-    return RedirectResponse(request.url_for("letter", group=group, letter_id=found.id), status_code=303)
+    outcome = flash(request, "error" if error else "done", error or said or "")
+    return RedirectResponse(request.url_for("letter", group=group, letter_id=found.id).include_query_params(**outcome),
+                            status_code=303)
 
 
 async def _action_form(request: Request) -> tuple[str | None, FormData]:
@@ -334,9 +335,10 @@ async def act_on_matching(request: Request) -> Response:
         return f"{action}: done {done.done}{failed}, skipped {done.skipped}, remaining {done.remaining}"
 
     said, error = await _attempt(console, operator, act)
-    flash(request, "error" if error else "done", error or said or "")
+    outcome = flash(request, "error" if error else "done", error or said or "")
     query = {k: str(form.get(k, "")) for k in params.FILTERS if form.get(k)}
-    return RedirectResponse(request.url_for("letters", group=group).include_query_params(**query), status_code=303)
+    return RedirectResponse(request.url_for("letters", group=group).include_query_params(**query, **outcome),
+                            status_code=303)
 
 
 async def offsets(request: Request) -> Response:
@@ -380,8 +382,8 @@ async def execute_reset(request: Request) -> Response:
         return f"reset applied: {moves}; running workers pick it up within a few seconds"
 
     said, error = await _attempt(console, operator, execute)
-    flash(request, "error" if error else "done", error or said or "")
-    return RedirectResponse(request.url_for("offsets", group=group), status_code=303)
+    outcome = flash(request, "error" if error else "done", error or said or "")
+    return RedirectResponse(request.url_for("offsets", group=group).include_query_params(**outcome), status_code=303)
 
 
 async def outbox(request: Request) -> Response:

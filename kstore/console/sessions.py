@@ -35,8 +35,10 @@ from .auth import CSRF, OPERATOR, Auth
 
 #: The login's cookie, and the cookie behind the login form's CSRF token.
 COOKIE, FORM_COOKIE = "kstore_console", "kstore_console_form"
-#: The session key of the outcome waiting to be shown.
+#: The session key of the outcomes waiting to be shown, by the id of the action: each page shows its own.
 FLASH = "flash"
+#: How many outcomes wait at most (an action whose page was never loaded leaves one behind).
+KEPT_OUTCOMES = 16
 #: How long a login lasts, however active.
 LIFETIME = timedelta(hours=12)
 _NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
@@ -69,7 +71,7 @@ class ServerSessions:
         new_nonce = None if _NONCE.fullmatch(nonce) else secrets.token_urlsafe(24)
         session = self._session(login, new_nonce or nonce)
         secure = self.force_secure or scope.get("scheme") == "https"
-        before = dict(session)
+        before = {**session, FLASH: dict(session.get(FLASH) or {})}  # pages change the outcomes in place
         scope["session"] = session
 
         unsaved = False
@@ -108,20 +110,22 @@ class ServerSessions:
               after: dict[str, Any], secure: bool) -> list[str]:
         """Write what the page changed; the Set-Cookie values that follow from it."""
         operator = after.get(OPERATOR) or ""
-        outcome = json.dumps(after[FLASH]) if after.get(FLASH) else None
+        outcomes, earlier = after.get(FLASH) or {}, before.get(FLASH) or {}
         if token is not None and login is not None:
             if operator == login.operator and after.get(CSRF) == login.csrf:
-                if after.get(FLASH) != before.get(FLASH):
-                    self.logins.set_outcome(token, outcome)
+                added = {k: v for k, v in outcomes.items() if k not in earlier}
+                shown = [k for k in earlier if k not in outcomes]
+                if added or shown:
+                    self.logins.change_outcomes(token, added, shown, KEPT_OUTCOMES)
                 return []
             self.logins.end(token)  # logged out, or logged in anew: the old token acts no more
             if not operator:
                 return [_cookie(COOKIE, "", timedelta(0), secure)]
-        elif not operator and outcome is None:
+        elif not operator and not outcomes:
             return []
         # A new login, or (logins by a proxy's header) somewhere to keep an action's outcome.
         new = self.logins.create(operator, str(after.get(CSRF) or secrets.token_urlsafe(32)), self.password_check,
-                                 LIFETIME, outcome)
+                                 LIFETIME, json.dumps(outcomes) if outcomes else None)
         return [_cookie(COOKIE, new, LIFETIME, secure)]
 
 

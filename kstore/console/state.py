@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from kstore.settings import Settings
 
 from .auth import CSRF_FIELD, Auth, LoginThrottle, Refused, csrf_token
 from .sampling import Sampler
+from .sessions import FLASH
 from .urls import segment
 
 T = TypeVar("T")
@@ -163,7 +165,10 @@ class Console:
 
     def render(self, request: Request, name: str, operator: str | None, status: int = 200,
                **context: Any) -> Response:
-        flash = request.session.pop("flash", None) if "session" in request.scope else None
+        # The outcome of the action that led here: its own, by the id in the URL, whatever else was done meanwhile.
+        outcomes = request.session.get(FLASH) if "session" in request.scope else None
+        key = request.query_params.get("outcome")
+        flash = outcomes.pop(key, None) if key and isinstance(outcomes, dict) else None
         response: Response = self.templates.TemplateResponse(request, name, {
             "operator": operator, "read_only": self.read_only, "csrf_field": CSRF_FIELD,
             "csrf": csrf_token(request) if "session" in request.scope else "", "flash": flash,
@@ -209,8 +214,11 @@ def utc(when: datetime | None) -> str:
     return aware(when).astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def flash(request: Request, kind: str, text: str) -> None:
-    request.session["flash"] = {"kind": kind, "text": text}
+def flash(request: Request, kind: str, text: str) -> dict[str, str]:
+    """Keep an action's outcome for the page it redirects to; the query to ask that page with."""
+    key = secrets.token_urlsafe(9)
+    request.session.setdefault(FLASH, {})[key] = {"kind": kind, "text": text}
+    return {"outcome": key}
 
 
 __all__ = ["Console", "Refused", "Shown", "flash"]

@@ -9,13 +9,16 @@ under another console password (``password_check``), is no login.
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, delete, insert, select, update
 
-from .writes import aware, now
+from .writes import WRITES, aware, now
 
 
 def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
@@ -34,7 +37,8 @@ def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
 
 @dataclass(frozen=True)
 class Login:
-    """A live login: who, its CSRF token and the outcome waiting to be shown (JSON text, or None)."""
+    """A live login: who, its CSRF token and the outcomes of its actions waiting to be shown (JSON text
+    of a mapping from each action's id, or None)."""
 
     operator: str
     csrf: str
@@ -73,9 +77,26 @@ class Logins:
             return None
         return Login(row.operator, row.csrf, row.outcome)
 
-    def set_outcome(self, token: str, outcome: str | None) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(update(self.table).where(self.table.c.token_sha256 == _key(token)).values(outcome=outcome))
+    def change_outcomes(self, token: str, added: Mapping[str, Any], shown: Iterable[str], keep: int) -> None:
+        """Add the outcomes of actions (by id) and drop those a page showed, keeping the newest ``keep``.
+
+        Merged under the row's lock with what other requests of the login wrote meanwhile: two tabs
+        acting at once each find their own outcome."""
+        t = self.table
+        with self.engine.connect() as conn:
+            conn.execution_options(**WRITES).begin()  # on SQLite, BEGIN IMMEDIATE: the merge is serialised
+            found = conn.execute(select(t.c.outcome).where(t.c.token_sha256 == _key(token))
+                                 .with_for_update()).first()
+            if found is None:
+                return
+            outcomes: dict[str, Any] = json.loads(found.outcome) if found.outcome else {}
+            for done in shown:
+                outcomes.pop(done, None)
+            outcomes.update(added)
+            kept = dict(list(outcomes.items())[-keep:])
+            conn.execute(update(t).where(t.c.token_sha256 == _key(token))
+                         .values(outcome=json.dumps(kept) if kept else None))
+            conn.commit()
 
     def end(self, token: str) -> None:
         """Log ``token`` out: its cookie is no login from now on, wherever it is sent."""

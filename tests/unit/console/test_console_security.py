@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -310,3 +312,24 @@ def test_a_console_whose_database_does_not_answer_says_so_and_logs_no_one_in() -
         r = client.get("/")
     assert r.status_code == 503 and "database does not answer" in r.text
     assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+
+
+def test_two_tabs_acting_at_once_each_show_their_own_outcome(client: TestClient) -> None:
+    token = log_in(client)
+    tab = TestClient(client.app, base_url="http://127.0.0.1")
+    tab.cookies.update(client.cookies)
+    barrier = threading.Barrier(2)
+
+    def act(browser: TestClient, letter: int, action: str) -> str:
+        barrier.wait()
+        r = browser.post(f"/groups/{GROUP}/dead-letters/{letter}/{action}",
+                         data={"csrf_token": token, "reason": "two tabs"}, follow_redirects=False)
+        assert r.status_code == 303
+        return str(r.headers["location"])
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(act, client, 1, "discard")
+        second = pool.submit(act, tab, 3, "resolve")
+        pages = {1: first.result(), 3: second.result()}
+    assert 'id="flash">discarded dead letter 1<' in client.get(pages[1]).text
+    assert 'id="flash">resolved dead letter 3<' in client.get(pages[3]).text
