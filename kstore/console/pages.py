@@ -145,6 +145,7 @@ def _letter_shown(console: Console, letter: DeadLetter, changes: list[Change]) -
         "letter": letter, "key": console.shown(letter.key), "value": console.shown(letter.value),
         "headers": [(name, plain(value)) for name, value in letter.headers],
         "letter_error": Shown(letter.error, limit=ERROR_PREVIEW_CHARS),
+        "first_error": None if letter.first_error is None else Shown(letter.first_error, limit=ERROR_PREVIEW_CHARS),
         "traceback": Shown(letter.traceback, limit=ERROR_PREVIEW_CHARS),
         "history": [(c, plain(c.replayed_value, HISTORY_PREVIEW_CHARS) if c.edited else None) for c in changes],
     }

@@ -49,6 +49,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    func,
     select,
 )
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
@@ -103,6 +104,8 @@ def build_table(prefix: str = "kstore_", schema: str | None = None) -> Table:
         Column("last_failure_at", DateTime(timezone=True), nullable=False),
         Column("status", String(16), nullable=False),
         Column("replayed_at", DateTime(timezone=True), nullable=True),
+        # The error it was dead-lettered with, once a failed replay put another in ``error`` (migration 0015).
+        Column("first_error", Text, nullable=True),
     )
 
 
@@ -146,12 +149,16 @@ class DeadLetter:
     last_failure_at: datetime
     status: str
     replayed_at: datetime | None
+    #: The error it was dead-lettered with, when a failed replay's error has taken ``error``'s place.
+    first_error: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """Everything but the raw bytes and the traceback, for listings."""
         return {
             "id": self.id, "group": self.consumer_group, "topic": self.topic, "partition": self.partition_id,
-            "offset": self.offset, "error": self.error, "attempts": self.attempts, "status": self.status,
+            "offset": self.offset, "error": self.error,
+            **({"first_error": self.first_error} if self.first_error is not None else {}),
+            "attempts": self.attempts, "status": self.status,
             "first_failure_at": self.first_failure_at.isoformat(), "last_failure_at": self.last_failure_at.isoformat(),
             "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
         }
@@ -516,9 +523,10 @@ class DeadLetters:
         t = self.table
         with self.engine.connect() as conn:
             conn.execution_options(**WRITES).begin()
+            # first_error takes the error it was dead-lettered with, once: SET reads the row as it was.
             updated = conn.execute(t.update().where(t.c.id == letter.id, t.c.status == DEAD).values(
                 attempts=t.c.attempts + 1, last_failure_at=failure.last_at, error=failure.error,
-                traceback=failure.traceback)).rowcount
+                traceback=failure.traceback, first_error=func.coalesce(t.c.first_error, t.c.error))).rowcount
             if updated != 1:
                 return False
             self._record(conn, letter.id, letter.consumer_group, ACTIONS[REPLAYED], DEAD, reason, uuid.uuid4().hex,
@@ -532,7 +540,7 @@ def _row(r: Any) -> DeadLetter:
         id=r.id, consumer_group=r.consumer_group, topic=r.topic, partition_id=r.partition_id, offset=r.offset,
         key=r.key, value=r.value, headers=_decode_headers(r.headers), timestamp=r.timestamp, error=r.error,
         traceback=r.traceback, attempts=r.attempts, first_failure_at=r.first_failure_at,
-        last_failure_at=r.last_failure_at, status=r.status, replayed_at=r.replayed_at,
+        last_failure_at=r.last_failure_at, status=r.status, replayed_at=r.replayed_at, first_error=r.first_error,
     )
 
 

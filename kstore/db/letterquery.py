@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Table, func, select
+from sqlalchemy import ColumnElement, Connection, Table, func, or_, select
 
 from kstore.errors import ConfigurationError, KstoreError
 from kstore.settings import Settings
@@ -78,11 +78,15 @@ class LetterFilter:
             where.append(t.c.topic == self.topic)
         if self.partition is not None:
             where.append(t.c.partition_id == self.partition)
+        # A letter is found by its error now and by the one it was dead-lettered with (a failed replay's
+        # error takes the first's place; see first_error).
+        errors = (t.c.error, t.c.first_error)
         if self.error_type is not None:
             # The error is "<class name>: <message>" (or the bare name for an empty message).
-            where.append(t.c.error.startswith(f"{self.error_type}:", autoescape=True) | (t.c.error == self.error_type))
+            where.append(or_(*(e.startswith(f"{self.error_type}:", autoescape=True) | (e == self.error_type)
+                               for e in errors)))
         if self.error is not None:
-            where.append(t.c.error.icontains(self.error, autoescape=True))
+            where.append(or_(*(e.icontains(self.error, autoescape=True) for e in errors)))
         if self.since is not None:
             where.append(t.c.last_failure_at >= self.since)
         if self.until is not None:

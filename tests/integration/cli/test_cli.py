@@ -141,9 +141,9 @@ def test_migrate_says_what_it_did(tmp_path: Path) -> None:
         r = kstore("migrate", "--dsn", dsn, "--revision", revision)
         assert r.returncode == 0, r.stderr
         said.append(r.stdout.strip())
-    assert said == ["kstore tables created: migrated from none to 0005 (head is 0014)",
-                    "kstore tables migrated from 0005 to head 0014",
-                    "kstore tables already at head 0014: nothing to do"]
+    assert said == ["kstore tables created: migrated from none to 0005 (head is 0015)",
+                    "kstore tables migrated from 0005 to head 0015",
+                    "kstore tables already at head 0015: nothing to do"]
 
 
 def test_version_has_one_source() -> None:

@@ -351,6 +351,31 @@ def test_a_replay_that_fails_again_updates_its_letter(pg_dsn: str) -> None:
     assert statuses(pg_dsn) == {a: "replayed"} and effect_values(pg_dsn) == [(7, "poison")]
 
 
+@pytest.mark.parametrize("db", ["postgresql", "sqlite"])
+def test_a_letter_whose_replay_fails_otherwise_is_still_found_by_the_error_that_made_it_dead(
+        db: str, pg_dsn: str, sqlite_dsn: str) -> None:
+    dsn = pg_dsn if db == "postgresql" else sqlite_dsn
+    a = add_letter(dsn, "poison")
+    engine = sa.create_engine(dsn)
+    with engine.begin() as conn:  # as a record that did not decode is dead-lettered
+        conn.execute(build_table().update().values(error="DeserializationError: not JSON"))
+    engine.dispose()
+    for attempt in (1, 2):
+        r = kstore("dead-letters", "replay", "processors:Recorder", "--group", "g", "--reason", f"try {attempt}",
+                   "--execute", "--dsn", dsn, env={"KSTORE_TEST_FAIL_VALUE": "poison"})
+        assert r.returncode == 1 and "failed again: ValueError" in r.stderr, r.stderr
+    settings = Settings(dsn=dsn)
+    for error_type in ("DeserializationError", "ValueError"):
+        found = list_dead_letters(settings, "g", LetterFilter(error_type=error_type), 10, 0)
+        assert [d.id for d in found.letters] == [a], error_type
+    assert [d.id for d in list_dead_letters(settings, "g", LetterFilter(error="not json"), 10, 0).letters] == [a]
+    [letter] = list_dead_letters(settings, "g", LetterFilter(), 10, 0).letters
+    assert letter.error == "ValueError: poison message at t[0] offset 7"
+    assert letter.first_error == "DeserializationError: not JSON"  # kept through the second failure too
+    shown = kstore("dead-letters", "show", str(a), "--dsn", dsn).stdout
+    assert "first_error: DeserializationError: not JSON" in shown, shown
+
+
 def test_a_message_dead_lettered_again_after_a_rewind_updates_its_waiting_letter(
         pg_dsn: str, kafka: str, new_topic: Any, produce: Any, workers: Any) -> None:
     topic, group = new_topic(1), "again"

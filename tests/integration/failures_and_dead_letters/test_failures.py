@@ -214,7 +214,7 @@ def test_older_migration_is_refused_with_a_clear_line(tmp_path: Path, kafka: str
     dsn = f"sqlite:///{tmp_path / 'old.db'}"
     assert kstore("migrate", "--dsn", dsn, "--revision", "0001").returncode == 0
     r = kstore("worker", "processors:Recorder", "--dsn", dsn, "--bootstrap-servers", kafka, "--topic", topic)
-    assert_one_clear_line(r, "is at migration 0001, need 0014", "kstore migrate")
+    assert_one_clear_line(r, "is at migration 0001, need 0015", "kstore migrate")
 
 
 def test_invalid_option_values_get_one_line(sqlite_dsn: str, kafka: str) -> None:

@@ -295,7 +295,7 @@ def test_times_are_shown_with_their_timezone(client: TestClient) -> None:
 def test_a_console_that_acts_refuses_to_start_on_a_database_without_its_logins_table(tmp_path: Path) -> None:
     dsn = f"sqlite:///{tmp_path / 'old.db'}"
     migrate(Settings(dsn=dsn), "0013")
-    with pytest.raises(NotMigratedError, match="is at migration 0013, need 0014: run `kstore migrate"):
+    with pytest.raises(NotMigratedError, match="is at migration 0013, need 0015: run `kstore migrate"):
         app(Settings(dsn=dsn, console_password=PASSWORD))
     app(Settings(dsn=dsn, console_read_only=True))  # reading needs no logins
 

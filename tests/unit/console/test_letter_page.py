@@ -21,6 +21,7 @@ from kstore import Message, Processor, Settings, migrate
 from kstore.console import app, state
 from kstore.db import deadletters
 from kstore.db.store import make_engine
+from tests.support.console_pages import csrf_of
 
 PASSWORD = "letter-page-Pa55word"
 GROUP = "orders"
@@ -85,14 +86,8 @@ def client(dsn: str) -> Iterator[TestClient]:
     yield from _client(dsn)
 
 
-def _csrf(page: str) -> str:
-    found = re.search(r'name="csrf_token" value="([^"]+)"', page)
-    assert found, page[:2000]
-    return found.group(1)
-
-
 def _log_in(client: TestClient) -> None:
-    token = _csrf(client.get("/login").text)
+    token = csrf_of(client.get("/login").text)
     r = client.post("/login", data={"csrf_token": token, "operator": "ann", "password": PASSWORD},
                     follow_redirects=False)
     assert r.status_code == 303
@@ -105,7 +100,7 @@ def _page(client: TestClient, letter_id: int, tail: str = "") -> str:
 
 
 def _act(client: TestClient, letter_id: int, action: str, **fields: str) -> Any:
-    token = _csrf(_page(client, letter_id))
+    token = csrf_of(_page(client, letter_id))
     return client.post(f"/groups/{GROUP}/dead-letters/{letter_id}/{action}",
                        data={"csrf_token": token, "reason": "by hand", **fields})
 
@@ -138,7 +133,7 @@ def _edit_form(page: str) -> dict[str, str]:
     assert box and encoding, page[:3000]
     text = html.unescape(box.group(1))
     text = text[1:] if text.startswith("\n") else text
-    return {"csrf_token": _csrf(page), "edit": "on", "encoding": encoding.group(1),
+    return {"csrf_token": csrf_of(page), "edit": "on", "encoding": encoding.group(1),
             "value": text.replace("\n", "\r\n"), "reason": "edited"}
 
 
@@ -296,7 +291,7 @@ def test_a_letter_of_another_group_is_not_found_on_its_page_and_nothing_is_done_
         client: TestClient, dsn: str) -> None:
     mine = _insert(dsn, b"mine")
     theirs = _insert(dsn, b"theirs", group="payments")
-    token = _csrf(_page(client, mine))
+    token = csrf_of(_page(client, mine))
     for tail in ("", "/edit", "/key", "/value"):
         r = client.get(f"/groups/{GROUP}/dead-letters/{theirs}{tail}")
         assert r.status_code == 404 and 'id="refused"' in r.text and "theirs" not in r.text, tail
@@ -333,3 +328,13 @@ def test_a_value_decoded_with_its_schema_is_edited_as_json_and_unchanged_replays
     # processor has it written with the letter's schema: kstore.schemas.formats.encode_like).
     first, second = _kept(dsn)
     assert first == WIRE and json.loads(second or b"") == {"n": 7, "kind": "fixed"}
+
+
+def test_a_letter_whose_replay_failed_otherwise_shows_the_error_that_made_it_dead(client: TestClient,
+                                                                                   dsn: str) -> None:
+    letter_id = _insert(dsn, b"v")
+    with deadletters.DeadLetters(Settings(dsn=dsn)) as letters:
+        letters.note_failure(letters.get(letter_id), KeyError("sku"), "tried")
+    page = _page(client, letter_id)
+    assert 'id="letter-error">KeyError: &#39;sku&#39;<' in page
+    assert 'id="letter-first-error">ValueError: bad order<' in page
