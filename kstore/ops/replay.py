@@ -256,8 +256,10 @@ def _replay_one(letters: DeadLetters, processor: Processor, letter: DeadLetter, 
     except DeadLetterBusyError as exc:
         done = ", ".join(map(str, result.replayed))
         raise DeadLetterBusyError(f"{exc}; replayed before it by this command: {done}" if done else str(exc)) from None
-    except (CommitInDoubtError, DeadLetterStateError, *NOT_THE_MESSAGE):
-        raise  # not a failure to count: it may have landed, was closed meanwhile, or is not the letter's fault
+    except (CommitInDoubtError, DeadLetterStateError, ConfigurationError, *NOT_THE_MESSAGE):
+        # Not a failure to count: it may have landed, was closed meanwhile, the edit cannot be written as
+        # given (the operator's to fix), or it is not the letter's fault.
+        raise
     except Exception as exc:
         # The letter takes the failure (no second letter for the message), unless it left dead meanwhile.
         letters.note_failure(letter, exc, reason, edited=edit.apply(letter) if edit else None)

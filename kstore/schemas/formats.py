@@ -120,12 +120,13 @@ def _deserializer_reader(registry: Registry, deserializer: Callable[[bytes, Any]
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
     def read(data: bytes) -> Any:
-        schema_id(data, what)
+        sid = schema_id(data, what)
         try:
             return registry.ask(lambda: deserializer(data, None))
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
-                raise UnknownSchemaError(f"the {what}'s schema id is not in the schema registry") from None
+                raise UnknownSchemaError(f"the {what}'s schema id {sid} is not in the schema registry",
+                                         schema_id=sid, registry=registry) from None
             raise
     return read
 
@@ -313,11 +314,15 @@ def bind(processor: Any, settings: Settings, registry: Registry | None = None) -
     return formats
 
 
-def _writer_schema(registry: Registry, data: bytes | None, what: str) -> tuple[int, Any]:
-    if data is None:
-        raise WireFormatError(f"the dead letter has no {what} to take the schema from")
+def _writer_schema(registry: Callable[[], Registry], data: bytes | None, what: str, fmt: str) -> tuple[int, Any]:
+    if data is None or len(data) < 5 or data[0] != 0:
+        # Nothing names a schema to write the edit with: say how to give the bytes themselves.
+        how = ("give the bytes the processor should read with --value-file: a zero byte, the 4-byte schema "
+               f"id, then the {fmt} body" if what == "value" else "replay it with its key as it is")
+        had = "has no" if data is None else "was not written in the schema registry's wire format, so it names no"
+        raise ConfigurationError(f"the dead letter's {what} {had} schema to write the edited {what} with: {how}")
     sid = schema_id(data, what)
-    return sid, registry.schema(sid)
+    return sid, registry().schema(sid)
 
 
 def encode_like(formats: Formats, original: bytes | None, edited: bytes, is_key: bool) -> bytes:
@@ -335,7 +340,7 @@ def encode_like(formats: Formats, original: bytes | None, edited: bytes, is_key:
     except ValueError as exc:
         raise ConfigurationError(f"the edited {what} is the decoded {fmt} as JSON text, which this is not: "
                                  f"{exc}") from None
-    sid, schema = _writer_schema(formats.registry(), original, what)
+    sid, schema = _writer_schema(formats.registry, original, what, fmt)
     header = b"\x00" + sid.to_bytes(4, "big")
     if fmt == "json-schema":
         return header + json.dumps(data, separators=(",", ":")).encode()

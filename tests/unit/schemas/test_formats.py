@@ -227,6 +227,18 @@ def test_an_edit_given_decoded_is_written_with_the_schema_of_the_original(regist
     assert encode_like(plain, b"{}", b'{"a": 1}', is_key=False) == b'{"a": 1}'  # not a registry format
 
 
+def test_an_edit_of_a_letter_not_in_the_wire_format_says_how_to_give_its_bytes(registry: Registry) -> None:
+    from kstore.schemas.formats import encode_like
+
+    reader = formats(registry, value_format="avro")
+    raw = json.dumps(ORDER).encode()  # produced as JSON by mistake: it names no schema
+    with pytest.raises(ConfigurationError, match=r"value was not written in the schema registry's wire format, "
+                                                 r"so it names no schema .*--value-file: a zero byte"):
+        encode_like(reader, raw, json.dumps({**ORDER, "id": 8}).encode(), is_key=False)
+    with pytest.raises(ConfigurationError, match="key has no schema .*with its key as it is"):
+        encode_like(formats(registry, key_format="avro"), None, b'"k"', is_key=True)
+
+
 def test_a_password_in_the_registrys_url_is_a_secret_to_mask() -> None:
     settings = Settings(schema_registry_url="https://key:s3cret@a.example,https://b.example",
                         schema_registry_password="other")
