@@ -21,7 +21,13 @@ ports with the same schema ids (even after ``stop(kill=True)``), for outage test
 Command line::
 
     python -m kstore_devbroker fetch-registry
-    python -m kstore_devbroker run-registry [--port 8081] [--data-dir DIR]   # foreground, Ctrl-C
+    python -m kstore_devbroker run-registry [--port 8081] [--data-dir DIR | --temp]   # foreground, Ctrl-C
+
+``run-registry`` keeps its schemas in :data:`DEFAULT_DATA_DIR` (``.kstore-dev/registry`` in the folder
+it runs in, beside the broker's state file) unless given ``--data-dir``, so a registry stopped and run
+again still has the schemas (and ids) the records on the topics name; ``--temp`` gives it a throwaway
+folder instead, deleted when it stops. (:class:`DevRegistry` itself defaults to a throwaway folder:
+tests want a registry of their own each.)
 
 Like a :class:`~kstore_devbroker.broker.Cluster`'s, the JVM never outlives the Python process
 (its own process group, an ``atexit`` hook, and a watchdog process).
@@ -52,6 +58,7 @@ from typing import TypeVar
 from kstore_devbroker.broker import (
     _MVN_TIMEOUT,
     DEFAULT_JVM_OPTIONS,
+    DEFAULT_STATE_FILE,
     HOST,
     PORT_ATTEMPTS,
     DevBrokerError,
@@ -69,6 +76,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CCOMPAT_PATH",
+    "DEFAULT_DATA_DIR",
     "MIN_JAVA",
     "REGISTRY_VERSION",
     "DevRegistry",
@@ -87,6 +95,9 @@ CCOMPAT_PATH = "/apis/ccompat/v7"
 DEFAULT_REGISTRY_HEAP = "256m"
 DEFAULT_REGISTRY_START_TIMEOUT = 90.0
 DEFAULT_REGISTRY_STOP_TIMEOUT = 20.0
+#: Where ``run-registry`` keeps its schemas by default (relative to the folder it runs in): kept across
+#: restarts, because a registry that comes back empty makes every record on the topics name an unknown id.
+DEFAULT_DATA_DIR = DEFAULT_STATE_FILE.parent / "registry"
 
 _MARKER = ".complete"
 _POLL = 0.1
@@ -266,7 +277,8 @@ class DevRegistry:
         self.extra_config = dict(extra_config or {})
         self.start_timeout = start_timeout
         self._owns_data_dir = data_dir is None
-        self._data_dir = None if data_dir is None else Path(data_dir)
+        # Absolute: the server runs in it, and its JDBC URL names a path in it.
+        self._data_dir = None if data_dir is None else Path(data_dir).absolute()
         self.process: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -494,12 +506,16 @@ def _cmd_fetch_registry(args: argparse.Namespace) -> int:
 def _cmd_run_registry(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
-    registry = DevRegistry(
-        port=args.port, data_dir=args.data_dir, version=args.registry_version, start_timeout=args.timeout
-    )
+    if args.temp and args.data_dir is not None:
+        print("--temp and --data-dir: give one or the other", file=sys.stderr)
+        return 2
+    data_dir = None if args.temp else (args.data_dir or DEFAULT_DATA_DIR)
+    registry = DevRegistry(port=args.port, data_dir=data_dir, version=args.registry_version, start_timeout=args.timeout)
     try:
         with registry:
             print(registry.url, flush=True)
+            kept = "deleted when it stops (--temp)" if args.temp else "kept across restarts"
+            print(f"schemas in {registry.data_dir}, {kept}", file=sys.stderr, flush=True)
             print("running; Ctrl-C to stop", file=sys.stderr, flush=True)
             while registry.running:
                 time.sleep(0.5)
@@ -517,6 +533,8 @@ def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     fetch.set_defaults(func=_cmd_fetch_registry)
     run = sub.add_parser("run-registry", parents=[common], help="run the schema registry until Ctrl-C")
     run.add_argument("--port", type=int, default=None, help="default: a free one")
-    run.add_argument("--data-dir", default=None, help="kept after stop (default: temp)")
+    run.add_argument("--data-dir", default=None,
+                     help=f"where its schemas are kept, across restarts (default: {DEFAULT_DATA_DIR})")
+    run.add_argument("--temp", action="store_true", help="a throwaway data folder, deleted when it stops")
     run.add_argument("--timeout", type=float, default=DEFAULT_REGISTRY_START_TIMEOUT)
     run.set_defaults(func=_cmd_run_registry)

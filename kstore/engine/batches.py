@@ -41,6 +41,8 @@ from kstore.processor import Processor
 from kstore.retry import DeserializationError, Failure, Retry
 from kstore.running.handler import NOT_THE_MESSAGE, Concurrency, Outgoing, run_handler
 from kstore.running.hooks import call_hook, dead_letter_topic, is_async_processor
+from kstore.schemas.registry import UnknownSchemaError
+from kstore.schemas.unknown import UnknownIds
 from kstore.settings import Settings
 from kstore.telemetry.metrics import Metrics
 from kstore.telemetry.tracing import Tracing
@@ -107,6 +109,7 @@ class _CommitInDoubt(Exception):
 _message_fields = operator.attrgetter("topic", "partition", "offset", "key", "value", "headers", "timestamp")
 _new_message = functools.partial(tuple.__new__, Message)
 _tp_of = operator.attrgetter("topic", "partition")
+_topic_of = operator.itemgetter(0)  # a Message's topic
 
 
 def _counts(records: Sequence[Record]) -> Counter[TP]:
@@ -158,6 +161,8 @@ class Batches:
         self.topic_wait = OutageWait(self.metrics, "missing_topic", "the output topic is back")
         #: The schema registry does not answer (reading a record's schema, or producing with one): the same.
         self.registry_wait = OutageWait(self.metrics, "schema_registry", "the schema registry answers again")
+        #: Whether a record's unknown schema id is its own fault or the registry's (then waited out as above).
+        self.unknown_ids = UnknownIds()
         self._recheck = recheck
         policy = processor.retry
         if settings.max_attempts is not None:
@@ -724,8 +729,9 @@ class Batches:
             # tuple.__new__ mapped straight, not through a partial: a sixth less per message.
             return _Decoded(list(map(tuple.__new__, itertools.repeat(Message), map(_message_fields, batch))), batch, [])
         deserialize = self.processor.deserialize
-        messages = []
+        messages: list[Message] = []
         undecodable: list[tuple[Record, Exception]] = []
+        weighed = 0  # messages[:weighed] are told to self.unknown_ids already (as decoded)
         for r in batch:
             try:
                 key, value = deserialize(r.key, r.value)
@@ -734,13 +740,27 @@ class Batches:
             except RegistryUnavailableError:
                 raise  # an outage: the batch waits (never the record's fault)
             except Exception as exc:
+                if isinstance(exc, UnknownSchemaError):
+                    weighed = self._weigh_unknown(r, exc, messages, weighed)
                 undecodable.append((r, DeserializationError.of(exc)))
                 continue
             messages.append(_new_message((r.topic, r.partition, r.offset, key, value, r.headers, timestamp_ms(r))))
+        self.unknown_ids.decoded(set(map(_topic_of, messages[weighed:] if weighed else messages)))
         if not undecodable:
             return _Decoded(messages, batch, [])
         bad = {id(r) for r, _ in undecodable}
         return _Decoded(messages, [r for r in batch if id(r) not in bad], undecodable)
+
+    def _weigh_unknown(self, record: Record, exc: UnknownSchemaError, messages: list[Message], weighed: int) -> int:
+        """A record names a schema id the registry does not have: raise the outage it is a sign of (the
+        registry knows nothing of its topic, or several ids in a row: see :mod:`kstore.schemas.unknown`),
+        else leave it the record's fault. The messages decoded since the last one weighed are told
+        first (they break a row of unknown ids); returns how many messages are told now."""
+        self.unknown_ids.decoded(set(map(_topic_of, messages[weighed:])))
+        outage = self.unknown_ids.blame(record.topic, exc)
+        if outage is not None:
+            raise outage from exc
+        return len(messages)
 
     def _before_undecodable(self, taken: _Batch, decoded: _Decoded) -> tuple[_Batch, _Decoded]:
         """With on_error=stop: the batch cut before each partition's first message that cannot be

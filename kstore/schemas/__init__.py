@@ -13,7 +13,8 @@ for keys) and writes them with :meth:`~kstore.Processor.produce` given a schema,
         value_model = OrderPlaced            # optional: msg.value is an OrderPlaced
         output_schemas = {"order-events": Avro(ORDER_EVENT)}
 
-Owns: the registry client and how its failures are sorted (:mod:`.registry`), reading and writing
+Owns: the registry client and how its failures are sorted (:mod:`.registry`; an unknown schema id
+weighed against what the registry knows, :mod:`.unknown`), reading and writing
 the formats (:mod:`.formats`), the schemas a processor writes with (:mod:`.specs`), typed values
 (:mod:`.models`). Imports settings, errors and types of kstore's; confluent-kafka's schema registry
 package only when a format needs it (``pip install 'kstore[schemas]'``).

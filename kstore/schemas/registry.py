@@ -4,7 +4,8 @@ failures sorted into what they are.
 - **An outage** (:class:`~kstore.RegistryUnavailableError`): no answer, a timeout, a server error,
   a refusal of kstore's credentials. Never the message's fault: the batch waits and is retried.
 - **A message's fault** (:class:`UnknownSchemaError`): the schema id a record carries is not in
-  the registry. The record is dead-lettered (or stops the worker), by policy.
+  the registry. The record is dead-lettered (or stops the worker), by policy; unless the registry
+  knows nothing of the record's topic, which makes it an outage instead (:mod:`kstore.schemas.unknown`).
 
 The client is confluent-kafka's ``SchemaRegistryClient`` (it caches schemas by id and ids by
 schema, so a steady stream asks nothing per message). Its own retries are turned off: kstore's
@@ -36,7 +37,15 @@ SCHEMA_NOT_FOUND = 40403
 
 
 class UnknownSchemaError(LookupError):
-    """A record names a schema id the registry does not have: the record's fault."""
+    """A record names a schema id the registry does not have: the record's fault, unless the registry
+    turns out not to know the record's topic at all (see :mod:`kstore.schemas.unknown`)."""
+
+    def __init__(self, message: str, *, schema_id: int | None = None, registry: Registry | None = None) -> None:
+        super().__init__(message)
+        #: The id the record names, and the registry that does not have it (None when not known): what the
+        #: engine asks before blaming the record.
+        self.schema_id = schema_id
+        self.registry = registry
 
 
 class SchemaRegistryMissingError(ConfigurationError):
@@ -144,8 +153,22 @@ class Registry:
             return self.ask(lambda: self.client.get_schema(schema_id))
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
-                raise UnknownSchemaError(f"schema id {schema_id} is not in the schema registry") from None
+                raise UnknownSchemaError(f"schema id {schema_id} is not in the schema registry",
+                                         schema_id=schema_id, registry=self) from None
             raise
+
+    def subjects(self) -> list[str]:
+        """Every subject the registry has, asked anew each time (the caller bounds how often): an answer
+        that is not a list of subjects (an address that is not the registry's API) is an outage too,
+        since the schema ids it does not find are then not the records' fault."""
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        try:
+            return list(self.ask(self.client.get_subjects))
+        except SchemaRegistryError as exc:
+            raise RegistryUnavailableError(
+                f"the schema registry at {self.url} does not list its subjects (HTTP {exc.http_status_code}: "
+                f"{exc.error_message}): is schema_registry_url the registry's API?") from None
 
     def check(self) -> None:
         """Ask the registry something cheap (its subjects): at a worker's start, a registry that does

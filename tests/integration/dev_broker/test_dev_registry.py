@@ -1,12 +1,20 @@
 """The development schema registry is a real Confluent-compatible registry: Confluent's own client
-and Avro serializers work against it, and its schemas and their ids survive a restart."""
+and Avro serializers work against it, and its schemas and their ids survive a restart (the command's
+by default, in ``.kstore-dev/registry``; ``--temp`` for a throwaway one)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +42,7 @@ REFUND = json.dumps({
     "namespace": "kstore.test",
     "fields": [{"name": "order_id", "type": "long"}, {"name": "reason", "type": "string"}],
 })
+REPO = Path(__file__).resolve().parents[3]
 # Requests to 127.0.0.1 never go through a proxy named in the environment.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -117,3 +126,57 @@ def test_a_killed_registry_keeps_what_it_acknowledged() -> None:
         assert json.loads(client.get_schema(schema_id).schema_str) == json.loads(ORDER)
         data_dir = registry.data_dir
     assert not registry.running and not data_dir.exists()  # a temporary data folder goes with it
+
+
+def _run_registry(cwd: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """``python -m kstore_devbroker run-registry`` started in ``cwd``, and the URL it printed once serving."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    proc = subprocess.Popen([sys.executable, "-m", "kstore_devbroker", "run-registry", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    url = proc.stdout.readline().strip() if ready else ""
+    if not url.startswith("http://"):
+        proc.kill()
+        raise AssertionError(f"run-registry printed no URL: {url!r} {proc.communicate(timeout=30)}")
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    """Ctrl-C, as a person stops it; what it said on stderr."""
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return err
+
+
+def test_run_registry_keeps_its_schemas_across_a_restart_by_default(tmp_path: Path) -> None:
+    subject = _unique("orders") + "-value"
+    proc, url = _run_registry(tmp_path)
+    try:
+        schema_id = SchemaRegistryClient({"url": url, "max.retries": 0}).register_schema(subject, Schema(ORDER, "AVRO"))
+    finally:
+        said = _stop(proc)
+
+    proc, url = _run_registry(tmp_path)
+    try:
+        client = SchemaRegistryClient({"url": url, "max.retries": 0})
+        assert client.get_subjects() == [subject]
+        assert client.get_latest_version(subject).schema_id == schema_id
+        assert json.loads(client.get_schema(schema_id).schema_str) == json.loads(ORDER)
+    finally:
+        _stop(proc)
+    assert f"schemas in {tmp_path / '.kstore-dev' / 'registry'}, kept across restarts" in said
+
+
+def test_run_registry_with_temp_starts_empty_and_leaves_nothing(tmp_path: Path) -> None:
+    proc, url = _run_registry(tmp_path, "--temp")
+    try:
+        client = SchemaRegistryClient({"url": url, "max.retries": 0})
+        assert client.get_subjects() == []
+        client.register_schema(_unique("orders") + "-value", Schema(ORDER, "AVRO"))
+    finally:
+        said = _stop(proc)
+    kept = re.search(r"schemas in (\S+), deleted when it stops", said)
+    assert kept is not None, said
+    assert not Path(kept.group(1)).exists() and not (tmp_path / ".kstore-dev").exists()
