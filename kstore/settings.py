@@ -323,7 +323,9 @@ class Settings:
         """Settings from ``KSTORE_<FIELD>`` variables, then ``overrides`` (``None`` = unset).
 
         An unknown ``KSTORE_*`` variable is an error, so a typo is not silently ignored.
-        ``KSTORE_KAFKA_<NAME>`` sets a kafka-python option; ``KSTORE_<SECRET>_FILE`` (and an
+        ``KSTORE_KAFKA_<NAME>`` sets an option of ``kafka_client`` (a librdkafka property on
+        ``confluent``, its underscores read as dots; a kafka-python option on ``kafka-python``),
+        added to ``kafka_options``; ``KSTORE_<SECRET>_FILE`` (and an
         override ``<secret>_file``) reads a secret from a file. ``kafka_options`` given as an
         override add to (and win over) those from the environment.
         """

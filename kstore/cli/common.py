@@ -175,10 +175,17 @@ def _mask_logs(masker: Masker) -> None:
         handler.addFilter(_MaskLogs(masker))
 
 
-def stop_on_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT call ``stop``: the loop ends after what it is doing, and the command exits 0."""
+def stop_on_signals(stop: Callable[[], None], stopping: str | None = None) -> None:
+    """SIGTERM and SIGINT call ``stop``: the loop ends after what it is doing, and the command exits 0.
+    ``stopping`` (what the stop does) is logged first, after the signal's name, as the worker's stop is."""
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stopping is not None:
+            log.info("%s received: %s", signal.Signals(signum).name, stopping)
+        stop()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: stop())
+        signal.signal(signum, on_signal)
 
 
 def iso_time(raw: str) -> datetime:

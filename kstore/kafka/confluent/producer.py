@@ -73,7 +73,7 @@ class ConfluentShardPublisher:
             # A transaction left open by a relay that died is aborted by the broker after this.
             "transaction.timeout.ms": 60_000,
             "error_cb": self._on_error,
-            "logger": log,
+            "logger": _TransactionLog(),
         })
         try:
             self._producer: Any = confluent_kafka.Producer(config)
@@ -172,6 +172,28 @@ class ConfluentShardPublisher:
                 producer.flush(0)
             except Exception as exc:
                 log.debug("closing %s's producer: %s", self.ident, exc)
+
+
+#: Answers of a transaction coordinator that is not ready yet, each retried by librdkafka until
+#: init_transactions' own timeout (a relay's start on a fresh broker meets the first while Kafka
+#: loads its transaction log). librdkafka names them in its lines by these texts.
+_COORDINATOR_NOT_READY = tuple(confluent_kafka.KafkaError(code).str() for code in (
+    confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS, confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
+    confluent_kafka.KafkaError.NOT_COORDINATOR, confluent_kafka.KafkaError.CONCURRENT_TRANSACTIONS))
+
+
+class _TransactionLog:
+    """The publisher's ``logger``: librdkafka's lines go to this module's logger at their own level,
+    but a WARNING that names a coordinator not ready (librdkafka retries it) is INFO. Nothing is
+    lost by it: a coordinator that stays away fails init_transactions (or the transaction) at its
+    timeout, which the relay reports as a WARNING of its own."""
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        # The parts, not the formatted line: librdkafka's text may hold a '%'.
+        if level == logging.WARNING and any(answer in str(part) for part in (msg, *args)
+                                            for answer in _COORDINATOR_NOT_READY):
+            level = logging.INFO
+        log.log(level, msg, *args)
 
 
 class _Caller:

@@ -235,7 +235,7 @@ def test_an_edit_of_a_letter_not_in_the_wire_format_says_how_to_give_its_bytes(r
     with pytest.raises(ConfigurationError, match=r"value was not written in the schema registry's wire format, "
                                                  r"so it names no schema .*--value-file: a zero byte"):
         encode_like(reader, raw, json.dumps({**ORDER, "id": 8}).encode(), is_key=False)
-    with pytest.raises(ConfigurationError, match="key has no schema .*with its key as it is"):
+    with pytest.raises(ConfigurationError, match=r"key has no schema .*with its key as it is"):
         encode_like(formats(registry, key_format="avro"), None, b'"k"', is_key=True)
 
 
