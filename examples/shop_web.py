@@ -16,8 +16,8 @@ Run it (``python -m kstore_devbroker start`` prints the broker's address; ``pip 
     export KSTORE_DSN=postgresql+psycopg2://USER:PASSWORD@HOST/DB KSTORE_BOOTSTRAP_SERVERS=127.0.0.1:9092
     kstore migrate
     kstore topics create order-placed --partitions 3
-    uvicorn --app-dir examples shop_web:app &       # the web service
-    kstore relay --outbox shop-web &                 # the publisher (several may run)
+    uvicorn --app-dir examples shop_web:app &       # the web service: its start sets the outbox up (16 shards)
+    kstore relay --outbox shop-web &                 # the publisher (several may run; it waits for the service)
     curl -X POST localhost:8000/orders -d '{"customer": "c-7", "amount": 1250}'
 
 ``SHOP_ORDER_TOPIC`` names another output topic (the tests use their own).

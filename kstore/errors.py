@@ -86,6 +86,17 @@ class UndeclaredTopicError(ProcessorContractError):
     """
 
 
+class OutboxBusyError(KstoreError):
+    """An outbox cannot be resharded now: records wait in it, or its relays run. Drain it (stop the
+    application's writes, let the relays publish what waits), stop its relays, and try again."""
+
+
+class OutboxChangedError(KstoreError):
+    """An outbox's shards were made anew (``kstore outbox reshard``) since this process read them: a
+    write counting by the old number is rolled back, and a relay sharing the old lanes stops (start it
+    again). An application's :class:`~kstore.outbox.Outbox` reads the new shards at its next write."""
+
+
 class FencedError(KstoreError):
     """This worker no longer owns a partition: another worker (or an admin) claimed it."""
 

@@ -41,7 +41,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 
 from kstore.db.outbox import Outbox as _Tables
-from kstore.errors import KstoreError
+from kstore.errors import ConfigurationError, KstoreError
 from kstore.running.handler import Outgoing, produce_check
 from kstore.schemas import Formats, Schema
 from kstore.settings import Settings
@@ -70,8 +70,10 @@ class Outbox:
     a worker's relay publishes it too if the name is the worker's group).
 
     ``shards``: how many transactions can commit records at once (see the module's docstring), made
-    by the first :meth:`setup` (or ``produce()``, or relay) and fixed from then on: a relay started
-    first makes its own ``outbox_shards``, so call :meth:`setup` at the application's start.
+    by the first :meth:`setup` (or ``produce()``) and fixed from then on (a relay waits for the
+    application to make them): an outbox found with another count raises
+    :class:`~kstore.errors.ConfigurationError` (to change it: ``kstore outbox reshard``). ``None``:
+    whatever count it has, or ``outbox_shards`` if it is new.
     ``settings``: its ``table_prefix`` and ``schema`` (kstore's tables), ``outbox_max_record_bytes``,
     and the schema registry for records produced with a schema; default: :class:`~kstore.settings.Settings`' own.
     """
@@ -80,10 +82,10 @@ class Outbox:
     #: eight, the relay publishes them in eight lanes: more shards cost it no more producers).
     DEFAULT_SHARDS = 16
 
-    def __init__(self, name: str, settings: Settings | None = None, *, shards: int = DEFAULT_SHARDS) -> None:
+    def __init__(self, name: str, settings: Settings | None = None, *, shards: int | None = DEFAULT_SHARDS) -> None:
         if not isinstance(name, str) or not name.strip():
             raise KstoreError(f"an outbox needs a name, got {name!r}")
-        if shards < 1:
+        if shards is not None and shards < 1:
             raise KstoreError(f"an outbox needs at least one shard, got {shards}")
         self.name = name
         self.shards = shards
@@ -95,7 +97,9 @@ class Outbox:
 
     def setup(self, engine: Engine) -> int:
         """Make the outbox's shards if it has none; return how many it has. Call it at the application's
-        start (``produce()`` does it otherwise, at its first record, in a transaction of its own)."""
+        start (``produce()`` does it otherwise, at its first record, in a transaction of its own): a
+        relay started before waits for it. An outbox that has another count than ``shards`` raises
+        :class:`~kstore.errors.ConfigurationError`, here and at every ``produce()``."""
         return self._of(engine, make=True).shards
 
     def produce(self, target: Session | Connection | Any, topic: str, value: Any, *, key: Any = None,
@@ -155,11 +159,22 @@ class Outbox:
             tables = _Tables(engine, self.name, self.settings.table_prefix, self.settings.schema)
             self._tables[engine] = tables
         if not tables.shards or make:
-            tables.ensure_shards(self.shards)
+            tables.ensure_shards(self.settings.outbox_shards if self.shards is None else self.shards)
+        if self.shards is not None and tables.shards != self.shards:
+            raise _other_count(self.name, tables.shards, self.shards)
         return tables
 
     def __repr__(self) -> str:
         return f"Outbox({self.name!r})"
+
+
+def _other_count(name: str, have: int, asked: int) -> ConfigurationError:
+    return ConfigurationError(
+        f"outbox {name!r} has {have} shard(s), not the {asked} asked for: it was made with {have} (by a setup() "
+        f"with another count, a relay with --create, or a relay of an earlier kstore started before the "
+        f"application); to change it, drain the outbox, stop its relays and run kstore outbox reshard {name} "
+        f"--shards {asked} (see docs/producing.md#changing-the-shard-count), or ask for Outbox({name!r}, "
+        f"shards={have})")
 
 
 class _NoFormats:

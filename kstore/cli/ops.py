@@ -142,6 +142,26 @@ def outbox_show(ctx: click.Context, /, group: str, as_json: bool, **db: Any) -> 
             click.echo(f"shard {r.shard}: last row Kafka refused: {r.refusal}")
 
 
+@outbox.command("reshard")
+@click.argument("name")
+@dsn_option
+@click.option("--shards", type=click.IntRange(min=1), required=True, help="The number of shards it gets.")
+@click.pass_context
+def outbox_reshard(ctx: click.Context, /, name: str, shards: int, **db: Any) -> None:
+    """Give outbox NAME (an application's, or a group's) another number of shards, in one transaction.
+
+    Refused while records wait in it or any of its relays runs: stop the application's writes, let
+    the relays publish what waits, stop them, then reshard, and start the application (with the new
+    count) and the relays again.
+    """
+    done = run(ctx, lambda: Settings.from_env(**db), lambda s: outbox_admin.reshard_outbox(s, name, shards))
+    if done.before == done.after:
+        click.echo(f"outbox {name!r} has {done.after} shard(s) already: nothing changed")
+        return
+    click.echo(f"outbox {name!r}: {done.before} shard(s) -> {done.after}; start the application with "
+               f"Outbox({name!r}, shards={done.after}), then its relays")
+
+
 def _lease(r: outbox_admin.ShardStatus) -> str | None:
     if r.owner is None:
         return None
@@ -190,7 +210,8 @@ def top(ctx: click.Context, /, group: str, interval: float, once: bool, **opts: 
 
 @click.group()
 def topics() -> None:
-    """The topics a processor consumes and produces to: which exist, and creating the missing ones."""
+    """The topics a processor consumes and produces to, or topics named one by one: which exist, and
+    creating the missing ones."""
 
 
 def _topics_settings(topic: tuple[str, ...], opts: dict[str, Any]) -> Settings:
@@ -203,19 +224,22 @@ def _load(processor: str) -> Processor:
 
 
 @topics.command("list")
-@click.argument("processor")
+@click.argument("targets", nargs=-1, required=True, metavar="PROCESSOR | TOPIC...")
 @kafka_connection_options
 @click.option("--topic", "topic", multiple=True, help="Input topic (repeatable); overrides the processor's.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
-def topics_list(ctx: click.Context, /, processor: str, topic: tuple[str, ...], as_json: bool, **opts: Any) -> None:
-    """PROCESSOR's (MODULE:CLASS) input topics and declared output topics (``produces``), and which exist."""
-    rows = run(ctx, lambda: _topics_settings(topic, opts), lambda s: topics_admin.list_topics(s, _load(processor)))
+def topics_list(ctx: click.Context, /, targets: tuple[str, ...], topic: tuple[str, ...], as_json: bool,
+                **opts: Any) -> None:
+    """PROCESSOR's (MODULE:CLASS) input topics and declared output topics (``produces``), or the TOPICs
+    named (no ':' in a topic's name), and which exist."""
+    rows = run(ctx, lambda: _topics_settings(topic, opts),
+               lambda s: topics_admin.list_or_create(s, targets, _load, inputs_replaced=bool(topic)))
     _print_topics(rows, as_json)
 
 
 @topics.command("create")
-@click.argument("processor")
+@click.argument("targets", nargs=-1, required=True, metavar="PROCESSOR | TOPIC...")
 @kafka_connection_options
 @click.option("--topic", "topic", multiple=True, help="Input topic (repeatable); overrides the processor's.")
 @click.option("--partitions", type=int, default=None, help="Partitions of each topic created [default: the brokers'].")
@@ -223,11 +247,15 @@ def topics_list(ctx: click.Context, /, processor: str, topic: tuple[str, ...], a
               help="Replicas of each topic created [default: the brokers'].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
-def topics_create(ctx: click.Context, /, processor: str, topic: tuple[str, ...], partitions: int | None,
+def topics_create(ctx: click.Context, /, targets: tuple[str, ...], topic: tuple[str, ...], partitions: int | None,
                   replication_factor: int | None, as_json: bool, **opts: Any) -> None:
-    """Create PROCESSOR's input and declared output topics that do not exist yet (the others are left as they are)."""
+    """Create PROCESSOR's (MODULE:CLASS) input and declared output topics that do not exist yet (the others
+    are left as they are), or the TOPICs named (an application outbox's, say; no ':' in a topic's name),
+    of which one that exists with other partitions than --partitions is an error."""
     rows = run(ctx, lambda: _topics_settings(topic, opts),
-               lambda s: topics_admin.create_topics(s, _load(processor), partitions, replication_factor))
+               lambda s: topics_admin.list_or_create(s, targets, _load, create=True, partitions=partitions,
+                                                     replication_factor=replication_factor,
+                                                     inputs_replaced=bool(topic)))
     _print_topics(rows, as_json)
 
 

@@ -92,9 +92,17 @@ def worker(ctx: click.Context, /, processor: str, **options: Any) -> None:
 
 
 @click.command()
-@click.option("--group", "--outbox", "group", required=True,
-              help="The pipeline (Kafka group id) whose outbox to publish, or an application's outbox "
-                   "(kstore.outbox.Outbox) by its name.")
+@click.option("--group", default=None,
+              help="The pipeline (Kafka group id) whose outbox to publish (made with outbox_shards if its "
+                   "workers have not made it yet).")
+@click.option("--outbox", default=None,
+              help="An application's outbox (kstore.outbox.Outbox) by its name: waited for until the "
+                   "application sets it up, unless --create.")
+@click.option("--create", is_flag=True,
+              help="With --outbox: make the outbox if it does not exist yet (--shards of them), rather than wait "
+                   "for the application.")
+@click.option("--shards", type=click.IntRange(min=1), default=None,
+              help="With --create: the shards it makes [env KSTORE_OUTBOX_SHARDS; default 1]")
 @dsn_option
 @kafka_connection_options
 @click.option("--metrics-port", type=int, default=None,
@@ -108,8 +116,12 @@ def relay(ctx: click.Context, /, **options: Any) -> None:
 
     Workers publish their own group's outbox by default; run this apart (with ``kstore worker
     --no-relay``, or beside them) to scale publishing apart. Relays of one outbox share its
-    shards; each shard has one publisher at a time, fenced in the database and in Kafka.
+    shards; each shard has one publisher at a time, fenced in the database and in Kafka. An
+    application's outbox is made by the application (its shard count is the application's): the
+    relay waits for it, and /readyz says so, unless --create.
     """
+    name, wait = _relay_target(options)
+
     def start(settings: Settings) -> None:
         engine = make_engine(settings)
         try:
@@ -117,8 +129,8 @@ def relay(ctx: click.Context, /, **options: Any) -> None:
             store.check_reachable()
             check_migrated(engine, settings)
             LOG_CONTEXT.group = settings.group
-            r = Relay(settings, str(settings.group), engine)
-            stop_on_signals(r.request_stop)
+            r = Relay(settings, name, engine, wait_for_outbox=wait)
+            stop_on_signals(r.request_stop, "finishing the transactions in flight, then giving the outbox's shards up")
             http = None
             if settings.metrics_port is not None:
                 http = HealthServer(settings.metrics_host, settings.metrics_port,
@@ -133,6 +145,22 @@ def relay(ctx: click.Context, /, **options: Any) -> None:
             engine.dispose()
 
     run(ctx, lambda: Settings.from_env(**options), start)
+
+
+def _relay_target(options: dict[str, Any]) -> tuple[str, bool]:
+    """The outbox ``kstore relay`` publishes, and whether it waits for its application to make it; its
+    own options are taken out of ``options`` (``--shards`` becomes ``outbox_shards``)."""
+    group, outbox, create, shards = (options.pop(k) for k in ("group", "outbox", "create", "shards"))
+    if (group is None) == (outbox is None):
+        raise click.UsageError("give --group GROUP (a pipeline's outbox) or --outbox NAME (an application's)")
+    if outbox is None and (create or shards is not None):
+        raise click.UsageError("--create and --shards are for --outbox NAME: a group's outbox is made with "
+                               "outbox_shards")
+    if shards is not None and not create:
+        raise click.UsageError("--shards is the count --create makes: give --create too (without it the "
+                               "application makes the outbox)")
+    options["group"], options["outbox_shards"] = group or outbox, shards
+    return str(group or outbox), outbox is not None and not create
 
 
 class _ShutdownTimeout(BaseException):

@@ -73,7 +73,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from kstore.errors import KstoreError, WriteCountError
+from kstore.errors import KstoreError, OutboxBusyError, OutboxChangedError, WriteCountError
 from kstore.types import Produced
 
 from .copy import copy_rows
@@ -232,6 +232,9 @@ class Outbox:
         self.postgresql = engine.dialect.name == "postgresql"
         #: The number of shards, fixed when the group's first worker or relay made them (see :meth:`ensure_shards`).
         self.shards = 0
+        #: Their incarnation, read with them: a write that finds another one meets shards made anew since
+        #: (:meth:`reshard`), numbered by another count, and fails rather than send a key to a wrong shard.
+        self.incarnation: str | None = None
         #: Write by the plain path only (``SELECT ... FOR UPDATE``, an ``UPDATE`` per shard, SQLAlchemy's
         #: own executemany, a NOTIFY of its own): what the fast paths are tested against.
         self.plain = False
@@ -245,36 +248,99 @@ class Outbox:
 
     # -- shards ---------------------------------------------------------------
 
+    def read_shards(self) -> int:
+        """How many shards the group has (0: none yet), read with their incarnation; never makes any."""
+        with self.engine.connect() as conn:
+            return self._read_shards(conn)
+
+    def _read_shards(self, conn: Connection) -> int:
+        s = self.tables.shards
+        have, incarnation = conn.execute(
+            select(func.count(), func.min(s.c.incarnation)).where(s.c.consumer_group == self.group)).one()
+        self.shards, self.incarnation = int(have), incarnation
+        return self.shards
+
     def ensure_shards(self, wanted: int) -> int:
         """Make the group's shards if it has none (``wanted`` of them); return how many it has.
 
         The count is fixed once made: a key's records must stay in one shard for their order
-        to hold. (To change it: stop the group's workers and relays once the outbox is empty, delete
-        the group's rows of the four outbox tables, and start them with the new count. The shards
-        made then have a new incarnation: the old progress marks in Kafka count for nothing.)
+        to hold. (To change it, once the outbox is drained and its relays stopped: :meth:`reshard`.)
         Safe to run again after any failure, a lost COMMIT's answer included: it makes the shards
         only where the group has none (two workers racing to make them: one fails, both see them).
         """
-        t = self.tables
-        count = select(func.count()).select_from(t.shards).where(t.shards.c.consumer_group == self.group)
-        with self.engine.connect() as conn:  # read first, outside a write: no COMMIT when they exist
-            have = conn.execute(count).scalar_one()
-        if have:
-            self.shards = int(have)
+        if self.read_shards():  # read first, outside a write: no COMMIT when they exist
             return self.shards
         with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
-            have = conn.execute(count).scalar_one()
-            if not have:
-                stamp, incarnation = now(), uuid.uuid4().hex
-                conn.execute(insert(t.shards), [
-                    {"consumer_group": self.group, "shard": s, "next_seq": 1, "incarnation": incarnation}
-                    for s in range(wanted)])
-                conn.execute(insert(t.relays), [
-                    {"consumer_group": self.group, "shard": s, "owner": None, "epoch": 0, "lease_expires": 0.0,
-                     "published_seq": 0, "updated_at": stamp} for s in range(wanted)])
-                have = wanted
-        self.shards = int(have)
+            if not self._read_shards(conn):
+                self._make_shards(conn, wanted, next_seq=1, epoch=0)
         return self.shards
+
+    def _make_shards(self, conn: Connection, count: int, next_seq: int, epoch: int) -> None:
+        """``count`` shards of a new incarnation, numbering from ``next_seq``, their leases free at ``epoch``."""
+        t = self.tables
+        stamp, incarnation = now(), uuid.uuid4().hex
+        conn.execute(insert(t.shards), [
+            {"consumer_group": self.group, "shard": s, "next_seq": next_seq, "incarnation": incarnation}
+            for s in range(count)])
+        conn.execute(insert(t.relays), [
+            {"consumer_group": self.group, "shard": s, "owner": None, "epoch": epoch, "lease_expires": 0.0,
+             "published_seq": next_seq - 1, "updated_at": stamp} for s in range(count)])
+        self.shards, self.incarnation = count, incarnation
+
+    def reshard(self, wanted: int) -> int:
+        """Make the group's shards anew, ``wanted`` of them, in one transaction; return how many it had
+        (0: it has none, and nothing is made; the same count: nothing changes).
+
+        Refused (:class:`~kstore.errors.OutboxBusyError`) while a record waits, a relay holds a live
+        lease on a lane or a relay of the group is alive: every record written under the old count
+        must be published before a key's next record may go to another shard, and a running relay
+        shares the lanes by the old count. The shards' rows are locked first, in the writers' order:
+        a writer in flight commits before (and its records are then found waiting), one after finds
+        the shards made anew.
+
+        Exactly once across it: every new shard numbers on from the highest ``next_seq`` of the old
+        ones and its published mark is the number before it, so no number is ever given twice to a
+        shard, and no progress mark in Kafka, however old, covers a row written after; the new
+        incarnation makes the old marks count for nothing besides. The leases' epochs go on from the
+        highest, so no late write of an earlier relay matches. A writer or relay that read the old
+        shards meets the new incarnation and fails, rather than count by the old number (see
+        :attr:`incarnation`).
+        """
+        t = self.tables
+        s, r = t.shards, t.relays
+        with self.engine.connect().execution_options(**WRITES) as conn, conn.begin():
+            old = conn.execute(select(s.c.next_seq).where(s.c.consumer_group == self.group)
+                               .order_by(s.c.shard).with_for_update()).scalars().all()
+            if not old or len(old) == wanted:
+                self.shards = len(old)
+                return len(old)
+            leases = conn.execute(
+                select(r.c.owner, r.c.epoch, (r.c.lease_expires >= self._clock()).label("live"))
+                .where(r.c.consumer_group == self.group).order_by(r.c.shard).with_for_update()).all()
+            self._check_drained(conn, {row.owner for row in leases if row.owner is not None and row.live})
+            conn.execute(delete(r).where(r.c.consumer_group == self.group))
+            conn.execute(delete(s).where(s.c.consumer_group == self.group))
+            self._make_shards(conn, wanted, next_seq=max(int(n) for n in old),
+                              epoch=max((int(row.epoch) for row in leases), default=0))
+        return len(old)
+
+    def _check_drained(self, conn: Connection, leased: set[str]) -> None:
+        """Raise OutboxBusyError if a record of the group waits, or a relay of it is alive or holds a lease."""
+        t = self.tables
+        o, m = t.outbox, t.members
+        waiting = conn.execute(select(func.count()).select_from(o).where(o.c.consumer_group == self.group)).scalar_one()
+        alive = set(conn.execute(select(m.c.member).where(m.c.consumer_group == self.group,
+                                                          m.c.seen_until >= self._clock())).scalars())
+        relays = sorted(leased | alive)
+        if not waiting and not relays:
+            return
+        why = [f"{waiting} record(s) wait to be published"] if waiting else []
+        if relays:
+            why.append(f"relay(s) {', '.join(relays)} are running (a stopped relay's lease runs out after "
+                       f"outbox_lease_s)")
+        raise OutboxBusyError(f"outbox {self.group!r} cannot be resharded now: {'; '.join(why)}: drain it first "
+                              f"(stop the application's writes and let its relays publish what waits), then stop "
+                              f"its relays")
 
     # -- inside a batch's transaction -----------------------------------------
 
@@ -316,10 +382,11 @@ class Outbox:
         wake = False
         if self.plain or not conn.dialect.update_returning:
             found = conn.execute(
-                select(s.c.shard, s.c.next_seq, s.c.wake_seq)
+                select(s.c.shard, s.c.next_seq, s.c.wake_seq, s.c.incarnation)
                 .where(s.c.consumer_group == self.group, s.c.shard.in_(sorted(by_shard)))
                 .order_by(s.c.shard).with_for_update()).all()
-            for shard, first, wake_seq in found:
+            for shard, first, wake_seq, incarnation in found:
+                self._check_incarnation(incarnation)
                 moved = conn.execute(
                     update(s).where(s.c.consumer_group == self.group, s.c.shard == shard, s.c.next_seq == first)
                     .values(next_seq=first + len(by_shard[shard])))
@@ -332,14 +399,26 @@ class Outbox:
                 k = len(by_shard[shard])
                 row = conn.execute(
                     update(s).where(s.c.consumer_group == self.group, s.c.shard == shard)
-                    .values(next_seq=s.c.next_seq + k).returning(s.c.next_seq, s.c.wake_seq)).first()
+                    .values(next_seq=s.c.next_seq + k).returning(s.c.next_seq, s.c.wake_seq, s.c.incarnation)).first()
                 if row is not None:
+                    self._check_incarnation(row.incarnation)
                     firsts[shard] = int(row.next_seq) - k
                     wake |= row.wake_seq == firsts[shard]
         if len(firsts) != len(by_shard):
             missing = sorted(set(by_shard) - set(firsts))
             raise KstoreError(f"outbox shards of group {self.group!r} are missing: {missing}")
         return firsts, wake
+
+    def _check_incarnation(self, found: str) -> None:
+        """A shard locked for a write is of the incarnation read with the count, or the outbox was made
+        anew since (:meth:`reshard`): its records would go to shards by the old count, so the write fails
+        (its transaction rolls back) and the next one reads the shards again."""
+        if self.incarnation is None or found == self.incarnation:
+            return
+        self.shards, self.incarnation = 0, None
+        raise OutboxChangedError(f"the outbox of {self.group!r} was resharded since this process read its shards: "
+                                 f"this transaction is rolled back, and the shards are read again before the "
+                                 f"next (a worker stops: start it again)")
 
     def _insert(self, conn: Connection, values: list[tuple[Any, ...]]) -> None:
         """The rows, by the cheapest path that checks its row count (written on the worker's
@@ -369,6 +448,7 @@ class Outbox:
         row = conn.exec_driver_sql(statement, params).first()
         if row is None:
             raise KstoreError(f"outbox shards of group {self.group!r} are missing: [{shard}]")
+        self._check_incarnation(row.inc)
         if row.written != n:
             raise WriteCountError(f"the outbox's write of {n} rows into shard {shard} of group {self.group!r} "
                                   f"reported {row.written} rows written: the transaction fails and nothing of it "
@@ -384,18 +464,18 @@ class Outbox:
         # Names are quoted, and a "%" in them doubled: the driver reads "%(...)s" as a parameter.
         shards = q.format_table(self.tables.shards).replace("%", "%%")
         outbox = q.format_table(self.tables.outbox).replace("%", "%%")
-        c = {name: q.quote(name) for name in (*WRITE_COLUMNS, "next_seq", "wake_seq")}
+        c = {name: q.quote(name) for name in (*WRITE_COLUMNS, "next_seq", "wake_seq", "incarnation")}
         rows = ", ".join(f"({i}, CAST(%(t{i})s AS TEXT), CAST(%(p{i})s AS INTEGER), CAST(%(k{i})s AS BYTEA), "
                          f"CAST(%(v{i})s AS BYTEA), CAST(%(h{i})s AS TEXT))" for i in range(n))
         return (
             f"WITH s AS (UPDATE {shards} SET {c['next_seq']} = {c['next_seq']} + %(n)s "
             f"WHERE {c['consumer_group']} = %(g)s AND {c['shard']} = %(shard)s "
-            f"RETURNING {c['next_seq']} - %(n)s AS first, {c['wake_seq']} AS wake), "
+            f"RETURNING {c['next_seq']} - %(n)s AS first, {c['wake_seq']} AS wake, {c['incarnation']} AS inc), "
             f"ins AS (INSERT INTO {outbox} ({', '.join(c[name] for name in WRITE_COLUMNS)}) "
             f"SELECT CAST(%(g)s AS TEXT), CAST(%(shard)s AS INTEGER), s.first + r.i, r.topic, r.partition_id, r.key, "
             f"r.value, r.headers, CAST(%(stamp)s AS TIMESTAMPTZ) "
             f"FROM s CROSS JOIN (VALUES {rows}) AS r (i, topic, partition_id, key, value, headers) RETURNING 1) "
-            f"SELECT s.first, (SELECT count(*) FROM ins) AS written, "
+            f"SELECT s.first, s.inc, (SELECT count(*) FROM ins) AS written, "
             f"CASE WHEN s.wake = s.first THEN pg_notify(CAST(%(channel)s AS TEXT), CAST(%(g)s AS TEXT)) END "
             f"AS woke FROM s")
 
@@ -556,18 +636,26 @@ class Outbox:
                 r.c.consumer_group == self.group, r.c.shard.in_(lane_shards(lane, self.shards)))).all()
         return {int(row.shard): int(row.published_seq) for row in rows}, str(rows[0].incarnation)
 
-    def pending(self, after: Mapping[int, int], limit: int) -> list[Pending]:
+    def pending(self, after: Mapping[int, int], limit: int, incarnation: str | None = None) -> list[Pending]:
         """The rows of the shards in ``after`` (``{shard: seq}``) after that seq, at most ``limit``, in
-        ``seq`` order (then shard): each shard's rows in order, and a shard's only after its earlier ones."""
-        o = self.tables.outbox
+        ``seq`` order (then shard): each shard's rows in order, and a shard's only after its earlier ones.
+
+        With ``incarnation`` (the one a lane's progress marks carry), none unless the shards are still of
+        it, read in the same statement: a relay paused across a reshard, its producer never fenced, must
+        not publish rows of the new shards under marks that count for nothing."""
+        o, s = self.tables.outbox, self.tables.shards
+        query = (select(o.c.shard, o.c.seq, o.c.topic, o.c.value, o.c.key, o.c.headers, o.c.partition_id,
+                        o.c.created_at)
+                 .where(o.c.consumer_group == self.group,
+                        or_(*(and_(o.c.shard == shard, o.c.seq > seq) for shard, seq in sorted(after.items()))))
+                 .order_by(o.c.seq, o.c.shard).limit(limit))
+        if incarnation is not None:
+            # Uncorrelated: read once per statement, by the shards' primary key.
+            current = select(s.c.incarnation).where(s.c.consumer_group == self.group,
+                                                    s.c.shard == min(after)).scalar_subquery()
+            query = query.where(current == incarnation)
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(o.c.shard, o.c.seq, o.c.topic, o.c.value, o.c.key, o.c.headers, o.c.partition_id,
-                       o.c.created_at)
-                .where(o.c.consumer_group == self.group,
-                       or_(*(and_(o.c.shard == shard, o.c.seq > seq) for shard, seq in sorted(after.items()))))
-                .order_by(o.c.seq, o.c.shard).limit(limit)
-            ).all()
+            rows = conn.execute(query).all()
         # Unpacked as tuples and built without a call per column: this runs for every record the
         # relay publishes, on the worker's interpreter.
         return [Pending(int(shard), int(seq), Produced(topic, None if value is None else bytes(value),

@@ -40,9 +40,9 @@ from typing import Literal
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kstore.db.outbox import Listener, Outbox, Pending, lane_shards
+from kstore.db.outbox import Listener, Outbox, Pending, groups_with_outbox, lane_shards
 from kstore.db.sqlerrors import first_line
-from kstore.errors import BrokerError
+from kstore.errors import BrokerError, OutboxChangedError
 from kstore.kafka.clients import admin_reader, publisher_class
 from kstore.kafka.seam import (
     PROGRESS_TOPIC_CONFIG,
@@ -83,6 +83,11 @@ FENCED_RETRY_S = 1.0
 BUSY_RECHECK_S = 0.005
 #: How often, at most, a busy shard writes its "published" mark (and deletes what it published).
 MARK_INTERVAL_S = 1.0
+#: How often a relay waiting for an application to set its outbox up looks for it: one count of a
+#: small table, and an application's start takes seconds anyway; far below liveness_timeout_s.
+WAIT_FOR_OUTBOX_S = 2.0
+#: How many of the database's outboxes the line of a relay waiting for an unknown one names.
+OUTBOXES_LISTED = 20
 
 
 @dataclass
@@ -93,6 +98,8 @@ class _Lane:
     shards: tuple[int, ...]
     epoch: int
     publisher: ShardPublisher | None = None
+    #: The shards' incarnation its publisher's progress marks carry (read when it was made).
+    incarnation: str | None = None
     #: The highest seq of each shard known published (read from Kafka when the publisher was made).
     published: dict[int, int] = field(default_factory=dict)
     #: The highest seq of each shard marked published in the database, and when.
@@ -158,12 +165,19 @@ class _LostLane(Exception):
 
 class Relay:
     """Publishes one group's outbox. A plain object: :meth:`run` (or :meth:`start` for a thread),
-    :meth:`wake` after a commit that produced records, :meth:`request_stop`, :meth:`close`."""
+    :meth:`wake` after a commit that produced records, :meth:`request_stop`, :meth:`close`.
+
+    ``wait_for_outbox``: an application's outbox, whose shard count its application knows
+    (``Outbox(name, shards=N)``): the relay never makes it, it waits until it exists. Otherwise (a
+    group's, or ``kstore relay --outbox NAME --create``) it makes ``outbox_shards`` if none exist."""
 
     def __init__(self, settings: Settings, group: str, engine: Engine, metrics: Metrics | None = None,
-                 member: str | None = None) -> None:
+                 member: str | None = None, wait_for_outbox: bool = False) -> None:
         self.settings = settings
         self.group = group
+        self.wait_for_outbox = wait_for_outbox
+        #: Why it does not publish yet, while it waits for the application to set the outbox up.
+        self._waiting_for: str | None = None
         self.outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
         self.member = member or member_name()
         self.metrics = metrics or Metrics(group)
@@ -215,14 +229,7 @@ class Relay:
 
     def run(self) -> None:
         """Publish until :meth:`request_stop`: keep the leases here, publish each held shard on a thread."""
-        while not self._stop.is_set():
-            try:
-                self.outbox.ensure_shards(self.settings.outbox_shards)
-                break
-            except SQLAlchemyError as exc:
-                self._failed("read the outbox's shards", exc)
-                self._stop.wait(self._delay)
-        if self._stop.is_set():
+        if not self._find_shards():
             return
         log.info("outbox relay %s for group %r: %d shard(s)", self.member, self.group, self.outbox.shards)
         self._running = True
@@ -244,6 +251,46 @@ class Relay:
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
+
+    def _find_shards(self) -> bool:
+        """The outbox's shards, made if it has none or waited for (see ``wait_for_outbox``); False if
+        told to stop first."""
+        while not self._stop.is_set():
+            self._turned_at = time.monotonic()  # waiting is this loop turning: /livez stays healthy
+            try:
+                if self._shards_known():
+                    return True
+                wait = WAIT_FOR_OUTBOX_S
+            except SQLAlchemyError as exc:
+                self._failed("read the outbox's shards", exc)
+                wait = self._delay
+            self._stop.wait(wait)
+        return False
+
+    def _shards_known(self) -> bool:
+        if not self.wait_for_outbox:
+            self.outbox.ensure_shards(self.settings.outbox_shards)
+            return True
+        if self.outbox.read_shards():
+            if self._waiting_for is not None:
+                log.info("outbox %r was set up with %d shard(s): publishing it", self.group, self.outbox.shards)
+                self._waiting_for = None
+            return True
+        if self._waiting_for is None:  # said once: the wait may be long, and is no fault
+            self._waiting_for = self._missing_outbox()
+            log.warning(self._waiting_for)
+        return False
+
+    def _missing_outbox(self) -> str:
+        """The line a relay waiting for an outbox that does not exist says, with those that do."""
+        with self.outbox.engine.connect() as conn:
+            known = sorted(groups_with_outbox(conn, self.outbox.tables))
+        listed = ", ".join(known[:OUTBOXES_LISTED]) + (
+            f" and {len(known) - OUTBOXES_LISTED} more" if len(known) > OUTBOXES_LISTED else "")
+        name = self.group
+        return (f"outbox {name!r} does not exist yet: waiting for the application to set it up "
+                f"(Outbox({name!r}).setup() or its first produce()), or start the relay with --create to make "
+                f"it here; " + (f"the database has outboxes: {listed}" if known else "the database has no outbox yet"))
 
     def _ensure_progress_topic(self) -> None:
         """Make the group's progress topic (:func:`~kstore.kafka.seam.progress_topic`) if the cluster has
@@ -278,7 +325,7 @@ class Relay:
     def readiness(self) -> tuple[bool, str]:
         """Ready once it has read the outbox's shards, while its last lease round reached the database."""
         if not self._running:
-            return False, self.last_error or "reading the outbox's shards"
+            return False, self.last_error or self._waiting_for or "reading the outbox's shards"
         if self.last_error is not None:
             return False, self.last_error
         blocked = self.shards_blocked
@@ -536,9 +583,22 @@ class Relay:
         NOTIFY first and the rows looked for after, so rows committed in between are found here, and
         rows committed later wake the lane."""
         marks, incarnation = self.outbox.published_marks(state.lane)
+        self._check_incarnation(state, incarnation)
         if self.outbox.postgresql and self._ask_for_a_wakeup(state, marks) == "busy":
             return None
-        return (marks, incarnation) if self.outbox.pending(marks, 1) else None
+        return (marks, incarnation) if self.outbox.pending(marks, 1, incarnation) else None
+
+    def _check_incarnation(self, state: _Lane, incarnation: str) -> None:
+        """The shards were made anew (``kstore outbox reshard``) since this relay read their count: its
+        lanes are the old count's, so it stops (the lane is given up, and :attr:`error` ends the relay:
+        started again, it reads the new shards)."""
+        if self.outbox.incarnation in (None, incarnation):
+            return
+        self.error = OutboxChangedError(
+            f"the outbox of {self.group!r} was resharded while this relay ran (it shares the lanes of "
+            f"{self.outbox.shards} shard(s)): it stops; start it again")
+        state.lost = True
+        raise _LostLane()
 
     def _ask_for_a_wakeup(self, state: _Lane, published: dict[int, int]) -> Literal["sleep", "publish", "busy"]:
         """:meth:`Outbox.sleep_until_written` for the lane's shards; a writer holding one of them
@@ -551,7 +611,8 @@ class Relay:
 
     def _publish(self, state: _Lane) -> bool:
         assert state.publisher is not None
-        rows = self.outbox.pending(state.published, 1 if state.single else MAX_ROWS_PER_TRANSACTION)
+        rows = self.outbox.pending(state.published, 1 if state.single else MAX_ROWS_PER_TRANSACTION,
+                                   state.incarnation)
         if not rows:
             self._mark(state, due=True)
             return self._sleep_until_written(state)
@@ -663,7 +724,7 @@ class Relay:
         except BaseException:
             publisher.close()
             raise
-        state.publisher, state.marked = publisher, marked
+        state.publisher, state.marked, state.incarnation = publisher, marked, incarnation
         state.published = {shard: max(in_kafka.get(shard, 0), marked.get(shard, 0)) for shard in state.shards}
         log.info("outbox %s of group %r: published up to %s (Kafka's record), publishing on", state.name,
                  self.group, state.upto())

@@ -1,4 +1,5 @@
-"""A group's outbox as an operator sees it: ``kstore outbox show`` is :func:`show_outbox`.
+"""A group's outbox as an operator sees it: ``kstore outbox show`` is :func:`show_outbox`, ``kstore
+outbox reshard`` :func:`reshard_outbox`.
 
 Read from the database alone, no broker needed: per shard, the records committed and not yet
 published (rows waiting, and the age of the oldest), how far the shard has been numbered
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
@@ -23,7 +25,7 @@ from kstore.db.outbox import Outbox, Refusal, ShardState, groups_with_outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import aware
-from kstore.errors import ConfigurationError, DatabaseError
+from kstore.errors import ConfigurationError, DatabaseError, KstoreError
 from kstore.settings import Settings
 
 
@@ -82,8 +84,7 @@ def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> 
         try:
             shards = outbox.state()
             if not shards:
-                with engine.connect() as conn:
-                    known = sorted(groups_with_outbox(conn, outbox.tables))
+                known = _known(engine, outbox)
         except SQLAlchemyError as exc:
             raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
     finally:
@@ -94,6 +95,48 @@ def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> 
                                  f"first worker or relay starts); {others}")
     at = now or datetime.now(timezone.utc)
     return [_status(s, at) for s in shards]
+
+
+@dataclass(frozen=True)
+class Resharded:
+    """What :func:`reshard_outbox` did: the outbox's shards before and after."""
+
+    name: str
+    before: int
+    after: int
+
+
+def reshard_outbox(settings: Settings, name: str, shards: int) -> Resharded:
+    """Make the outbox ``name`` anew with ``shards`` shards, in one transaction (see
+    :meth:`kstore.db.outbox.Outbox.reshard`: numbering goes on, exactly once holds across it).
+
+    Refused (:class:`~kstore.errors.OutboxBusyError`) while records wait in it or a relay of it runs;
+    an outbox this database does not have raises :class:`ConfigurationError` naming those it has.
+    """
+    if shards < 1:
+        raise KstoreError(f"an outbox needs at least one shard, got {shards}")
+    engine = make_engine(settings)
+    try:
+        store = Store(engine, settings)
+        store.check_reachable()
+        check_migrated(engine, settings)
+        outbox = Outbox(engine, name, settings.table_prefix, settings.schema)
+        try:
+            before = outbox.reshard(shards)
+            known = [] if before else _known(engine, outbox)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
+    finally:
+        engine.dispose()
+    if not before:
+        others = f"outboxes it has: {', '.join(known)}" if known else "it has none yet"
+        raise ConfigurationError(f"outbox {name!r} does not exist in this database; {others}")
+    return Resharded(name, before, shards)
+
+
+def _known(engine: Engine, outbox: Outbox) -> list[str]:
+    with engine.connect() as conn:
+        return sorted(groups_with_outbox(conn, outbox.tables))
 
 
 def _status(state: ShardState, at: datetime) -> ShardStatus:
