@@ -189,7 +189,8 @@ class Settings:
     #: Run the outbox relay inside the worker (publishes what ``Processor.produce`` wrote). Turn it
     #: off only where ``kstore relay`` runs apart.
     relay: bool = True
-    #: Outbox shards of a group, fixed when its first worker or relay starts: one key's records
+    #: Outbox shards of a group, fixed when its first worker or relay starts (an application outbox's
+    #: come from its ``Outbox(name, shards=...)``, this when none is given): one key's records
     #: are in one shard, published in commit order by one relay at a time. More shards let relays
     #: in several processes publish side by side; in one process they share its one interpreter
     #: (kafka-python's transactions are CPU-bound), and one shard has the lowest latency.

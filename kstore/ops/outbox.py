@@ -90,9 +90,10 @@ def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> 
     finally:
         engine.dispose()
     if not shards:
-        others = f"groups that have one: {', '.join(known)}" if known else "no group has one yet"
-        raise ConfigurationError(f"group {group!r} has no outbox in this database (its shards are made when its "
-                                 f"first worker or relay starts); {others}")
+        others = f"outboxes there are: {', '.join(known)}" if known else "there is none yet"
+        raise ConfigurationError(f"{group!r} has no outbox in this database (a group's shards are made when its "
+                                 f"first worker or relay starts, an application's by its Outbox(...).setup() or "
+                                 f"first produce()); {others}")
     at = now or datetime.now(timezone.utc)
     return [_status(s, at) for s in shards]
 

@@ -1,7 +1,7 @@
 """`kstore outbox show`: a group's outbox shards as the database holds them (and the outbox line of `kstore top`).
 
 Rows wait while no relay runs (a ``--no-relay`` worker), and are gone once a ``kstore relay``
-drained them; a group with no outbox is one line naming the groups that have one.
+drained them; a group with no outbox is one line naming the outboxes there are.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def test_rows_wait_with_no_relay_and_are_gone_once_a_relay_drained_them(
     assert w.terminate() == 0
 
 
-def test_a_group_without_an_outbox_is_one_line_naming_the_groups_that_have_one(pg_dsn: str) -> None:
+def test_a_name_without_an_outbox_is_one_line_naming_the_outboxes_there_are(pg_dsn: str) -> None:
     none_yet = kstore("outbox", "show", "--group", "nope", "--dsn", pg_dsn)
     assert none_yet.returncode == 2 and not none_yet.stdout
     assert none_yet.stderr.count("\n") == 1, none_yet.stderr
-    assert none_yet.stderr.startswith("kstore: error: group 'nope' has no outbox"), none_yet.stderr
-    assert "no group has one yet" in none_yet.stderr
+    assert none_yet.stderr.startswith("kstore: error: 'nope' has no outbox"), none_yet.stderr
+    assert "there is none yet" in none_yet.stderr
 
     engine = sa.create_engine(pg_dsn)
     try:
@@ -125,7 +125,7 @@ def test_a_group_without_an_outbox_is_one_line_naming_the_groups_that_have_one(p
     r = kstore("outbox", "show", "--group", "nope", "--dsn", pg_dsn)
     assert r.returncode == 2 and not r.stdout
     assert r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.strip().endswith("groups that have one: booker, ledger"), r.stderr
+    assert r.stderr.strip().endswith("outboxes there are: booker, ledger"), r.stderr
     assert len(shown(pg_dsn, "ledger")) == 2
 
 
