@@ -172,8 +172,8 @@ class Registry:
 
     def check(self) -> None:
         """Ask the registry something cheap (its subjects): at a worker's start, a registry that does
-        not answer is one clear line, not a wait."""
-        self.ask(self.client.get_subjects)
+        not answer, or an address that is not a registry's API, is one clear line, not a wait."""
+        self.subjects()
 
 
 def _without_credentials(url: str) -> str:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,17 @@ def test_a_registry_that_does_not_answer_stops_the_start_with_one_line(pg_dsn: s
     assert lines[-1].startswith("kstore: error: the schema registry at http://127.0.0.1:")
     assert "does not answer" in lines[-1]
     assert "Traceback" not in done.stderr and "s3cret" not in done.stderr
+
+
+def test_an_address_that_is_not_a_registrys_api_stops_the_start_with_one_line(
+        pg_dsn: str, kafka: str, schema_registry: Any) -> None:
+    done = worker("--dsn", pg_dsn, "--bootstrap-servers", kafka,
+                  "--schema-registry-url", schema_registry.url + "/not-the-api")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("kstore: error: the schema registry at http://127.0.0.1:"), done.stderr
+    assert "does not list its subjects (HTTP 404" in lines[-1] and "the registry's API?" in lines[-1]
+    assert "Traceback" not in done.stderr
 
 
 def test_a_registry_format_without_a_registry_says_which_setting_is_missing(pg_dsn: str, kafka: str) -> None:
