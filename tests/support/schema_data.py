@@ -67,3 +67,11 @@ def protobuf_order_class() -> Any:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.OrderPlaced"))
+
+
+def registry_client(url: str, **config: Any) -> Any:
+    """The tests' own schema registry client: with a timeout, so a request the registry leaves
+    unanswered (seen once on a keep-alive connection) is retried, not waited on for ever."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    return SchemaRegistryClient({"url": url, "timeout": 20, **config})

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from starlette.testclient import TestClient
@@ -19,7 +18,7 @@ from kstore import Settings
 from kstore.console import app
 from kstore.db import deadletters
 from kstore.db.writes import now
-from tests.support.schema_data import ORDER_V1
+from tests.support.schema_data import ORDER_V1, registry_client
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +34,7 @@ def _letter(conn: sa.Connection, value: bytes) -> int:
 
 
 def test_a_letters_page_shows_its_value_decoded_with_its_schema(pg_dsn: str, schema_registry: Any) -> None:
-    client = SchemaRegistryClient({"url": schema_registry.url})
+    client = registry_client(schema_registry.url)
     avro = AvroSerializer(client, ORDER_V1)(
         {"id": 7, "customer": "c7", "amount": 12.5}, SerializationContext("orders", MessageField.VALUE))
     assert avro is not None

@@ -24,6 +24,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kstore_devbroker.registry import DevRegistry
+from tests.support.schema_data import registry_client
 
 ORDER = json.dumps({
     "type": "record",
@@ -50,7 +51,7 @@ _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def _client(registry: DevRegistry) -> SchemaRegistryClient:
     """A new client: nothing cached, so every lookup asks the registry. No retries: a registry
     that is down fails the first request."""
-    return SchemaRegistryClient({"url": registry.url, "max.retries": 0})
+    return registry_client(registry.url, **{"max.retries": 0})
 
 
 def _get(url: str) -> Any:
@@ -154,13 +155,13 @@ def test_run_registry_keeps_its_schemas_across_a_restart_by_default(tmp_path: Pa
     subject = _unique("orders") + "-value"
     proc, url = _run_registry(tmp_path)
     try:
-        schema_id = SchemaRegistryClient({"url": url, "max.retries": 0}).register_schema(subject, Schema(ORDER, "AVRO"))
+        schema_id = registry_client(url, **{"max.retries": 0}).register_schema(subject, Schema(ORDER, "AVRO"))
     finally:
         said = _stop(proc)
 
     proc, url = _run_registry(tmp_path)
     try:
-        client = SchemaRegistryClient({"url": url, "max.retries": 0})
+        client = registry_client(url, **{"max.retries": 0})
         assert client.get_subjects() == [subject]
         assert client.get_latest_version(subject).schema_id == schema_id
         assert json.loads(client.get_schema(schema_id).schema_str) == json.loads(ORDER)
@@ -172,7 +173,7 @@ def test_run_registry_keeps_its_schemas_across_a_restart_by_default(tmp_path: Pa
 def test_run_registry_with_temp_starts_empty_and_leaves_nothing(tmp_path: Path) -> None:
     proc, url = _run_registry(tmp_path, "--temp")
     try:
-        client = SchemaRegistryClient({"url": url, "max.retries": 0})
+        client = registry_client(url, **{"max.retries": 0})
         assert client.get_subjects() == []
         client.register_schema(_unique("orders") + "-value", Schema(ORDER, "AVRO"))
     finally:

@@ -15,12 +15,16 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.orm import Session
 
 from kstore import Settings
+from kstore.db.store import make_engine
 from kstore.ops.lag import LagReader
+from kstore.outbox import Outbox
 from tests.conftest import KAFKA_CLIENT
 from tests.support.faultproxy import FaultProxy
 from tests.support.harness import SUPPORT_DIR, WorkerProcess, stored_offsets, wait_until
+from tests.support.outbox_backlogs import group_outbox
 
 Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -205,6 +209,34 @@ def test_database_or_broker_outage_is_an_error_not_stale_numbers(pg_dsn: str, ka
         assert not per_partition(m, "kstore_lag_messages", group)
         assert exp.proc.proc.poll() is None, "still serving"
         assert exp.proc.terminate() == 0
+
+
+def test_every_outbox_in_the_database_has_its_gauges_an_applications_too(pg_dsn: str, kafka: str,
+                                                                         exporter: Any) -> None:
+    """An application's outbox with records waiting, and a group's with none, neither of them a group the
+    exporter was given: both have their records waiting and the oldest's age."""
+    engine = make_engine(Settings(dsn=pg_dsn))
+    group_outbox(engine, "drained", shards=2)
+    events = Outbox("shop-web", Settings(dsn=pg_dsn), shards=4)
+    before_write = time.time()
+    with Session(engine) as session, session.begin():
+        for n in range(3):
+            events.produce(session, "orders", {"n": n}, key=f"k{n}")
+    after_write = time.time()
+    engine.dispose()
+    time.sleep(1.0)  # so the oldest record is measurably old
+
+    exp = exporter("--group", "some-pipeline", "--dsn", pg_dsn, "--bootstrap-servers", kafka)
+    scrape_started = time.time()
+    m = exp.scrape()
+    scrape_ended = time.time()
+    assert m["kstore_outbox_records_waiting"] == {(("outbox", "drained"),): 0, (("outbox", "shop-web"),): 3}
+    ages = m["kstore_outbox_oldest_record_age_seconds"]
+    assert ages[(("outbox", "drained"),)] == 0
+    age = ages[(("outbox", "shop-web"),)]
+    assert scrape_started - after_write - 0.1 <= age <= scrape_ended - before_write + 0.1, age
+    assert one(m, "kstore_exporter_up", group="some-pipeline") == 1
+    assert exp.proc.terminate() == 0
 
 
 def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.orm import Session
 
-from tests.support.harness import SUPPORT_DIR, stored_offsets, wait_until
+from kstore import Settings
+from kstore.db.store import make_engine
+from kstore.ops.offsets import set_offsets
+from kstore.outbox import Outbox
+from tests.support.harness import SUBPROCESS_PATH, SUPPORT_DIR, stored_offsets, wait_until
+from tests.support.outbox_backlogs import group_outbox
 
 #: Escape sequences (CSI ... final byte, and the few two-byte ones rich uses), to read the screen as text.
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
@@ -197,3 +203,33 @@ def test_top_once_prints_one_frame(pg_dsn: str, kafka: str, new_topic: Any, prod
                                   "--dsn", "postgresql+psycopg2://kstore@127.0.0.1:1/kstore"],
                                  capture_output=True, text=True, timeout=60, cwd=SUPPORT_DIR)
     assert unreachable.returncode == 2 and unreachable.stderr.startswith("kstore: error: cannot connect"), unreachable
+
+
+def test_top_once_shows_a_line_for_each_applications_outbox(pg_dsn: str, kafka: str, new_topic: Any) -> None:
+    """Outboxes no group with stored offsets has (applications'), each with its records waiting and the
+    oldest's age; the group's own outbox is not one of them."""
+    topic, group = new_topic(partitions=1), "beside-the-shop"
+    settings = Settings(dsn=pg_dsn, bootstrap_servers=kafka)
+    set_offsets(settings, group, topic, to_earliest=True, execute=True, reason="a stored offset")
+    engine = make_engine(settings)
+    group_outbox(engine, group, shards=2)
+    Outbox("idle-app", settings, shards=2).setup(engine)
+    events = Outbox("shop-web", settings, shards=4)
+    written = time.time()
+    with Session(engine) as session, session.begin():
+        for n in range(3):
+            events.produce(session, "orders", {"n": n}, key=f"k{n}")
+    engine.dispose()
+    time.sleep(1.0)
+
+    done = subprocess.run([sys.executable, "-m", "kstore", "top", "--group", group, "--once", "--dsn", pg_dsn,
+                           "--bootstrap-servers", kafka], capture_output=True, text=True, timeout=60, cwd=SUPPORT_DIR,
+                          env={**os.environ, "PYTHONPATH": SUBPROCESS_PATH})
+    shown = time.time()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    outboxes = [line for line in lines if line.startswith("outbox")]
+    assert len(outboxes) == 2 and outboxes[0] == "outbox idle-app  0 records waiting, oldest 0.0s", done.stdout
+    found = re.fullmatch(r"outbox shop-web  3 records waiting, oldest (\d+\.\d)s", outboxes[1])
+    assert found and 1.0 <= float(found.group(1)) <= shown - written + 0.1, done.stdout
+    assert lines.index(outboxes[0]) == 1 and lines[3].split() == HEADER, "under the summary, above the table"

@@ -27,14 +27,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from confluent_kafka import Consumer
-from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from tests.support.harness import SUPPORT_DIR, effects, stored_offsets, wait_until
-from tests.support.schema_data import ORDER_JSON_SCHEMA, ORDER_V1, ORDER_V2, protobuf_order_class
+from tests.support.schema_data import ORDER_JSON_SCHEMA, ORDER_V1, ORDER_V2, protobuf_order_class, registry_client
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +138,7 @@ def test_avro_orders_exactly_once_through_evolution_bad_records_a_registry_outag
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str, schema_registry: Any) -> None:
     url = schema_registry.url
     source, out = new_topic(partitions=4), new_topic(partitions=2)
-    client = SchemaRegistryClient({"url": url})
+    client = registry_client(url)
     v1 = AvroSerializer(client, ORDER_V1)
     v2 = AvroSerializer(client, ORDER_V2)
     context = SerializationContext(source, MessageField.VALUE)
@@ -188,7 +187,7 @@ def test_avro_orders_exactly_once_through_evolution_bad_records_a_registry_outag
     wait_committed(pg_dsn, "avro-orders", sent)
 
     good = sorted(ids)
-    events = read_events(kafka, out, AvroDeserializer(SchemaRegistryClient({"url": url})), expected=len(good))
+    events = read_events(kafka, out, AvroDeserializer(registry_client(url)), expected=len(good))
     check_outcome(pg_dsn, "avro-orders", sent, good, bad, events, ids)
     engine = sa.create_engine(pg_dsn)
     with engine.connect() as conn:
@@ -223,13 +222,13 @@ def test_protobuf_orders_exactly_once_and_bad_records_dead_lettered(
     url = schema_registry.url
     source, out = new_topic(partitions=2), new_topic(partitions=2)
     order_class = protobuf_order_class()
-    write = ProtobufSerializer(order_class, SchemaRegistryClient({"url": url}), {"use.deprecated.format": False})
+    write = ProtobufSerializer(order_class, registry_client(url), {"use.deprecated.format": False})
     context = SerializationContext(source, MessageField.VALUE)
     values, ids, bad = with_bad_records([write(order_class(**order(i)), context) for i in range(1000)])
     sent = produce(source, values)
     w = start_worker(workers, pg_dsn, source, "protobuf-orders", "schema_processors:ProtobufOrders", url, out)
     wait_committed(pg_dsn, "protobuf-orders", sent)
-    events = read_events(kafka, out, AvroDeserializer(SchemaRegistryClient({"url": url})), expected=len(ids))
+    events = read_events(kafka, out, AvroDeserializer(registry_client(url)), expected=len(ids))
     check_outcome(pg_dsn, "protobuf-orders", sent, sorted(ids), bad, events, ids)
     assert w.terminate() == 0
 
@@ -238,7 +237,7 @@ def test_json_schema_orders_exactly_once_and_a_letter_read_and_edited_through_it
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str, schema_registry: Any) -> None:
     url = schema_registry.url
     source, out = new_topic(partitions=2), new_topic(partitions=2)
-    client = SchemaRegistryClient({"url": url})
+    client = registry_client(url)
     context = SerializationContext(source, MessageField.VALUE)
     write = JSONSerializer(ORDER_JSON_SCHEMA, client)
     values, ids, bad = with_bad_records([write(order(i), context) for i in range(1000)])

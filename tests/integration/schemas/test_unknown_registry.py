@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
@@ -26,7 +25,7 @@ from tests.support.harness import (
     stored_offsets,
     wait_until,
 )
-from tests.support.schema_data import ORDER_V1
+from tests.support.schema_data import ORDER_V1, registry_client
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +52,7 @@ def test_a_registry_that_knows_none_of_the_ids_is_waited_out_and_nothing_is_dead
         pg_dsn: str, new_topic: Any, produce: Any, workers: Any, kafka: str, schema_registry: DevRegistry,
         empty_registry: DevRegistry) -> None:
     source, out, dlt = new_topic(partitions=2), new_topic(partitions=1), new_topic(partitions=1)
-    write = AvroSerializer(SchemaRegistryClient({"url": schema_registry.url}), ORDER_V1)
+    write = AvroSerializer(registry_client(schema_registry.url), ORDER_V1)
     context = SerializationContext(source, MessageField.VALUE)
     sent = produce(source, [write(order(i), context) for i in range(300)])
 

@@ -1,6 +1,7 @@
 """The metrics docs/observability.md lists, scraped from a real `kstore worker`'s /metrics while
 the thing they count happens: retries, batch and commit durations, a COMMIT in doubt resolved as
-landed, and the buffered records and bytes, which `max_buffered_bytes` bounds (fetching pauses)."""
+landed, the buffered records and bytes, which `max_buffered_bytes` bounds (fetching pauses), and
+every outbox metric it names, on a worker that produces (its relay's included)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
 from tests.support.faultproxy import FaultProxy
-from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.harness import REPO_DIR, assert_exactly_once, effects, stored_offsets, wait_until
+from tests.support.outbox_processors import copies
+from tests.support.outbox_processors import metadata as booker_tables
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -144,3 +148,35 @@ def test_buffered_bytes_stay_within_max_buffered_bytes_plus_one_fetch(
     stored = stored_offsets(pg_dsn, f"metrics-buffered-{topic}")[(topic, 0)]
     assert stored > 0
     assert_exactly_once(counts, {m for m in sent if m[2] < stored})
+
+
+def documented(prefix: str) -> set[str]:
+    """The metrics docs/observability.md names that start with ``prefix``."""
+    return set(re.findall(rf"`({re.escape(prefix)}[a-z_]+)", (REPO_DIR / "docs" / "observability.md").read_text()))
+
+
+def test_every_documented_outbox_metric_is_on_a_producing_workers_metrics_its_relays_backlog_too(
+    pg_dsn: str, new_topic: Callable[..., str], produce: Callable[..., Any], workers: Callable[..., Any],
+) -> None:
+    """A worker whose processor produces, and publishes what it produced through its own relay: every
+    ``kstore_outbox_*`` metric the docs name is on its /metrics, and its relay's backlog, named by the
+    outbox (the group), falls to 0 once all is published."""
+    source, out, group = new_topic(partitions=1), new_topic(partitions=1), "metrics-outbox"
+    engine = sa.create_engine(pg_dsn)
+    booker_tables.create_all(engine)
+    engine.dispose()
+    sent = produce(source, (f"k{i % 3}:{i}" for i in range(20)), partition=0)
+    w = workers(pg_dsn, source, group, "outbox_processors:Booker", env={"KSTORE_TEST_OUT_TOPIC": out},
+                args=["--metrics-port", "0"])
+    port = port_of(w)
+    records = sum(copies(offset) for _, _, offset in sent)
+    wait_until(lambda: total(scrape(port), "kstore_outbox_published_total", group=group) == records, 90,
+               what="every produced record published")
+    s = wait_until(lambda: (lambda s: s if total(s, "kstore_outbox_records_waiting", outbox=group) == 0 else None)(
+        scrape(port)), 30, what="the relay's backlog at 0")
+    names = {name for name, _ in s}
+    wanted = documented("kstore_outbox_")
+    assert {"kstore_outbox_records_waiting", "kstore_outbox_oldest_record_age_seconds"} <= wanted
+    assert sorted(n for n in wanted if n not in names and f"{n}_count" not in names) == [], "documented, not served"
+    assert total(s, "kstore_outbox_oldest_record_age_seconds", outbox=group) == 0
+    assert w.terminate() == 0
