@@ -31,6 +31,11 @@ class BrokerError(KstoreError):
     """The Kafka brokers cannot be reached or refused a request."""
 
 
+class BrokerNotReadyError(BrokerError):
+    """The brokers answered "not now" (a retriable answer: a coordinator still loading, a leader moving,
+    the brokers away) until the question's patience ran out: asked later, it may well be answered."""
+
+
 class MissingTopicError(BrokerError):
     """A topic the processor produces to is not in the cluster (not created yet, or deleted).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -55,10 +55,15 @@ async def _attempt(console: Console, operator: str | None, fn: Callable[[], T]) 
 
 
 async def groups(request: Request) -> Response:
+    """The groups with stored offsets, and every outbox with its backlog (an application's too, which no
+    group's page would show)."""
     operator, _ = await guard(request)
     console = console_of(request)
-    found, error = await _attempt(console, operator, console.store.groups)
-    return console.render(request, "groups.html", operator, groups=found or [], error=error)
+    found, error = await _attempt(console, operator, lambda: (
+        console.store.groups(), outbox_admin.list_outboxes(console.engine, console.settings)))
+    names, outboxes = found or ([], [])
+    return console.render(request, "groups.html", operator, groups=names, outboxes=outboxes,
+                          now=datetime.now(timezone.utc), error=error)
 
 
 async def overview(request: Request) -> Response:

@@ -42,7 +42,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.outbox import Listener, Outbox, Pending, groups_with_outbox, lane_shards
 from kstore.db.sqlerrors import first_line
-from kstore.errors import BrokerError, OutboxChangedError
+from kstore.errors import BrokerError, BrokerNotReadyError, OutboxChangedError
 from kstore.kafka.clients import admin_reader, publisher_class
 from kstore.kafka.seam import (
     PROGRESS_TOPIC_CONFIG,
@@ -88,6 +88,10 @@ MARK_INTERVAL_S = 1.0
 WAIT_FOR_OUTBOX_S = 2.0
 #: How many of the database's outboxes the line of a relay waiting for an unknown one names.
 OUTBOXES_LISTED = 20
+#: A lane's first producer, on a broker just started, meets "not now" answers (a coordinator still
+#: loading) and backs off: routine, said at INFO for this long; a WARNING past it, when something keeps
+#: the brokers from answering (a coordinator loads within seconds).
+NOT_READY_ROUTINE_S = 30.0
 
 
 @dataclass
@@ -126,6 +130,12 @@ class _Lane:
     #: Relay._sleep_until_written), None once it slept.
     woken_at: dict[int, int] | None = None
     last_error: str | None = None
+    #: A producer was opened for the lane (after that, "not now" from the brokers is no longer routine).
+    opened: bool = False
+    #: Since when (monotonic) the brokers have answered the lane's first start "not now", and the last
+    #: such failure said (at INFO).
+    not_ready_since: float | None = None
+    not_ready_said: str | None = None
     wake: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
@@ -181,6 +191,9 @@ class Relay:
         self.outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
         self.member = member or member_name()
         self.metrics = metrics or Metrics(group)
+        # Read at a scrape (kept a few seconds), not by the publishing loop: no statement while nobody
+        # looks, and a scrape's answer is never older than that.
+        self.metrics.watch_outbox(self.outbox.waiting)
         #: The lanes this relay holds, by number.
         self._held: dict[int, _Lane] = {}
         self._wake = threading.Event()
@@ -725,6 +738,7 @@ class Relay:
             publisher.close()
             raise
         state.publisher, state.marked, state.incarnation = publisher, marked, incarnation
+        state.opened = True
         state.published = {shard: max(in_kafka.get(shard, 0), marked.get(shard, 0)) for shard in state.shards}
         log.info("outbox %s of group %r: published up to %s (Kafka's record), publishing on", state.name,
                  self.group, state.upto())
@@ -745,11 +759,30 @@ class Relay:
         publishes again."""
         state.not_before = time.monotonic() + state.delay
         reason = f"could not {what}: {first_line(exc)}"
-        level = logging.WARNING if reason not in (state.last_error, self._shard_reason) else logging.DEBUG
-        log.log(level, "outbox %s of group %r: %s; the rows wait (retrying in %.1fs)", state.name, self.group,
-                reason, state.delay)
-        state.last_error = self._shard_reason = reason
+        log.log(self._failure_level(state, reason, exc), "outbox %s of group %r: %s; the rows wait (retrying in "
+                "%.1fs)", state.name, self.group, reason, state.delay)
         state.delay = min(state.delay * 2, RETRY_MAX_DELAY_S)
+
+    def _failure_level(self, state: _Lane, reason: str, exc: BaseException) -> int:
+        """INFO for the brokers' "not now" at the lane's first start (:data:`NOT_READY_ROUTINE_S`), once per
+        reason; otherwise WARNING, once per reason (DEBUG after)."""
+        if self._routine(state, exc):
+            level = logging.INFO if reason != state.not_ready_said else logging.DEBUG
+            state.not_ready_said = reason
+            return level
+        level = logging.WARNING if reason not in (state.last_error, self._shard_reason) else logging.DEBUG
+        state.last_error = self._shard_reason = reason
+        return level
+
+    @staticmethod
+    def _routine(state: _Lane, exc: BaseException) -> bool:
+        """A "not now" from the brokers before the lane's first producer opened, for NOT_READY_ROUTINE_S."""
+        if state.opened or not isinstance(exc, BrokerNotReadyError):
+            return False
+        now = time.monotonic()
+        if state.not_ready_since is None:
+            state.not_ready_since = now
+        return now - state.not_ready_since < NOT_READY_ROUTINE_S
 
     # -- helpers ----------------------------------------------------------------
 

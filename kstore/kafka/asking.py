@@ -3,8 +3,8 @@
 Brokers answer "not now" for a moment after they start, or while leadership moves: the group
 coordinator is not available yet or still loading, a partition's leader is elsewhere. Each client
 raises those as retriable errors; :class:`Asker` asks again (a debug log line each time) for up to
-its patience (``connect_timeout_s`` unless given), and then, or at once for an error that is not
-transient, raises :class:`~kstore.errors.BrokerError`: one line for the command.
+its patience (``connect_timeout_s`` unless given), and then raises :class:`~kstore.errors.BrokerNotReadyError`
+(or at once, for an error that is not transient, :class:`~kstore.errors.BrokerError`): one line for the command.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
-from kstore.errors import BrokerError
+from kstore.errors import BrokerError, BrokerNotReadyError
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ class Asker:
                     raise BrokerError(f"Kafka at {self.where} could not {what}: {failure.reason}") from None
                 if self._clock() + delay > deadline:
                     if self.patience_s <= 0:
-                        raise BrokerError(f"Kafka at {self.where} could not {what}: {failure.reason}") from None
-                    raise BrokerError(f"Kafka at {self.where} could not {what} within {self.patience_s:g}s "
-                                      f"(connect_timeout_s): still {failure.reason}") from None
+                        raise BrokerNotReadyError(f"Kafka at {self.where} could not {what}: {failure.reason}") from None
+                    raise BrokerNotReadyError(f"Kafka at {self.where} could not {what} within {self.patience_s:g}s "
+                                              f"(connect_timeout_s): still {failure.reason}") from None
                 # Debug: a command that succeeds in the end prints nothing on stderr; one that does not,
                 # its one line (--log-level DEBUG shows each try).
                 log.debug("Kafka at %s cannot %s yet (%s): asking again in %.1fs", self.where, what, failure.reason,

@@ -6,6 +6,9 @@ Each scrape of ``/metrics`` reads every group afresh (:class:`~kstore.ops.lag.La
   :func:`kstore.telemetry.metrics.lag_families`), ``kstore_stored_offset``, ``kstore_log_start_offset``,
   ``kstore_log_end_offset`` per group, topic, partition;
 - ``kstore_dead_letters_waiting`` per group;
+- ``kstore_outbox_records_waiting`` and ``kstore_outbox_oldest_record_age_seconds`` per outbox, for every
+  outbox in the database (a group's and an application's alike, given as ``--group`` or not; the names a
+  relay uses, :func:`kstore.telemetry.metrics.outbox_families`), left out of a scrape whose reading failed;
 - ``kstore_exporter_up`` per group: 1 if this scrape read the group, 0 if the database or the brokers
   failed it (its partition metrics are then left out rather than repeated stale), and
   ``kstore_exporter_scrape_errors_total`` per group and ``source`` (``database``, ``kafka``, ``other``).
@@ -25,9 +28,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kstore.db.outbox import Backlog
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
 from kstore.settings import Settings
-from kstore.telemetry.metrics import lag_families
+from kstore.telemetry.metrics import lag_families, outbox_families
 
 from .lag import GroupReading, LagReader
 
@@ -46,6 +50,7 @@ class LagCollector(Collector):
         self._lock = threading.Lock()
         self._errors = {(group, source): 0 for group in self.groups for source in SOURCES}
         self._failing: dict[str, str] = {}  # group -> the last error logged for it
+        self._outboxes_failing: str | None = None  # the last error logged for the outboxes' reading
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -61,6 +66,9 @@ class LagCollector(Collector):
                 up.add_metric([group], 0 if reading is None else 1)
                 if reading is not None:
                     _merge(families, _group_families(reading))
+            outboxes = self._read_outboxes()
+            if outboxes is not None:
+                _merge(families, outbox_families(outboxes))
             errors = CounterMetricFamily("kstore_exporter_scrape_errors", "Scrapes that could not read the group, "
                                          "by what failed.", labels=["group", "source"])
             for (group, source), count in self._errors.items():
@@ -82,6 +90,20 @@ class LagCollector(Collector):
         if self._failing.pop(group, None) is not None:
             log.info("group %r read again", group)
         return reading
+
+    def _read_outboxes(self) -> list[Backlog] | None:
+        """Every outbox's backlog, or None (said once per new problem) if the database failed it."""
+        try:
+            found = self.reader.read_outboxes()
+        except Exception as exc:  # DatabaseError, or a bug: the groups' metrics are still served
+            if str(exc) != self._outboxes_failing:
+                log.warning("cannot read the outboxes: %s", exc, exc_info=not isinstance(exc, KstoreError))
+                self._outboxes_failing = str(exc)
+            return None
+        if self._outboxes_failing is not None:
+            log.info("the outboxes read again")
+            self._outboxes_failing = None
+        return found
 
     def _failed(self, group: str, source: str, exc: Exception) -> None:
         self._errors[(group, source)] += 1

@@ -10,7 +10,10 @@ offset has not moved asks the brokers only for the log bounds.
 
 Used by ``kstore exporter`` and ``kstore top``; :class:`LagReader` keeps its
 connections between readings and opens them again after an outage. With ``outbox=True`` (``kstore
-top``) a reading also holds the group's outbox shards, read in the same visit to the database.
+top``) a reading also holds the group's outbox shards, read in the same visit to the database; with
+``applications=True`` (``kstore top``) the backlog of every outbox no group with stored offsets has
+too (an application's: :class:`kstore.outbox.Outbox`). :meth:`LagReader.read_outboxes` reads every
+outbox's backlog (``kstore exporter``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Outbox, ShardState
+from kstore.db.outbox import Backlog, Outbox, ShardState
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
@@ -36,6 +39,8 @@ from kstore.kafka.clients import admin_reader
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
 from kstore.types import TopicPartition as TP
+
+from .outbox import list_outboxes
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +92,22 @@ class GroupReading:
     dead_letters: int
     #: The group's outbox shards (read only with ``outbox=True``; none if the group has no outbox).
     outbox: list[ShardState] = field(default_factory=list)
+    #: The backlog of every outbox that is no group's with stored offsets: applications' (read only with
+    #: ``applications=True``).
+    applications: list[Backlog] = field(default_factory=list)
 
 
 class LagReader:
     """Reads groups' lag; one per process, not thread-safe (callers take a lock)."""
 
-    def __init__(self, settings: Settings, *, owners: bool = False, outbox: bool = False,
+    def __init__(self, settings: Settings, *, owners: bool = False, outbox: bool = False, applications: bool = False,
                  fetch_timeout_s: float = FETCH_TIMEOUT_S, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         # A mistake in the Kafka settings (TLS files, a token provider) is named now, not at the first reading.
         timeout_ms = settings.kafka_options.get("request_timeout_ms", REQUEST_TIMEOUT_MS)
         self._kafka = admin_reader(settings, request_timeout_s=timeout_ms / 1000, patience_s=0)
         self.owners, self.outbox, self.fetch_timeout_s, self.clock = owners, outbox, fetch_timeout_s, clock
+        self.applications = applications
         self.engine = make_engine(self.settings)
         self.store = Store(self.engine, self.settings)
         self.dead_letters = deadletters.build_table(self.settings.table_prefix, self.settings.schema)
@@ -108,8 +117,16 @@ class LagReader:
 
     def read(self, group: str) -> GroupReading:
         """The group now. Raises :class:`DatabaseError` or :class:`BrokerError` (the next call reconnects)."""
-        rows, dead, shards = self._read_database(group)
-        return self._from_brokers(group, rows, dead, shards, self.owners)
+        rows, dead, shards, applications = self._read_database(group)
+        reading = self._from_brokers(group, rows, dead, shards, self.owners)
+        return replace(reading, applications=applications)
+
+    def read_outboxes(self) -> list[Backlog]:
+        """Every outbox's backlog in the database, by name. Raises :class:`DatabaseError` (the next call
+        reconnects)."""
+        with self._database():
+            self._check_migrated()
+            return list_outboxes(self.engine, self.settings)
 
     def read_all(self) -> tuple[list[GroupReading], dict[str, BrokerError]]:
         """Every group with a stored offset now, without owners or outbox: the readings, and the
@@ -143,7 +160,7 @@ class LagReader:
 
     # -- the database --------------------------------------------------------------------------
 
-    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int], list[ShardState]]:
+    def _read_database(self, group: str) -> tuple[dict[TP, Row], dict[TP, int], list[ShardState], list[Backlog]]:
         with self._database():
             self._check_migrated()
             rows = self.store.rows(group)
@@ -152,7 +169,14 @@ class LagReader:
                 dead = {(topic, p): n for _group, topic, p, n in conn.execute(stmt)}
             outbox = Outbox(self.engine, group, self.settings.table_prefix, self.settings.schema)
             shards = outbox.state() if self.outbox else []
-        return rows, dead, shards
+            applications = self._applications() if self.applications else []
+        return rows, dead, shards, applications
+
+    def _applications(self) -> list[Backlog]:
+        """The outboxes no group with stored offsets has (kstore's tables cannot tell an application's
+        outbox from a group's otherwise)."""
+        groups = set(self.store.groups())
+        return [b for b in list_outboxes(self.engine, self.settings) if b.name not in groups]
 
     def _read_all_databases(self) -> dict[str, tuple[dict[TP, Row], dict[TP, int]]]:
         """Every group with a stored offset: its rows and its dead letters waiting by partition, both

@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Outbox, Refusal, ShardState, groups_with_outbox
+from kstore.db.outbox import Backlog, Outbox, Refusal, ShardState, backlogs, build_tables, groups_with_outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import aware
@@ -133,6 +133,13 @@ def reshard_outbox(settings: Settings, name: str, shards: int) -> Resharded:
         others = f"outboxes it has: {', '.join(known)}" if known else "it has none yet"
         raise ConfigurationError(f"outbox {name!r} does not exist in this database; {others}")
     return Resharded(name, before, shards)
+
+
+def list_outboxes(engine: Engine, settings: Settings) -> list[Backlog]:
+    """Every outbox in the database, a group's and an application's alike, by name: its records waiting
+    and when the oldest was written, in one cheap statement (:func:`kstore.db.outbox.backlogs`)."""
+    with engine.connect() as conn:
+        return backlogs(conn, build_tables(settings.table_prefix, settings.schema))
 
 
 def _known(engine: Engine, outbox: Outbox) -> list[str]:

@@ -5,7 +5,9 @@ Per partition: the stored offset, the log end, the lag in messages and in second
 (from the stored offset's movement between refreshes) and the dead letters
 waiting. Once the group's processor has produced records (``Processor.produce``), a
 line about its outbox: records waiting to be published, the oldest's age, the shards
-a relay holds. Workers may come and go (a partition nobody holds has a blank owner);
+a relay holds; and a line for each application's outbox in the database (:class:`kstore.outbox.Outbox`,
+an outbox no group with stored offsets has): its records waiting and the oldest's age, read in the
+same visit to the database. Workers may come and go (a partition nobody holds has a blank owner);
 while the database or the brokers cannot be read, a line says so above the last
 table read, and every refresh tries again.
 """
@@ -25,6 +27,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kstore.db.outbox import Backlog
 from kstore.errors import BrokerError, DatabaseError, KstoreError
 from kstore.settings import Settings
 from kstore.types import TopicPartition as TP
@@ -71,7 +74,7 @@ class Top:
     def __init__(self, settings: Settings, group: str, interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings, self.group, self.interval, self.clock = settings, group, interval, clock
-        self.reader = LagReader(settings, owners=True, outbox=True)
+        self.reader = LagReader(settings, owners=True, outbox=True, applications=True)
         self.throughput = Throughput()
         self.last: GroupReading | None = None
         #: Why the last refresh failed (None: it did not).
@@ -99,10 +102,13 @@ class Top:
         self.throughput.update(self.clock(), {(p.topic, p.partition): p.stored_offset for p in reading.partitions})
 
     def render(self) -> RenderableType:
-        """The frame: a summary line, the outbox's if the group has one, a line about a failure if any, the table."""
+        """The frame: a summary line, the outbox's if the group has one, a line per application's outbox, a line
+        about a failure if any, the table."""
         parts: list[RenderableType] = [self._summary()]
         if self.last is not None and any(s.next_seq > 1 for s in self.last.outbox):  # it has produced
             parts.append(outbox_line(self.last))
+        if self.last is not None:
+            parts += [application_line(b, self.last.at) for b in self.last.applications]
         if self.problem is not None:
             parts.append(Text(f"{self.problem} (retrying every {self.interval:g}s)", style="bold red"))
         if self.last is not None:
@@ -177,6 +183,14 @@ def outbox_line(reading: GroupReading) -> Text:
     held = sum(1 for s in shards if s.owner is not None and s.lease_left_s > 0)
     return Text.assemble(("outbox", "bold"), "  ", (f"{waiting} records waiting", "yellow" if waiting else ""),
                          f", oldest {age:.1f}s  shards held by a relay {held}/{len(shards)}")
+
+
+def application_line(backlog: Backlog, at: float) -> Text:
+    """An application's outbox: its records not yet published and the oldest's age, as of ``at``."""
+    age = backlog.age_s(datetime.fromtimestamp(at, timezone.utc))
+    waiting = backlog.waiting
+    return Text.assemble(("outbox ", "bold"), (backlog.name, "bold cyan"), "  ",
+                         (f"{waiting} records waiting", "yellow" if waiting else ""), f", oldest {age:.1f}s")
 
 
 def _or_dash(value: int | None) -> str:

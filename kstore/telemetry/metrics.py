@@ -13,6 +13,7 @@ Names follow Prometheus conventions: base units (seconds, messages, bytes),
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,10 +27,20 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from kstore.db.outbox import Backlog
+from kstore.db.sqlerrors import first_line
 from kstore.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
 
+
+#: Every outbox's backlog, by its name (label ``outbox``), wherever it is exported: a relay's /metrics
+#: (its own outbox) and ``kstore exporter`` (every outbox in the database).
+OUTBOX_WAITING = "kstore_outbox_records_waiting"
+OUTBOX_OLDEST_AGE = "kstore_outbox_oldest_record_age_seconds"
+#: A relay reads its outbox's backlog at a scrape at most this often (the reading is kept between):
+#: Prometheus scrapes every 15 s or so, and several scrapers at once cost the database one statement.
+OUTBOX_READ_EVERY_S = 5.0
 
 LAG_MESSAGES = "kstore_lag_messages"
 LAG_SECONDS = "kstore_lag_seconds"
@@ -68,6 +79,53 @@ def lag_families(group: str, lags: Iterable[PartitionLag]) -> list[GaugeMetricFa
     return [messages, seconds]
 
 
+def outbox_families(found: Iterable[Backlog], at: datetime | None = None) -> list[GaugeMetricFamily]:
+    """The two outbox gauges for each outbox of ``found`` (shared by a relay and ``kstore exporter``), the
+    oldest's age as of ``at`` (now)."""
+    at = at or datetime.now(timezone.utc)
+    waiting = GaugeMetricFamily(OUTBOX_WAITING, "Records committed to the outbox and not yet published (marked "
+                                "published at most a second after their Kafka commit).", labels=["outbox"])
+    oldest = GaugeMetricFamily(OUTBOX_OLDEST_AGE, "Age of the oldest record not yet published, from its write "
+                               "(0: none waits).", labels=["outbox"])
+    for backlog in found:
+        waiting.add_metric([backlog.name], backlog.waiting)
+        oldest.add_metric([backlog.name], backlog.age_s(at))
+    return [waiting, oldest]
+
+
+class _OutboxGauges(Collector):
+    """The outbox gauges of a relay's own outbox, read at a scrape (at most once an ``every_s``: a
+    reading is kept that long). A reading that fails leaves them out of that scrape, never stale."""
+
+    def __init__(self, read: Callable[[], Backlog], every_s: float) -> None:
+        self._read, self.every_s = read, every_s
+        self._lock = threading.Lock()
+        self._last: tuple[float, Backlog] | None = None
+        self._failing: str | None = None
+
+    def collect(self) -> Iterator[Any]:
+        found = self._reading()
+        if found is not None:
+            yield from outbox_families([found])
+
+    def _reading(self) -> Backlog | None:
+        with self._lock:  # scrapes come on threads of their own: one reading at a time
+            now = time.monotonic()
+            if self._last is not None and now - self._last[0] < self.every_s:
+                return self._last[1]
+            try:
+                found = self._read()
+            except Exception as exc:  # the database away: the scrape still answers, without these
+                why = first_line(exc)
+                if why != self._failing:  # one line per new problem, not one per scrape
+                    log.warning("could not read the outbox's backlog for this scrape: %s", why)
+                    self._failing = why
+                self._last = None
+                return None
+            self._failing, self._last = None, (now, found)
+            return found
+
+
 class _Computed(Collector):
     """Gauges computed at scrape time from the worker's state (no broker call)."""
 
@@ -94,6 +152,7 @@ class Metrics:
     def __init__(self, group: str) -> None:
         self.group = group
         self.registry = CollectorRegistry()
+        self._outbox_gauges: _OutboxGauges | None = None
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         r, g = self.registry, ["group"]
@@ -141,9 +200,19 @@ class Metrics:
             self._position_resets.labels(group, reason)
         for outcome in ("landed", "not_landed"):
             self._in_doubt.labels(group, outcome)
+        # Shown at 0 before the first increment: a rate() over a counter that is not there yet is no rate.
         for counter in (self._batches, self._rebalances, self._fenced, self._retries, self._dead_letters,
-                        self._db_errors):
+                        self._db_errors, self._outbox_published, self._relay_fenced):
             counter.labels(group)
+
+    def watch_outbox(self, read: Callable[[], Backlog], every_s: float = OUTBOX_READ_EVERY_S) -> None:
+        """Register a relay's outbox gauges (:func:`outbox_families`), ``read`` at a scrape at most once
+        an ``every_s``; a relay made again on these metrics replaces the last one's (a name twice in a
+        scrape is invalid)."""
+        if self._outbox_gauges is not None:
+            self.registry.unregister(self._outbox_gauges)
+        self._outbox_gauges = _OutboxGauges(read, every_s)
+        self.registry.register(self._outbox_gauges)
 
     def watch(self, lags: Callable[[], list[PartitionLag]],
               gauges: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
