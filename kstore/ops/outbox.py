@@ -13,6 +13,8 @@ catches the mark up.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -75,20 +77,9 @@ def show_outbox(settings: Settings, group: str, now: datetime | None = None) -> 
     A group with no outbox shards in this database (no worker or relay of it has started
     here) raises :class:`ConfigurationError` naming the groups that have some.
     """
-    engine = make_engine(settings)
-    try:
-        store = Store(engine, settings)
-        store.check_reachable()
-        check_migrated(engine, settings)
-        outbox = Outbox(engine, group, settings.table_prefix, settings.schema)
-        try:
-            shards = outbox.state()
-            if not shards:
-                known = _known(engine, outbox)
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
-    finally:
-        engine.dispose()
+    with _outbox(settings, group) as (engine, outbox):
+        shards = outbox.state()
+        known = [] if shards else _known(engine, outbox)
     if not shards:
         others = f"outboxes there are: {', '.join(known)}" if known else "there is none yet"
         raise ConfigurationError(f"{group!r} has no outbox in this database (a group's shards are made when its "
@@ -116,19 +107,9 @@ def reshard_outbox(settings: Settings, name: str, shards: int) -> Resharded:
     """
     if shards < 1:
         raise KstoreError(f"an outbox needs at least one shard, got {shards}")
-    engine = make_engine(settings)
-    try:
-        store = Store(engine, settings)
-        store.check_reachable()
-        check_migrated(engine, settings)
-        outbox = Outbox(engine, name, settings.table_prefix, settings.schema)
-        try:
-            before = outbox.reshard(shards)
-            known = [] if before else _known(engine, outbox)
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
-    finally:
-        engine.dispose()
+    with _outbox(settings, name) as (engine, outbox):
+        before = outbox.reshard(shards)
+        known = [] if before else _known(engine, outbox)
     if not before:
         others = f"outboxes it has: {', '.join(known)}" if known else "it has none yet"
         raise ConfigurationError(f"outbox {name!r} does not exist in this database; {others}")
@@ -140,6 +121,22 @@ def list_outboxes(engine: Engine, settings: Settings) -> list[Backlog]:
     and when the oldest was written, in one cheap statement (:func:`kstore.db.outbox.backlogs`)."""
     with engine.connect() as conn:
         return backlogs(conn, build_tables(settings.table_prefix, settings.schema))
+
+
+@contextmanager
+def _outbox(settings: Settings, name: str) -> Iterator[tuple[Engine, Outbox]]:
+    """The outbox ``name`` of a reachable, migrated database, on an engine of its own for the call; a
+    database error inside becomes one line."""
+    engine = make_engine(settings)
+    try:
+        Store(engine, settings).check_reachable()
+        check_migrated(engine, settings)
+        try:
+            yield engine, Outbox(engine, name, settings.table_prefix, settings.schema)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"database {settings.safe_dsn}: {first_line(exc)}") from None
+    finally:
+        engine.dispose()
 
 
 def _known(engine: Engine, outbox: Outbox) -> list[str]:

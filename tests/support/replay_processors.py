@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,6 +62,15 @@ def when(found: list[Step], what: str, n: int | None = None) -> float:
     """When the one ``what`` step of message ``n`` ran (every message is handled once in these tests)."""
     [at] = [s.at for s in found if s.what == what and s.n == n]
     return at
+
+
+def effect_counts(dsn: str) -> Counter[int]:
+    """How many times each value's effect landed (the processors here write one row a replay)."""
+    engine = sa.create_engine(dsn)
+    with engine.connect() as conn:
+        values = conn.execute(sa.text("SELECT value FROM effects")).scalars().all()
+    engine.dispose()
+    return Counter(int(v) for v in values)
 
 
 def dead_letter(dsn: str, value: dict[str, Any], topic: str = "orders") -> int:

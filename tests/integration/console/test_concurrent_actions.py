@@ -14,7 +14,6 @@ import html
 import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
@@ -31,7 +29,7 @@ from kstore.console import app
 from kstore.db.deadletters import Change, DeadLetter, show_dead_letter
 from kstore.ops import replay as replays
 from tests.support.harness import wait_until
-from tests.support.replay_processors import LOG_ENV, SlowReplay, dead_letter, steps, when
+from tests.support.replay_processors import LOG_ENV, SlowReplay, dead_letter, effect_counts, steps, when
 
 pytestmark = pytest.mark.integration
 
@@ -101,14 +99,6 @@ def _started(log: Path, n: int) -> bool:
     return any(s.what == "start" and s.n == n for s in steps(log))
 
 
-def _effects(dsn: str) -> Counter[int]:
-    engine = sa.create_engine(dsn)
-    with engine.connect() as conn:
-        values = conn.execute(sa.text("SELECT value FROM effects")).scalars().all()
-    engine.dispose()
-    return Counter(int(v) for v in values)
-
-
 def _shown(dsn: str, letter: int) -> tuple[DeadLetter, list[Change]]:
     return show_dead_letter(Settings(dsn=dsn), letter)
 
@@ -131,7 +121,7 @@ def test_two_operators_replaying_two_letters_at_once_each_land_once_and_a_failur
 
     assert by_ann.said == f"replayed dead letter {a}"
     assert by_bob.said.startswith(f"dead letter {b} failed again: RuntimeError: order 2 failed on purpose")
-    assert _effects(pg_dsn) == {1: 1}, "Ann's effect once, none of Bob's"
+    assert effect_counts(pg_dsn) == {1: 1}, "Ann's effect once, none of Bob's"
     assert _history(pg_dsn, a) == [("ann", "replay", "replayed")]
     letter, _ = _shown(pg_dsn, b)
     assert (letter.status, letter.attempts) == ("dead", 2) and "order 2 failed on purpose" in letter.error
@@ -156,7 +146,7 @@ def test_a_replay_of_every_matching_letter_beside_a_single_replay_replays_each_o
 
     assert by_ann.said == "replay: done 3, failed 1, skipped 0, remaining 0"
     assert by_bob.said == f"replayed dead letter {single}"
-    assert _effects(pg_dsn) == {11: 1, 12: 1, 14: 1, 21: 1}
+    assert effect_counts(pg_dsn) == {11: 1, 12: 1, 14: 1, 21: 1}
     for letter in bulk:
         status = "dead" if letter == bulk[2] else "replayed"
         assert _history(pg_dsn, letter) == [("ann", "replay", status)], letter
@@ -206,7 +196,7 @@ def test_discards_and_resolves_sent_at_once_each_act_once(
     assert _history(pg_dsn, d4) == [("bob", "discard", "discarded")]
     assert BUSY in outcomes[("cy", held, "discard")]
     assert _history(pg_dsn, held) == [("dee", "replay", "replayed")]
-    assert _effects(pg_dsn) == {35: 1}
+    assert effect_counts(pg_dsn) == {35: 1}
 
 
 def test_a_replay_that_waits_too_long_for_the_groups_processor_is_refused_and_replays_nothing(
@@ -224,6 +214,6 @@ def test_a_replay_that_waits_too_long_for_the_groups_processor_is_refused_and_re
                             "try again when it has finished; nothing was replayed")
     letter, history = _shown(pg_dsn, b)
     assert (letter.status, letter.attempts, history) == ("dead", 1, [])
-    assert _effects(pg_dsn) == {1: 1}
+    assert effect_counts(pg_dsn) == {1: 1}
     assert bob.act(_letter_path(b, "replay")).said == f"replayed dead letter {b}"  # once Ann's has finished
-    assert _effects(pg_dsn) == {1: 1, 2: 1}
+    assert effect_counts(pg_dsn) == {1: 1, 2: 1}

@@ -9,31 +9,21 @@ second click came while the first replay's handler ran, and that the replays ran
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from threading import Thread
 
 import pytest
-import sqlalchemy as sa
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.support.browser import ConsoleProcess, click, log_in, start_browser
 from tests.support.harness import wait_until
-from tests.support.replay_processors import LOG_ENV, SlowReplay, dead_letter, steps, when
+from tests.support.replay_processors import LOG_ENV, SlowReplay, dead_letter, effect_counts, steps, when
 
 pytestmark = pytest.mark.integration
 
 GROUP = SlowReplay.group
-
-
-def _effects(dsn: str) -> Counter[int]:
-    engine = sa.create_engine(dsn)
-    with engine.connect() as conn:
-        values = conn.execute(sa.text("SELECT value FROM effects")).scalars().all()
-    engine.dispose()
-    return Counter(int(v) for v in values)
 
 
 def _replay_in_thread(browser: WebDriver, reason: str) -> tuple[Thread, list[float]]:
@@ -81,7 +71,7 @@ def test_two_operators_in_two_browsers_replay_two_letters_at_once_and_each_lands
     finally:
         bob.quit()
 
-    assert _effects(pg_dsn) == {1: 1, 2: 1}
+    assert effect_counts(pg_dsn) == {1: 1, 2: 1}
     found = steps(log)
     assert bob_clicked[0] < when(found, "end", 1) - 1, "Bob clicked while Ann's replay ran"
     assert [(s.what, s.n) for s in found] == [("setup", None), ("start", 1), ("end", 1), ("teardown", None),
