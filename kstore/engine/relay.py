@@ -40,9 +40,9 @@ from typing import Literal
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kstore.db.outbox import Listener, Outbox, Pending, groups_with_outbox, lane_shards
+from kstore.db.outbox import Backlog, Listener, Outbox, Pending, groups_with_outbox, lane_shards
 from kstore.db.sqlerrors import first_line
-from kstore.errors import BrokerError, BrokerNotReadyError, OutboxChangedError
+from kstore.errors import BrokerError, BrokerNotReadyError, DatabaseError, OutboxChangedError
 from kstore.kafka.clients import admin_reader, publisher_class
 from kstore.kafka.seam import (
     PROGRESS_TOPIC_CONFIG,
@@ -193,7 +193,7 @@ class Relay:
         self.metrics = metrics or Metrics(group)
         # Read at a scrape (kept a few seconds), not by the publishing loop: no statement while nobody
         # looks, and a scrape's answer is never older than that.
-        self.metrics.watch_outbox(self.outbox.waiting)
+        self.metrics.watch_outbox(self._backlog)
         #: The lanes this relay holds, by number.
         self._held: dict[int, _Lane] = {}
         self._wake = threading.Event()
@@ -264,6 +264,13 @@ class Relay:
                 self._idle(max(0.001, self._next_heartbeat - time.monotonic()))
         finally:
             self._release_all()
+
+    def _backlog(self) -> Backlog:
+        """The outbox's backlog, for its gauges; a database error as its first line (no SQL in a log)."""
+        try:
+            return self.outbox.waiting()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(first_line(exc)) from None
 
     def _find_shards(self) -> bool:
         """The outbox's shards, made if it has none or waited for (see ``wait_for_outbox``); False if

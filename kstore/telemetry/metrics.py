@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -27,11 +27,21 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kstore.db.outbox import Backlog
-from kstore.db.sqlerrors import first_line
 from kstore.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
+
+
+class OutboxBacklog(Protocol):
+    """One outbox's records waiting, as the gauges read it (the database side's ``Backlog``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def age_s(self, at: datetime) -> float: ...
 
 
 #: Every outbox's backlog, by its name (label ``outbox``), wherever it is exported: a relay's /metrics
@@ -79,7 +89,7 @@ def lag_families(group: str, lags: Iterable[PartitionLag]) -> list[GaugeMetricFa
     return [messages, seconds]
 
 
-def outbox_families(found: Iterable[Backlog], at: datetime | None = None) -> list[GaugeMetricFamily]:
+def outbox_families(found: Iterable[OutboxBacklog], at: datetime | None = None) -> list[GaugeMetricFamily]:
     """The two outbox gauges for each outbox of ``found`` (shared by a relay and ``kstore exporter``), the
     oldest's age as of ``at`` (now)."""
     at = at or datetime.now(timezone.utc)
@@ -97,10 +107,10 @@ class _OutboxGauges(Collector):
     """The outbox gauges of a relay's own outbox, read at a scrape (at most once an ``every_s``: a
     reading is kept that long). A reading that fails leaves them out of that scrape, never stale."""
 
-    def __init__(self, read: Callable[[], Backlog], every_s: float) -> None:
+    def __init__(self, read: Callable[[], OutboxBacklog], every_s: float) -> None:
         self._read, self.every_s = read, every_s
         self._lock = threading.Lock()
-        self._last: tuple[float, Backlog] | None = None
+        self._last: tuple[float, OutboxBacklog] | None = None
         self._failing: str | None = None
 
     def collect(self) -> Iterator[Any]:
@@ -108,7 +118,7 @@ class _OutboxGauges(Collector):
         if found is not None:
             yield from outbox_families([found])
 
-    def _reading(self) -> Backlog | None:
+    def _reading(self) -> OutboxBacklog | None:
         with self._lock:  # scrapes come on threads of their own: one reading at a time
             now = time.monotonic()
             if self._last is not None and now - self._last[0] < self.every_s:
@@ -116,7 +126,7 @@ class _OutboxGauges(Collector):
             try:
                 found = self._read()
             except Exception as exc:  # the database away: the scrape still answers, without these
-                why = first_line(exc)
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 if why != self._failing:  # one line per new problem, not one per scrape
                     log.warning("could not read the outbox's backlog for this scrape: %s", why)
                     self._failing = why
@@ -205,7 +215,7 @@ class Metrics:
                         self._db_errors, self._outbox_published, self._relay_fenced):
             counter.labels(group)
 
-    def watch_outbox(self, read: Callable[[], Backlog], every_s: float = OUTBOX_READ_EVERY_S) -> None:
+    def watch_outbox(self, read: Callable[[], OutboxBacklog], every_s: float = OUTBOX_READ_EVERY_S) -> None:
         """Register a relay's outbox gauges (:func:`outbox_families`), ``read`` at a scrape at most once
         an ``every_s``; a relay made again on these metrics replaces the last one's (a name twice in a
         scrape is invalid)."""
