@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import FormData
+from starlette.datastructures import URL, FormData
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -52,6 +52,12 @@ async def _attempt(console: Console, operator: str | None, fn: Callable[[], T]) 
         return None, console.mask(str(exc))
     except SQLAlchemyError as exc:  # a read the library does not wrap: the database is down, most likely
         return None, console.mask(f"database {console.settings.safe_dsn}: {first_line(exc)}")
+
+
+def _shown_on(request: Request, page: URL, said: str | None, error: str | None) -> RedirectResponse:
+    """Back to ``page`` after an action, which shows its outcome: its one-line error, or what it did."""
+    outcome = flash(request, "error" if error else "done", error or said or "")
+    return RedirectResponse(page.include_query_params(**outcome), status_code=303)
 
 
 async def groups(request: Request) -> Response:
@@ -249,9 +255,7 @@ async def act_on_letter(request: Request) -> Response:
         value = await run_in_threadpool(lambda: console.shown(found.value))
         return _edit_page(request, operator, found, value, str(form.get("value", "")), console.mask(str(exc)), 400)
     said, error = await _attempt(console, operator, lambda: _act(console, group, found.id, action, reason, edits))
-    outcome = flash(request, "error" if error else "done", error or said or "")
-    return RedirectResponse(request.url_for("letter", group=group, letter_id=found.id).include_query_params(**outcome),
-                            status_code=303)
+    return _shown_on(request, request.url_for("letter", group=group, letter_id=found.id), said, error)
 
 
 async def _action_form(request: Request) -> tuple[str | None, FormData]:
@@ -341,10 +345,8 @@ async def act_on_matching(request: Request) -> Response:
         return f"{action}: done {done.done}{failed}, skipped {done.skipped}, remaining {done.remaining}"
 
     said, error = await _attempt(console, operator, act)
-    outcome = flash(request, "error" if error else "done", error or said or "")
     query = {k: str(form.get(k, "")) for k in params.FILTERS if form.get(k)}
-    return RedirectResponse(request.url_for("letters", group=group).include_query_params(**query, **outcome),
-                            status_code=303)
+    return _shown_on(request, request.url_for("letters", group=group).include_query_params(**query), said, error)
 
 
 async def offsets(request: Request) -> Response:
@@ -388,8 +390,7 @@ async def execute_reset(request: Request) -> Response:
         return f"reset applied: {moves}; running workers pick it up within a few seconds"
 
     said, error = await _attempt(console, operator, execute)
-    outcome = flash(request, "error" if error else "done", error or said or "")
-    return RedirectResponse(request.url_for("offsets", group=group).include_query_params(**outcome), status_code=303)
+    return _shown_on(request, request.url_for("offsets", group=group), said, error)
 
 
 async def outbox(request: Request) -> Response:

@@ -82,8 +82,7 @@ class ServerSessions:
                 return
             if message["type"] == "http.response.start":
                 try:
-                    set_cookies = await run_in_threadpool(self._save, token if login else None, login, before,
-                                                          session, secure)
+                    set_cookies = await run_in_threadpool(self._save, token, login, before, session, secure)
                 except SQLAlchemyError:  # the login (or logout) did not happen: say so, not what the page said
                     unsaved = True
                     await _UNAVAILABLE(scope, receive, send)
@@ -111,7 +110,8 @@ class ServerSessions:
         """Write what the page changed; the Set-Cookie values that follow from it."""
         operator = after.get(OPERATOR) or ""
         outcomes, earlier = after.get(FLASH) or {}, before.get(FLASH) or {}
-        if token is not None and login is not None:
+        if login is not None:
+            assert token is not None  # a login is found by its token
             if operator == login.operator and after.get(CSRF) == login.csrf:
                 added = {k: v for k, v in outcomes.items() if k not in earlier}
                 shown = [k for k in earlier if k not in outcomes]
