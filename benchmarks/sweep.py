@@ -57,10 +57,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dsn", default=None, help="use this PostgreSQL instead of a throwaway one")
     add("--out", type=Path, default=DEFAULT_OUT, help="where sweep.json and the logs go")
     add("--tiny", action="store_true",
-        help="2,000 messages on 2 partitions, one batch size, two page sizes: only proves it works (CI)")
+        help="500 messages on 2 partitions, one batch size, two page sizes: only proves it works (CI)")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.messages, args.partitions, args.batches, args.pages, args.broker_warmup = 2000, 2, "1000", "100,0", 0
+        args.messages, args.partitions, args.batches, args.pages, args.broker_warmup = 500, 2, "1000", "100,0", 0
         args.backoffs = "100"
     return args
 

@@ -10,14 +10,17 @@ What users touch sits at the top: this package's names (``__all__``), :mod:`ksto
 subpackage's docstring saying what it owns, what it may import and the invariants it keeps:
 
 - :mod:`kstore.cli`: the ``kstore`` command, each subcommand a thin layer over one library call;
-- :mod:`kstore.engine`: a running worker, the partitions it holds, its batches, its relay;
-- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, lag, exporter, top);
+- :mod:`kstore.engine`: a running worker, the partitions it holds, its batches (and the relay it runs);
+- :mod:`kstore.ops`: the operator's tools (offsets, dead-letter replays, outboxes, lag, exporter, top);
+- :mod:`kstore.relay`: the outbox and its relay (the records' tables and statements, the relay's
+  loop, the progress it leaves in Kafka), run in a worker or on its own (``kstore relay``);
 - :mod:`kstore.telemetry`: what a running worker reports (metrics, health probes, traces);
 - :mod:`kstore.running`: how kstore calls a processor (a batch, its hooks, the async lanes),
   shared by the engine, the operator's tools and :mod:`kstore.testing`;
 - :mod:`kstore.db`: kstore's tables and every statement on them, the batch's session;
-- :mod:`kstore.kafka`: the consumer and its queues, every Kafka client (the only kafka-python
-  user), and the Kafka option tables :class:`~kstore.Settings` checks its options with;
+- :mod:`kstore.kafka`: the seam to Kafka (its protocols and plain types), the two clients behind
+  it as peers (confluent-kafka and kafka-python, the only users of their libraries), an in-memory
+  stub peer for tests, and the Kafka option tables :class:`~kstore.Settings` checks its options with.
 
 Imports run one way, down that list (the engine and the operator's tools never import each
 other, nor the database and the Kafka sides): pyproject.toml's import contracts hold it.

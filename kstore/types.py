@@ -105,8 +105,8 @@ def ms_to_datetime(ms: int | None) -> datetime | None:
 class Produced(NamedTuple):
     """A record a processor produced (``Processor.produce``), serialized, waiting for its batch's commit.
 
-    Written to the outbox in the batch's transaction (:mod:`kstore.db.outbox`) and published by
-    the relay (:mod:`kstore.engine.relay`) once that transaction committed.
+    Written to the outbox in the batch's transaction (:mod:`kstore.relay.writing`) and published by
+    the relay (:mod:`kstore.relay.loop`) once that transaction committed.
     """
 
     topic: str

@@ -101,7 +101,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_report_header() -> str:
     """The versions the run is against, at the top of its output: SQLAlchemy's private names
-    (tests/unit/db/test_sqlalchemy_names.py) and the drivers are checked on these."""
+    (tests/unit/db/test_session_sqlalchemy_names.py) and the drivers are checked on these."""
     import importlib.metadata
 
     def version(dist: str) -> str:

@@ -39,9 +39,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from kstore import Settings, migrate
-from kstore.db.outbox import Outbox as OutboxTables
-from kstore.db.outbox import lanes_of
 from kstore.outbox import Outbox
+from kstore.relay.lanes import lanes_of
+from kstore.relay.store import Outbox as OutboxTables
 
 from .. import workload as side_by_side
 from ..meter import latency_stats

@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kstore import Message, Processor, Settings, Worker
-from kstore.db.outbox import Outbox
+from kstore.relay.store import Outbox
 from kstore.settings import SECRETS
 
 from ..kstore_loop import effects_table

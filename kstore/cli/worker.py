@@ -1,5 +1,5 @@
 """``kstore worker``: parses its options, builds Settings, runs a :class:`~kstore.engine.worker.Worker`;
-``kstore relay``: runs a :class:`~kstore.engine.relay.Relay` on its own.
+``kstore relay``: runs a :class:`~kstore.relay.loop.Relay` on its own.
 
 The worker installs no signal handlers itself; this command wires them: the first SIGTERM or
 SIGINT asks the worker to stop after the batch in flight (bounded by ``shutdown_timeout_s``),
@@ -27,8 +27,8 @@ from kstore.cli.common import (
 )
 from kstore.db.migration import check_migrated
 from kstore.db.store import Store, make_engine
-from kstore.engine.relay import Relay
 from kstore.engine.worker import Worker
+from kstore.relay.loop import Relay
 from kstore.running.loading import load_processor
 from kstore.settings import Settings
 from kstore.telemetry.health import HealthServer, app

@@ -4,7 +4,7 @@ A database that stops answering without closing the connection (a network
 partition, a failover that leaves the old address silent, a hung PgBouncer or
 load balancer) would otherwise hang a worker forever inside ``recv()``. Two
 layers bound that, and the worker then resolves what was in flight (a COMMIT
-without an answer is read back, see :mod:`kstore.engine.batches`):
+without an answer is read back, see :mod:`kstore.engine.commit`):
 
 - **TCP keepalives and ``tcp_user_timeout``** (libpq parameters set by
   :func:`connect_args`): the kernel gives up on a peer that stops acknowledging.

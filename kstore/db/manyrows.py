@@ -65,7 +65,7 @@ from . import literals, sqltext
 
 _log = logging.getLogger(__name__)
 
-# SQLAlchemy's private names used here, for want of a public API; tests/unit/db/test_sqlalchemy_names.py
+# SQLAlchemy's private names used here, for want of a public API; tests/unit/db/test_session_sqlalchemy_names.py
 # checks that each is still there, and the differential tests (tests/integration/database/test_differential.py) that
 # the fast path still writes what SQLAlchemy's own would:
 #
@@ -111,7 +111,7 @@ def is_upsert(statement: Insert) -> bool:
     which fails on a key written twice ("ON CONFLICT DO UPDATE command cannot affect row a second
     time") where the same rows one by one update it twice."""
     # Private (no public accessor): a SQLAlchemy without it is taken to say "upsert", the safe path
-    # (a statement per row); tests/unit/db/test_sqlalchemy_names.py fails on it first.
+    # (a statement per row); tests/unit/db/test_session_sqlalchemy_names.py fails on it first.
     return getattr(statement, "_post_values_clause", True) is not None
 
 

@@ -60,8 +60,8 @@ from .manyrows import execute_many, execute_many_text, is_upsert
 from .sqltext import is_one_insert, tokens
 
 # SQLAlchemy's private names used here, for want of a public API (everything else is
-# public; kstore.db.manyrows lists its own). tests/unit/db/test_sqlalchemy_names.py checks each by name
-# and meaning, and the tests of tests/integration/database/test_deferred_inserts.py named below pin what kstore does
+# public; kstore.db.manyrows lists its own). tests/unit/db/test_session_sqlalchemy_names.py checks each by name
+# and meaning, and the tests of tests/unit/db/test_session.py named below pin what kstore does
 # with it, so an upgrade that changes one fails a test instead of silently deferring what must
 # not be (they pass with SQLAlchemy 2.0.0, 2.0.58 and 2.1.9). Whether ORM changes wait to be
 # flushed (once the private ``Session._is_clean()``) is asked from public parts: _orm_clean.

@@ -20,7 +20,7 @@ from kstore.retry import one_line
 #: (55P03), a read-only transaction (25006: the address now leads to a replica, as after a
 #: failover) and a session ended for idling in a transaction (25P03). A failover is an outage,
 #: never a bad message. A batch that keeps failing with one of these while the database answers
-#: in between is shrunk all the same (kstore.engine.batches), so none of them can stall a pipeline.
+#: in between is shrunk all the same (kstore.engine.waits), so none of them can stall a pipeline.
 _TRANSIENT_SQLSTATES = ("08", "40", "53", "57", "58", "55P03", "25006", "25P03")
 #: SQLite's messages for a database that is busy or failing, rather than a bad statement.
 _TRANSIENT_SQLITE = ("database is locked", "database table is locked", "disk i/o error", "unable to open")
@@ -42,7 +42,7 @@ def sqlstate(exc: BaseException) -> str | None:
 
 def database_state(exc: BaseException) -> bool:
     """True for a transient error that describes the database's state or its other sessions' rather
-    than anything a batch did (see :data:`_STATE_SQLSTATES`): :mod:`kstore.engine.batches` never takes it for
+    than anything a batch did (see :data:`_STATE_SQLSTATES`): :mod:`kstore.engine.waits` never takes it for
     the batch's failure."""
     code = sqlstate(exc)
     return code is not None and code.startswith(_STATE_SQLSTATES)

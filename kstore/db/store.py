@@ -11,7 +11,7 @@ make a retried commit safe: after a COMMIT whose answer was lost, the same
 batch re-run under the same epoch would match again and its effects would land
 twice. With the start position in the predicate the second attempt matches
 nothing; and the worker reads the row back before retrying anyway (see
-:mod:`kstore.engine.batches`).
+:mod:`kstore.engine.commit`).
 
 On PostgreSQL through psycopg2 the compare-and-set and the COMMIT travel in one
 round trip (:meth:`Store.commit_in_one_round_trip`): the batch connection runs in

@@ -4,7 +4,7 @@ and the dead-letter breaker (:class:`Breaker`): how many messages in a row were 
 A failed batch of several messages is retried in batches half as large, from one partition
 at a time, until the failing message runs alone; then it is attempted under the processor's
 :class:`~kstore.retry.RetryPolicy` (backoff, ``max_attempts``, final errors) and, exhausted,
-dead-lettered or the worker stops (:mod:`kstore.engine.batches` decides, this only counts).
+dead-lettered or the worker stops (the strategies of :mod:`kstore.engine.strategies` decide, this only counts).
 Used on the worker's main thread only.
 """
 

@@ -4,8 +4,9 @@ The ledger behind the worker: claiming assigned partitions, placing each at its
 stored offset (or the start policy), holding back a partition whose stored offset
 lies past the log end, adopting an operator's reset, dropping a partition another
 worker claimed, and ``reset_offsets``. The state itself is
-:class:`~kstore.engine.partitions.Partitions`' (owned, held, pending, the queues), and every change
-of position happens under its lock, together with the flush and seek of the partition's queue.
+:class:`~kstore.engine.partitions.Partitions`' (one state per partition: pending, owned, held or
+fenced, with its queue), changed only by its transitions; every change of position happens under its
+lock, together with the flush and seek of the partition's queue.
 
 Invariants (besides those of :mod:`kstore.engine.partitions`):
 
@@ -15,6 +16,8 @@ Invariants (besides those of :mod:`kstore.engine.partitions`):
 - Nothing is placed (sought, resumed) before the transaction that claimed it
   has answered; a partition revoked while a claim or a re-check ran is not
   placed again (they re-check ``pending``/``owned`` under the lock).
+- A partition Kafka assigns is pending until claimed; it leaves pending only by its claim or its
+  revoke (a momentarily empty assignment mid-rebalance does not make the worker forget it).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Ledger:
         self.source = source
         self.partitions = partitions
         self.policy = parse_start_policy(settings.start_from)
-        # The partitions' state, by the names the ledger's decisions read (the same objects).
+        # The partitions' state, by the names the ledger's decisions read (read-only views of it).
         self.owned = partitions.owned
         self.held = partitions.held
         self.pending = partitions.pending
@@ -97,7 +100,7 @@ class Ledger:
             # Claim what Kafka assigns now. The rest stays pending, not discarded: a
             # partition leaves pending only by its revoke event (a momentarily empty
             # assignment mid-rebalance must not make the worker forget a partition).
-            tps = sorted(self.pending & assigned)
+            tps = sorted(tp for tp in self.pending if tp in assigned)
         if not tps:
             return []
         # Asked of the brokers before the claim, so the claim's transaction (and its
@@ -112,8 +115,7 @@ class Ledger:
             # Revoked while the claim ran: the fetcher thread already dropped it from pending.
             tps = [tp for tp in tps if tp in self.pending]
             for tp in tps:
-                self._apply(tp, plans[tp])
-            self.pending.difference_update(tps)
+                self._apply(tp, plans[tp])  # out of pending: owned or held
         return tps
 
     def _plan(self, tp: TP, claim: Claim, bounds: tuple[int, int], policy_found: int | None) -> _Plan:
@@ -164,22 +166,31 @@ class Ledger:
         found = self.source.offsets_for_times({tp: self.policy}) if isinstance(self.policy, datetime) else {}
         return policy_offset(self.policy, bounds, found.get(tp))
 
-    # -- losing and re-checking ---------------------------------------------------
+    # -- gaining, losing and re-checking ------------------------------------------
 
-    def drop(self, tps: Iterable[TP], fenced: bool = False) -> list[TP]:
-        """Forget partitions (revoked, lost, or claimed elsewhere: ``fenced``, whose ``fenced_at`` the
-        caller noted and keeps); returns those that were delivered."""
-        tps = list(tps)
+    def assign(self, tps: Iterable[TP]) -> None:
+        """Kafka assigned ``tps`` here: pending, claimed by :meth:`claim_pending` before any delivery.
+
+        A partition assigned again while this worker still holds it (no revoke came between: no
+        rebalance protocol does that, but a client's bug or a lost callback might) is taken as
+        revoked first, so it is flushed and claimed again rather than stopping the worker."""
         with self.lock:
-            self.pending.difference_update(tps)
-            if not fenced:  # revoked by Kafka: nothing to claim again later
-                for tp in tps:
-                    self.fenced_at.pop(tp, None)
-            dropped = [tp for tp in tps if tp in self.owned]
-            for tp in tps:
-                self.held.pop(tp, None)
-            self.partitions.disown(tps)
-        return dropped
+            tps = list(tps)
+            again = [tp for tp in tps if tp in self.owned or tp in self.held]
+            if again:
+                log.warning("assigned %s again without a revoke: claiming them again", fmt(again))
+                self.partitions.revoke(again)
+            self.partitions.assign(tps)
+
+    def drop(self, tps: Iterable[TP]) -> list[TP]:
+        """Forget partitions Kafka revoked or this worker lost (nothing to claim again later);
+        returns those that were delivered."""
+        return self.partitions.revoke(tps)
+
+    def fence(self, tps: Iterable[TP]) -> list[TP]:
+        """Drop owned or held partitions another worker claimed, noting when (see
+        :meth:`reclaim_orphans`); returns those that were delivered."""
+        return self.partitions.fence(tps, time.monotonic())
 
     def stale(self) -> list[TP]:
         """Partitions whose stored epoch is no longer ours (one query): an admin reset or another owner."""
@@ -205,11 +216,11 @@ class Ledger:
         adopted: list[TP] = []
         with self.lock:
             others = [tp for tp in tps if tp not in mine and (tp in self.owned or tp in self.held)]
-            self.fenced_at.update({tp: time.monotonic() for tp in others})
+            seen = time.monotonic()
             for tp, row in mine.items():
                 if (tp in self.owned or tp in self.held) and self._adopt(tp, row, bounds[tp], times.get(tp)):
                     adopted.append(tp)
-            dropped = self.drop(others, fenced=True)
+            dropped = self.partitions.fence(others, seen)
         return adopted, dropped
 
     def _adopt(self, tp: TP, row: Row, bounds: tuple[int, int], policy_found: int | None) -> bool:
@@ -232,8 +243,7 @@ class Ledger:
                 plan = _Plan(self.store.reset(self.group, tp, plan.offset, expected_epoch=row.epoch,
                                               reason=plan.why or ""), plan.stored, plan.offset, plan.why, plan.lost)
             except FencedError:
-                self.fenced_at[tp] = time.monotonic()
-                self.drop([tp], fenced=True)
+                self.fence([tp])
                 return False
         self._apply(tp, plan)
         return True
@@ -252,12 +262,7 @@ class Ledger:
         if not due:
             return []
         assigned = self.source.assignment()
-        with self.lock:
-            orphans = [tp for tp in due if tp in assigned and tp not in self.owned and tp not in self.held]
-            self.pending.update(orphans)
-            for tp in due:
-                del self.fenced_at[tp]
-        return orphans
+        return self.partitions.reclaim(due, assigned)
 
     # -- explicit resets --------------------------------------------------------
 
@@ -307,7 +312,7 @@ class Ledger:
         compare-and-set's expectation: the commit matches only if the row still has it.
         """
         owned = self.owned
-        return {tp: Position(owned[tp].committed, end, owned[tp].epoch) for tp, end in ends.items()}
+        return {tp: Position((o := owned[tp]).committed, end, o.epoch) for tp, end in ends.items()}
 
     def committed(self, positions: Mapping[TP, Position]) -> None:
         """Note committed positions, for partitions still held at the batch's epoch and position."""

@@ -19,7 +19,6 @@ Two cases, both handled on the worker's main thread between batches, for partiti
 from __future__ import annotations
 
 import logging
-import time
 
 from kstore.db.writes import WRITES
 from kstore.errors import FencedError
@@ -119,8 +118,7 @@ def _place(ledger: Ledger, tp: TP, epoch: int, offset: int, truncated: str | Non
     try:
         new_epoch = ledger.store.reset(ledger.group, tp, target, expected_epoch=epoch, reason=why)
     except FencedError:  # another owner claimed it meanwhile: theirs now
-        ledger.fenced_at[tp] = time.monotonic()
-        ledger.drop([tp], fenced=True)
+        ledger.fence([tp])
         return None
     log.error("%s[%d]: %s; continuing at %d", tp[0], tp[1], why, target)
     ledger._apply(tp, _Plan(new_epoch, offset, target))

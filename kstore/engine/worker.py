@@ -1,6 +1,8 @@
 """The worker: a fetch thread that polls Kafka, and a main loop that claims
 partitions, checks epochs, handles resets and shutdown, and has :mod:`kstore.engine.batches`
-process one batch at a time (one transaction with its offsets).
+process one batch at a time (one transaction with its offsets). What it does between batches for
+the group (rebalance events, claims, epoch checks) is :mod:`kstore.engine.claims`'; what it says of
+itself (probes, gauges, the outbox's backlog) is :mod:`kstore.engine.health`'.
 
 The worker is a plain object: ``run()``, ``request_stop()``, ``close()``. It
 installs no signal handlers; the CLI wires signals to :meth:`request_stop`.
@@ -11,16 +13,18 @@ Threads, and who may call what:
   every database statement, every processor hook. Nothing else touches the
   database or the processor.
 - **fetch thread** (:meth:`Worker.fetch_once`): the client's fetch and the rebalance
-  events it brings (revoked and lost partitions are dropped and flushed at once,
-  assigned ones become pending). It never touches the database.
+  events it brings (:meth:`Claims.apply_events <kstore.engine.claims.Claims.apply_events>`: revoked
+  and lost partitions are dropped and flushed at once, assigned ones become pending). It never
+  touches the database.
 - **the client's callback thread** (kafka-python's IO thread; librdkafka's callbacks run on the
   fetch thread, inside ``consume()``): only pauses and posts events to
   :class:`~kstore.engine.partitions.Partitions`.
 - **the deadline watchdog** (:mod:`kstore.db.deadline`): only cuts sockets.
+- **the HTTP server's threads** (``metrics_port``): only read, for the probes and the gauges.
 
 Locks: :attr:`Partitions.lock <kstore.engine.partitions.Partitions.lock>` guards every partition's
-state (the queues and the ledger's maps). It is held across the client's local calls (seek, pause, resume) and, in
-``reset_offsets``, across the store write of the new position (so a partition is
+state (one state per partition, with its queue). It is held across the client's local calls (seek,
+pause, resume) and, in ``reset_offsets``, across the store write of the new position (so a partition is
 never fetched, delivered and reset at once). It is never held across ``poll()``,
 a batch's transaction, a claim or a read of the log bounds: those read state
 under the lock, do their I/O without it, and re-check under it before acting.
@@ -33,39 +37,37 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime, timezone
 from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.members import GroupMembers
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
-from kstore.errors import BrokerError, CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
+from kstore.errors import BrokerError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.clients import SourceFactory, partition_counts, source_class
-from kstore.kafka.seam import ConsumerSource, EventKind, PartitionCounts
+from kstore.kafka.seam import ConsumerSource, PartitionCounts
 from kstore.processor import Processor
+from kstore.relay.loop import Relay
+from kstore.relay.member import member_name
+from kstore.relay.store import Outbox
 from kstore.running.concurrency import close_loop
 from kstore.running.handler import produce_check
 from kstore.running.hooks import call_hook, call_setup, check_processor, dead_letter_topic, declared_topics
 from kstore.schemas.formats import bind as bind_formats
 from kstore.settings import Settings
 from kstore.targets import Target
-from kstore.telemetry.health import HealthServer, app
-from kstore.telemetry.metrics import Metrics, PartitionLag
+from kstore.telemetry.metrics import Metrics
 from kstore.types import TopicPartition as TP
-from kstore.types import timestamp_ms
 
-from . import positions
 from .backoff import Backoff
 from .batches import Batches
-from .member import member_name
+from .claims import Claims
+from .health import Backlog, Health
 from .onedatabase import OneDatabase
-from .ownership import Ledger, fmt
+from .ownership import Ledger
 from .partitions import Partitions
-from .relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,42 @@ def tune_collector() -> None:
     if gc.get_threshold() == PYTHON_GC_THRESHOLDS:
         gc.set_threshold(GC_YOUNG_THRESHOLD, *PYTHON_GC_THRESHOLDS[1:])
         log.debug("collector thresholds %s (Python's default %s)", gc.get_threshold(), PYTHON_GC_THRESHOLDS)
+
+
+def _check_output_topics(processor: Processor, settings: Settings, partitions: PartitionCounts) -> None:
+    """The topics the processor declares it produces to exist, checked before it starts as its input
+    topics are (a topic made later is found: a missing one is looked up again at each attempt)."""
+    declared = {topic: f"declared in {type(processor).__name__}.produces"
+                for topic in declared_topics(processor) or ()}
+    letters_topic = dead_letter_topic(processor, settings)
+    if letters_topic is not None:
+        declared[letters_topic] = "the dead-letter topic"
+    for topic, why in sorted(declared.items()):
+        count = partitions.count(topic)
+        if count is None:
+            raise BrokerError(f"Kafka at {settings.bootstrap_servers} did not say whether output "
+                              f"topic {topic!r} exists")
+        if count == 0:
+            raise ConfigurationError(
+                f"output topic {topic!r} does not exist at {settings.bootstrap_servers} ({why}): "
+                "create it (kstore topics create PROCESSOR)")
+
+
+def _at_start(settings: Settings, write: Callable[[], object], doing: str, cannot: str) -> None:
+    """A write the start needs, safe to repeat: a database error (a COMMIT whose answer was
+    lost, a connection cut) is tried again until ``connect_timeout_s``, then one clear line."""
+    deadline = time.monotonic() + settings.connect_timeout_s
+    delay = DB_RETRY_DELAY
+    while True:
+        try:
+            write()
+            return
+        except SQLAlchemyError as exc:
+            if time.monotonic() + delay > deadline:
+                raise DatabaseError(f"cannot {cannot} in {settings.safe_dsn}: {first_line(exc)}") from None
+            log.warning("could not %s (%s); trying again in %.1fs", doing, first_line(exc), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, DB_RETRY_MAX_DELAY)
 
 
 class Worker:
@@ -123,18 +161,14 @@ class Worker:
         self._stop = threading.Event()
         self._closing = threading.Event()
         self._fetch_error: BaseException | None = None
-        self._revoked_notices: list[list[TP]] = []
         #: Counters and histograms of this worker, on its own registry (see kstore.telemetry.metrics).
         self.metrics = Metrics(self.group)
-        self.metrics.watch(self._lags, self._gauges)
         self._db_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY, on_failure=self.metrics.database_error)
-        #: When the main loop and the fetch thread last turned (for /livez).
-        self._started_at = self._last_turn = self._last_poll = 0.0
-        #: The group has assigned partitions (possibly none) at least once (for /readyz).
-        self._assigned_once = False
-        self._http: HealthServer | None = None
+        #: Produced records waiting to be published: reported, and bounding processing.
+        self._backlog = Backlog(self.settings)
+        #: The probes, the gauges computed at a scrape, and their HTTP server.
+        self._health = Health(self.settings, self.metrics, self._db_backoff, self._backlog)
         self._set_up = False  # setup() was called: teardown() is, at close()
-        self._next_epoch_check = 0.0
         self._store: Store | None = None
         self._batches: Batches | None = None
         self._source: ConsumerSource | None = None
@@ -145,20 +179,12 @@ class Worker:
         self._guard: OneDatabase | None = None
         self._guard_backoff = Backoff(DB_RETRY_DELAY, DB_RETRY_MAX_DELAY)
         self._topic_partitions: PartitionCounts | None = None
-        #: Every partition's state: owned, held, pending, the queues of fetched records (connect() makes it).
+        #: Every partition's state: pending, owned, held or fenced, with its queue (connect() makes it).
         self._state: Partitions | None = None
-        #: The client's callbacks run on the fetch thread: a revoke is applied inside them (_on_rebalance).
-        self._apply_at_once = False
+        #: Rebalance events, claims, epoch checks (connect() makes it).
+        self._claims: Claims | None = None
         #: Publishes what the processor produced (a thread of its own), unless settings.relay is off.
         self.relay: Relay | None = None
-        #: Produced records waiting to be published, as last read, and when to read it again.
-        self._outbox_backlog = 0
-        self._outbox_oldest: datetime | None = None
-        #: Processing is paused for the outbox's backlog (said once when it starts and once when it ends).
-        self._outbox_paused = False
-        #: This worker's batches have produced records (only then is the backlog read and bounded).
-        self._has_produced = False
-        self._next_backlog_check = 0.0
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -178,7 +204,7 @@ class Worker:
             factory = self.source_factory or source_class(self.settings)
             source = factory(self.settings, self.group, self.topics, self.worker_id)
             source.check_topics()
-            self._check_output_topics(partitions)
+            _check_output_topics(self.processor, self.settings, partitions)
             if source.describes_group:
                 members = GroupMembers(engine, self.group, self.settings.table_prefix, self.settings.schema)
                 self._guard = OneDatabase(self.settings, self.group, self.worker_id, members, source,
@@ -191,7 +217,6 @@ class Worker:
             raise
         self._store, self._source = store, source
         self._state = (self.partitions_factory or Partitions)(self.settings, source)
-        self._apply_at_once = source.callbacks_may_lock
         self._ledger = Ledger(self.settings, self.group, self.worker_id, store, source, self._state)
         self._outbox = Outbox(engine, self.group, self.settings.table_prefix, self.settings.schema)
         self._ensure_shards(self._outbox)
@@ -205,45 +230,15 @@ class Worker:
                                                              f"Kafka at {self.settings.bootstrap_servers}",
                                                              declared_topics(self.processor)),
                                 on_produced=self._produced)
-
-    def _check_output_topics(self, partitions: PartitionCounts) -> None:
-        """The topics the processor declares it produces to exist, checked before it starts as its input
-        topics are (a topic made later is found: a missing one is looked up again at each attempt)."""
-        declared = {topic: f"declared in {type(self.processor).__name__}.produces"
-                    for topic in declared_topics(self.processor) or ()}
-        letters_topic = dead_letter_topic(self.processor, self.settings)
-        if letters_topic is not None:
-            declared[letters_topic] = "the dead-letter topic"
-        for topic, why in sorted(declared.items()):
-            count = partitions.count(topic)
-            if count is None:
-                raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} did not say whether output "
-                                  f"topic {topic!r} exists")
-            if count == 0:
-                raise ConfigurationError(
-                    f"output topic {topic!r} does not exist at {self.settings.bootstrap_servers} ({why}): "
-                    "create it (kstore topics create PROCESSOR)")
+        self._claims = Claims(self.settings, self.processor, self.metrics, self._db_backoff, self._ledger, source,
+                              self._batches, self._guard, self._guard_backoff, self.relay)
+        self._health.connected(self._state, self._ledger, self._batches, self._claims, source.group_stable,
+                               self.relay)
 
     def _ensure_shards(self, outbox: Outbox) -> None:
         """The group's outbox shards, made if it has none (two workers may make them at once)."""
-        self._at_start(lambda: outbox.ensure_shards(self.settings.outbox_shards),
-                       "set up the outbox's shards", f"set up the outbox of group {self.group!r}")
-
-    def _at_start(self, write: Callable[[], object], doing: str, cannot: str) -> None:
-        """A write the start needs, safe to repeat: a database error (a COMMIT whose answer was
-        lost, a connection cut) is tried again until ``connect_timeout_s``, then one clear line."""
-        deadline = time.monotonic() + self.settings.connect_timeout_s
-        delay = DB_RETRY_DELAY
-        while True:
-            try:
-                write()
-                return
-            except SQLAlchemyError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise DatabaseError(f"cannot {cannot} in {self.settings.safe_dsn}: {first_line(exc)}") from None
-                log.warning("could not %s (%s); trying again in %.1fs", doing, first_line(exc), delay)
-                time.sleep(delay)
-                delay = min(delay * 2, DB_RETRY_MAX_DELAY)
+        _at_start(self.settings, lambda: outbox.ensure_shards(self.settings.outbox_shards),
+                  "set up the outbox's shards", f"set up the outbox of group {self.group!r}")
 
     def run(self, max_batches: int | None = None, idle_timeout: float | None = None) -> None:
         """Process until :meth:`request_stop` (or a bound for tests and scripts is reached).
@@ -289,14 +284,14 @@ class Worker:
         call_setup(self.processor, self.store.engine, self.group)
         self._set_up = True
         self._register()
-        self.source.subscribe(self._on_rebalance)
-        self._started_at = time.monotonic()
-        port = self.settings.metrics_port
-        if port is not None and self._http is None:
-            self._http = HealthServer(self.settings.metrics_host, port,
-                                      app(self.metrics.registry, self.liveness, self.readiness)).start()
-            log.info("serving /metrics, /livez and /readyz on http://%s:%d", self.settings.metrics_host,
-                     self._http.port)
+        self.source.subscribe(_connected(self._claims).on_rebalance)
+        self._health.serve()
+
+    def _register(self) -> None:
+        """Before joining the group: this worker's row in its database's registry of the group's workers."""
+        if self._guard is not None:
+            _at_start(self.settings, self._guard.register, "register this worker with its database",
+                      f"register worker {self.worker_id} of group {self.group!r}")
 
     def _fetch_loop(self) -> None:
         """The fetcher thread: polls Kafka all the time, so the group membership stays alive
@@ -320,15 +315,17 @@ class Worker:
         before = partitions.generations()
         fetched = source.fetch(s.poll_timeout_ms if room else 0, max(room, 1))
         partitions.queue_fetched(before, fetched)
-        self._last_poll = time.monotonic()
+        self._health.polled()
         if s.mirror_offsets:
             source.flush_mirror()
-        self._apply_events()
+        claims = self._claims
+        if claims is not None:  # None until connect() ends: nothing is subscribed yet, no event to apply
+            claims.apply_events()
 
     def step(self) -> bool:
         """One turn of the main loop: tell the processor of revoked partitions, claim new
         ones, check epochs, then process one batch. True if a batch committed."""
-        self._last_turn = time.monotonic()
+        self._health.turned()
         if isinstance(self._fetch_error, ConfigurationError):  # the client's news that asking again cannot help
             raise self._fetch_error
         if self._fetch_error is not None:
@@ -336,45 +333,22 @@ class Worker:
         if self.relay is not None and self.relay.error is not None:
             raise KstoreError(f"the outbox relay failed ({type(self.relay.error).__name__}: {self.relay.error}): "
                               "nothing would publish what the processor produces, so the worker stops")
-        self._notify_revoked()
-        if self._judge_group():
-            self._claim_pending()
-        self._check_epochs()
-        if not self._follow_positions():
+        if not _connected(self._claims).turn():
             return False
-        if self._outbox_full():
+        if self._backlog.full(self._outbox):
             return False
         return self.batches.process_next()
 
     def _produced(self, count: int) -> None:
         """A batch committed ``count`` records to the outbox: the relay publishes them at once, and
         they count against outbox_max_pending until the next reading of the backlog."""
-        self._outbox_backlog += count
-        self._has_produced = self._has_produced or count > 0
+        self._backlog.produced(count)
         if self.relay is not None:
             self.relay.wake()
 
-    def _outbox_full(self) -> bool:
-        """Backpressure: more produced records wait to be published than ``outbox_max_pending``
-        (the relay cannot reach Kafka, say). Read at most once a second once this worker has produced
-        anything, and counted up by each commit in between; a failed read leaves the last answer
-        (the batch's own commit meets the database's trouble first)."""
-        if not self._has_produced:
-            return False  # a worker that produces nothing adds nothing to wait for: no query
-        now = time.monotonic()
-        if now >= self._next_backlog_check and self._outbox is not None:
-            self._next_backlog_check = now + 1.0
-            try:
-                self._outbox_backlog, self._outbox_oldest = self._outbox.backlog()
-            except SQLAlchemyError as exc:
-                log.debug("reading the outbox's backlog failed: %s", exc)
-        full = self._outbox_backlog > self.settings.outbox_max_pending
-        if full != self._outbox_paused:
-            self._outbox_paused = full
-            log.warning("%d produced records wait to be published (outbox_max_pending=%d): %s",
-                        self._outbox_backlog, self.settings.outbox_max_pending,
-                        "processing paused until the relay catches up" if full else "processing again")
-        return self._outbox_backlog > self.settings.outbox_max_pending
+    def _recheck(self, tps: list[TP]) -> None:
+        """A batch was fenced on ``tps``: re-read their rows (see Claims.recheck)."""
+        _connected(self._claims).recheck(tps)
 
     def _loop(self, max_batches: int | None, idle_timeout: float | None) -> None:
         partitions, ledger, batches = self.partitions, self.ledger, self.batches
@@ -411,7 +385,6 @@ class Worker:
         source, self._source = self._source, None
         if source is None:
             return
-        http, self._http = self._http, None
         try:
             if self._set_up:
                 call_hook(self.processor, "teardown")
@@ -423,8 +396,7 @@ class Worker:
                 self._topic_partitions.close()
             if self._guard is not None:
                 self._guard.forget()
-            if http is not None:
-                http.stop()
+            self._health.stop()
             source.close()
             if self._batches is not None:
                 self._batches.close()
@@ -437,89 +409,18 @@ class Worker:
     @property
     def metrics_port(self) -> int | None:
         """The port /metrics, /livez and /readyz are served on, once started (None: not served)."""
-        return None if self._http is None else self._http.port
+        return self._health.port
 
     def liveness(self) -> tuple[bool, str]:
         """Healthy while the batch loop and the fetch thread keep turning (see kstore.telemetry.health)."""
-        now, limit = time.monotonic(), self.settings.liveness_timeout_s
-        for what, last in (("the batch loop", self._last_turn), ("the fetch thread", self._last_poll)):
-            idle = now - max(last, self._started_at)
-            if idle > limit:
-                return False, f"{what} has not turned for {idle:.0f}s (liveness_timeout_s={limit:g})"
-        return True, "the batch loop and the fetch thread are turning"
+        return self._health.liveness()
 
     def readiness(self) -> tuple[bool, str]:
         """Ready once joined, every assigned partition claimed, the database answering and the topics
         it produces to there; never again once the dead-letter breaker paused the worker."""
-        source, ledger = self._source, self._ledger
-        if source is None or ledger is None:
+        if self._source is None:
             return False, "not connected"
-        if self._batches is not None and self._batches.paused is not None:
-            return False, f"paused by the dead-letter breaker: {self._batches.paused}"
-        if self._db_backoff.failing:
-            return False, self._db_backoff.away
-        for wait in (self._batches.topic_wait, self._batches.registry_wait) if self._batches is not None else ():
-            if wait.missing is not None:
-                return False, wait.missing
-        if self._outbox_backlog > self.settings.outbox_max_pending:
-            return False, (f"{self._outbox_backlog} produced records wait to be published "
-                           f"(outbox_max_pending={self.settings.outbox_max_pending})")
-        if not self._assigned_once or not source.group_stable():
-            return False, "not a stable member of the Kafka group yet"
-        with ledger.lock:
-            pending = sorted(ledger.pending)
-        if pending:
-            return False, f"claiming {fmt(pending)}"
-        return True, f"owns {len(ledger.offsets())} partition(s)"
-
-    def _lags(self) -> list[PartitionLag]:
-        """Per owned partition: high watermark minus stored offset, and the age of the oldest
-        message not yet committed (in the batch taken, else at the queue's head). No broker call."""
-        state, ledger, batches = self._state, self._ledger, self._batches
-        if state is None or ledger is None or batches is None:
-            return []
-        offsets = ledger.offsets()
-        with state.lock:  # the queues' heads and the batch taken from them, at one moment
-            heads, taken = state.heads(), batches.in_flight
-        in_flight: dict[TP, int | None] = {}
-        for record in taken:
-            tp = (record.topic, record.partition)
-            if record.offset >= offsets.get(tp, record.offset + 1):  # not committed yet
-                in_flight.setdefault(tp, timestamp_ms(record))
-        now_ms = time.time() * 1000
-        lags = []
-        for tp, committed in sorted(offsets.items()):
-            highwater, head_ts = heads.get(tp, (None, None))
-            if highwater is None:
-                continue
-            behind = max(0, highwater - committed)
-            oldest = in_flight.get(tp, head_ts)
-            seconds = 0.0 if behind == 0 else (None if oldest is None else max(0.0, (now_ms - oldest) / 1000))
-            lags.append(PartitionLag(tp[0], tp[1], behind, seconds))
-        return lags
-
-    def _gauges(self) -> dict[str, tuple[str, float]]:
-        state, ledger = self._state, self._ledger
-        if state is None or ledger is None:
-            return {}
-        records, size, paused = state.buffered()
-        return {
-            "kstore_partitions_owned": ("Partitions this worker has claimed and delivers.", len(ledger.offsets())),
-            "kstore_buffered_records": ("Records fetched and waiting in kstore's queues.", records),
-            "kstore_buffered_bytes": ("Approximate memory of the records waiting in kstore's queues.", size),
-            "kstore_fetch_paused": ("1 while fetching is paused because the queues are full.", float(paused)),
-            "kstore_outbox_waiting": ("Produced records committed and not yet published (read once a second "
-                                      "while processing).", self._outbox_backlog),
-            "kstore_outbox_oldest_seconds": ("Age of the oldest produced record not yet published (0: none).",
-                                             self._oldest_age()),
-            "kstore_outbox_shards_blocked": ("Outbox shards this worker's relay holds that are stopped on a record "
-                                             "Kafka refused (the rows wait; the log names it).",
-                                             len(self.relay.shards_blocked) if self.relay is not None else 0),
-        }
-
-    def _oldest_age(self) -> float:
-        oldest = self._outbox_oldest
-        return 0.0 if oldest is None else max(0.0, (datetime.now(timezone.utc) - oldest).total_seconds())
+        return self._health.readiness()
 
     @property
     def busy(self) -> bool:
@@ -552,157 +453,6 @@ class Worker:
     def ledger(self) -> Ledger:
         """Which partitions the worker owns, holds or must claim, at which epoch and offset."""
         return _connected(self._ledger)
-
-    # -- partition ownership --------------------------------------------------
-
-    def _apply_events(self) -> None:
-        """On the fetcher thread: act on the rebalance events recorded during ``poll()``, in order.
-
-        Revoked and lost partitions are flushed at once, so no record of theirs
-        is delivered after; the processor hears of it on the main thread.
-        """
-        partitions, ledger = self.partitions, self.ledger
-        events = partitions.take_events()
-        if not events:
-            return
-        with partitions.lock:
-            for kind, tps in events:
-                if kind == "assigned":
-                    self.metrics.rebalanced()
-                    self._assigned_once = True
-                    ledger.pending.update(tps)
-                    if tps:  # (an incremental rebalance that gave this worker nothing new)
-                        log.info("assigned %s; claiming before any delivery", fmt(tps))
-                else:
-                    dropped = ledger.drop(tps)
-                    if dropped:
-                        log.info("%s %s", kind, fmt(dropped))
-                        self._revoked_notices.append(dropped)
-            partitions.changed.notify_all()
-        if self.relay is not None:
-            self.relay.group_changed()
-
-    def _on_rebalance(self, kind: EventKind, tps: list[TP]) -> None:
-        """A client's rebalance callback (on its own thread): post the event. Where the callbacks run
-        on the fetch thread itself (librdkafka's, inside consume()), a revoke or a loss is applied
-        there and then, not when consume() returns: a batch in flight sees the partition gone before
-        it commits (and rolls back) instead of committing into the new owner's fence."""
-        partitions = self._state
-        if partitions is None:
-            return
-        partitions.post(kind, tps)
-        if kind != "assigned" and self._apply_at_once:
-            self._apply_events()
-
-    def _notify_revoked(self) -> None:
-        with self.partitions.lock:
-            notices, self._revoked_notices = self._revoked_notices, []
-        for tps in notices:
-            call_hook(self.processor, "on_revoked", tps)
-
-    def _revoked(self, tps: list[TP], why: str) -> None:
-        if tps:
-            log.info("%s %s", why, fmt(tps))
-            call_hook(self.processor, "on_revoked", tps)
-
-    def _register(self) -> None:
-        """Before joining the group: this worker's row in its database's registry of the group's workers."""
-        if self._guard is not None:
-            self._at_start(self._guard.register, "register this worker with its database",
-                           f"register worker {self.worker_id} of group {self.group!r}")
-
-    def _judge_group(self) -> bool:
-        """One pipeline, one database: after each assignment, and before claiming any of it, compare
-        the group's live members with this database's workers (refuses with ConfigurationError; see
-        kstore.engine.onedatabase). False until the last assignment is judged: its partitions wait, paused."""
-        guard = self._guard
-        if guard is None:
-            return True
-        if not guard.judged and not self._guard_backoff.ready():
-            return False
-        try:
-            guard.check()
-        except (SQLAlchemyError, BrokerError) as exc:
-            self._guard_backoff.failed("compare the group's members with this database's workers", exc)
-            return False
-        self._guard_backoff.succeeded()
-        return guard.judged
-
-    def _claim_pending(self) -> None:
-        """Claim newly assigned partitions, seek them to their stored offsets, resume them."""
-        ledger = self.ledger
-        if not ledger.pending or not self._db_backoff.ready():
-            return
-        started = time.monotonic()
-        try:
-            claimed = ledger.claim_pending()
-        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
-            # Nothing was placed: whether the claim's COMMIT landed or not, claiming again
-            # is right (a claim has no effects; a landed one only bumped an epoch).
-            self._db_backoff.failed(f"claim {fmt(ledger.pending)} (they stay paused)", exc)
-            return
-        self._db_backoff.succeeded()
-        if claimed:
-            if self._guard is not None:
-                self._guard.claimed()
-            self.metrics.claimed(time.monotonic() - started)
-            offsets = ledger.offsets()
-            log.info("claimed %s", ", ".join(
-                f"{t}[{p}]@{offsets.get((t, p), 'held')}" for t, p in claimed))
-            if log.isEnabledFor(logging.DEBUG):
-                # The epoch each claim won: a commit logged after a revoke is the batch that was in
-                # flight only if it carries this epoch (the database fences any other).
-                with ledger.lock:
-                    epochs = {tp: ledger.owned[tp].epoch for tp in claimed if tp in ledger.owned}
-                log.debug("claim epochs: %s", ", ".join(f"{t}[{p}]@{e}" for (t, p), e in sorted(epochs.items())))
-            call_hook(self.processor, "on_assigned", [tp for tp in claimed if tp in offsets])
-
-    def _follow_positions(self) -> bool:
-        """Where the consumer moved, or could not fetch, by itself (see kstore.engine.positions): move
-        stored offsets past transaction markers, place again partitions whose position left the
-        log. Before any batch, so one whose answer was lost is settled first. False while the
-        database fails."""
-        if self.batches.in_doubt is not None or not self._db_backoff.ready():
-            return True  # a batch's commit in doubt is settled first; a failing database waits
-        try:
-            moved = positions.advance(self.ledger)
-            if moved:
-                self._recheck(moved)
-            for _tp, reason in positions.relocate(self.ledger):
-                self.metrics.position_reset(reason)
-        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
-            self._db_backoff.failed("follow the consumer's positions", exc)
-            return False
-        return True
-
-    def _check_epochs(self) -> None:
-        """Every ``epoch_check_interval_s``: notice an operator's reset even on an idle partition."""
-        if time.monotonic() < self._next_epoch_check:
-            return
-        self._next_epoch_check = time.monotonic() + self.settings.epoch_check_interval_s
-        orphans = self.ledger.reclaim_orphans()
-        if orphans:
-            log.warning("%s still assigned here a session timeout after being fenced: claiming again", fmt(orphans))
-        try:
-            stale = self.ledger.stale()
-            if stale:
-                self._recheck(stale)
-        except (SQLAlchemyError, BrokerError, CommitInDoubtError) as exc:
-            self._db_backoff.failed("check the partitions' epochs", exc)
-            return
-        if self.ledger.owned or self.ledger.held:  # stale() asked the database: it answers
-            self._db_backoff.succeeded()  # (an idle worker learns it here, not from a batch)
-
-    def _recheck(self, tps: list[TP]) -> None:
-        adopted, dropped = self.ledger.recheck(tps)
-        if adopted and self.settings.mirror_offsets:
-            # An operator's move, followed: Kafka's lag tools see it now, not at the next commit (a
-            # partition moved to its end may have none for long).
-            offsets = self.ledger.offsets()
-            self.source.mirror({tp: offsets[tp] for tp in adopted if tp in offsets})
-        if dropped:
-            log.warning("fenced on %s: another worker claimed them; rolled back anything uncommitted", fmt(dropped))
-            self._revoked(dropped, "fenced")
 
     # -- resets ---------------------------------------------------------------
 

@@ -7,6 +7,9 @@
   not installed is one line naming its extra.
 - :mod:`~kstore.kafka.confluent` and :mod:`~kstore.kafka.kafkapython`: the two clients, peers: neither
   imports the other.
+- :mod:`~kstore.kafka.stub`: an in-memory cluster behind the same seam, for tests (kstore's
+  simulation, and users' through a worker's ``source_factory``); it imports no client library, and
+  nothing kstore runs in production imports it.
 - :mod:`~kstore.kafka.probe`: a look at the first broker that names a setup mistake at once.
 - :mod:`~kstore.kafka.security` (the TLS context, a token provider) and :mod:`~kstore.kafka.asking`
   (asking the brokers again while they say "not now"): what both clients share, needing neither.

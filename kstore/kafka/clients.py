@@ -12,12 +12,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kstore.errors import ConfigurationError
 from kstore.settings import Settings
 
-from .seam import AdminReader, ConsumerSource, PartitionCounts, PublisherFactory
+from .seam import AdminReader, ConsumerSource, PartitionCounts
+
+if TYPE_CHECKING:
+    from .confluent.producer import ConfluentShardPublisher
+    from .kafkapython.producer import KafkaPythonShardPublisher
 
 #: What makes the worker's consumer: ``(settings, group, topics, worker id)``.
 SourceFactory = Callable[[Settings, str, Sequence[str], str], ConsumerSource]
@@ -66,8 +70,10 @@ def source_class(settings: Settings) -> SourceFactory:
     return KafkaPythonSource
 
 
-def publisher_class(client: str) -> PublisherFactory:
-    """The outbox relay's shard publisher for setting ``relay_client``."""
+def publisher_class(client: str) -> type[ConfluentShardPublisher] | type[KafkaPythonShardPublisher]:
+    """The outbox relay's shard publisher for setting ``relay_client``: a transport, made with
+    ``(settings, transactional_id, max_record_bytes)``, that satisfies the relay's protocol
+    (:class:`kstore.relay.publisher.PublisherFactory`) by its shape."""
     require(client, "relay_client")
     if client == "confluent":
         from .confluent.producer import ConfluentShardPublisher

@@ -2,15 +2,16 @@
 each client implements (:mod:`kstore.kafka.kafkapython`, :mod:`kstore.kafka.confluent`).
 
 Nothing here imports a client library: a module above the Kafka side imports this, and
-:mod:`kstore.kafka.clients` for the implementation the settings choose.
+:mod:`kstore.kafka.clients` for the implementation the settings choose. The relay's publishers are
+transports: they carry records and a progress record already encoded, and read raw values back
+(:meth:`GroupReader.last_values`); the progress format and the publisher protocol are the relay's
+(:mod:`kstore.relay.progress`, :mod:`kstore.relay.publisher`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
-import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,7 +23,6 @@ from kstore.types import TopicPartition as TP
 
 if TYPE_CHECKING:
     from kstore.settings import Settings
-    from kstore.types import Produced
 
 log = logging.getLogger(__name__)
 
@@ -105,64 +105,6 @@ def offsets_refused(servers: str, group: str, reasons: str) -> BrokerError:
     return BrokerError(f"Kafka at {servers} refused the offsets of group {group!r}: {reasons}")
 
 
-def shard_id(group: str, shard: int) -> str:
-    """A lane's transactional id (and the group of a shard's progress marks before they moved to
-    :func:`progress_topic`, when every shard was a lane): stable, so a new owner fences the old."""
-    return f"kstore-outbox.{group}.{shard}"
-
-
-_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
-
-
-def progress_topic(group: str) -> str:
-    """The compacted topic of a group's outbox progress: partition ``n`` is lane ``n``'s, and its last
-    record holds the last ``seq`` of each of the lane's shards a committed transaction published
-    (:func:`progress_mark`).
-
-    ``kstore-outbox-progress.<group>``; a group name a topic cannot carry is made safe and told apart
-    from others by its checksum."""
-    name = f"kstore-outbox-progress.{group}"
-    if _TOPIC_NAME.fullmatch(name):
-        return name
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", group)[:200]
-    return f"kstore-outbox-progress.{safe}-{zlib.crc32(group.encode()):08x}"
-
-
-#: The progress topic's configuration. Compacted: a shard's last mark is kept however long the shard
-#: stays idle (a deleted one would make the next owner publish again what it covered). Its segments
-#: roll hourly, so compaction has old ones to clean.
-PROGRESS_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000"}
-
-
-def progress_mark(incarnation: str, marks: Mapping[int, int]) -> tuple[bytes, bytes]:
-    """The key and value of a lane's progress record: the shards' incarnation (marks left by shards
-    made before, in another database or before they were made anew, count for nothing), then the
-    lane's ``seq``: ``inc/seq`` for a lane of one shard, ``inc/shard:seq,shard:seq...`` for more."""
-    if len(marks) == 1:
-        ((_, seq),) = marks.items()
-        return b"progress", f"{incarnation}/{seq}".encode()
-    return b"progress", (f"{incarnation}/" + ",".join(f"{s}:{q}" for s, q in sorted(marks.items()))).encode()
-
-
-def read_progress_mark(value: bytes | None, incarnation: str, shards: Sequence[int]) -> dict[int, int]:
-    """The ``seq`` of each of a lane's ``shards`` its progress record of this incarnation names; none for
-    no record, another incarnation's, or one that cannot be read."""
-    if value is None:
-        return {}
-    found, _, body = value.decode(errors="replace").partition("/")
-    if found != incarnation:
-        return {}
-    if body.isdigit():
-        return {shards[0]: int(body)} if len(shards) == 1 else {}
-    marks: dict[int, int] = {}
-    for part in body.split(","):
-        shard, _, seq = part.partition(":")
-        if not (shard.isdigit() and seq.isdigit()):
-            return {}
-        marks[int(shard)] = int(seq)
-    return {shard: seq for shard, seq in marks.items() if shard in shards}
-
-
 #: A partition's last record is looked for among its last TAIL_FIRST offsets, then, each time none
 #: is found there (aborted transactions, their markers), TAIL_GROWTH times further back.
 TAIL_FIRST = 4
@@ -184,20 +126,6 @@ def tail_value(tp: TP, bounds: tuple[int, int], read: Callable[[TP, int, int], l
             break
         back *= TAIL_GROWTH
     return None
-
-
-def lane_progress(reader: GroupReader, group: str, lane: int, shards: Sequence[int], incarnation: str,
-                  timeout_s: float) -> dict[int, int]:
-    """The highest ``seq`` of each of the lane's ``shards`` a committed transaction published (0: none
-    yet): the lane's last record in :func:`progress_topic`, and, for a shard it does not name, a mark
-    a relay of an earlier version committed as the offset of the shard's own group (:func:`progress_of`),
-    whichever is further. Read once, when a publisher starts on the lane (after its
-    ``init_transactions`` settled the last owner's transaction)."""
-    tp = (progress_topic(group), lane)
-    in_topic = read_progress_mark(reader.last_values([tp], timeout_s).get(tp), incarnation, shards)
-    return {shard: in_topic[shard] if shard in in_topic and len(shards) > 1
-            else max(in_topic.get(shard, 0), progress_of(reader, shard_id(group, shard), f"{incarnation}/"))
-            for shard in shards}
 
 
 #: A refused partition's offset when the client has no position for it at all.
@@ -299,17 +227,6 @@ class ConsumerSource(Protocol):
 
     def close(self) -> None:
         """Leave the group, committing nothing to Kafka (after the fetch thread stopped)."""
-def highest_mark(committed: Mapping[TP, Committed], mark: str) -> int:
-    """The highest ``seq`` among a shard's progress marks of this incarnation (``mark``); 0 when there is none.
-
-    A mark counts only when its metadata is exactly ``<incarnation>/<seq>`` with ``seq`` its offset:
-    metadata read past its end counts for nothing (confluent-kafka reads a committed offset's metadata up
-    to a NUL, past its end when there is none: ``<incarnation>/13`` was seen read as ``<incarnation>/135 V``;
-    earlier relays ended their marks with one on either client), so a mark is never
-    read as further than it is (which would skip rows), at worst not at all (the database's mark
-    stands in).
-    """
-    return max((c.offset for c in committed.values() if c.metadata == f"{mark}{c.offset}"), default=0)
 
 
 class GroupReader(Protocol):
@@ -386,54 +303,6 @@ class AdminReader(GroupReader, Protocol):
     def add_partitions(self, topic: str, total: int) -> None:
         """Give ``topic`` partitions up to ``total`` in all, and wait until each has its leader."""
         ...
-
-
-class ShardPublisher(Protocol):
-    """A transactional producer for one lane of one group's outbox (the relay's Kafka side; a lane
-    publishes one shard or several: :mod:`kstore.db.outbox`).
-
-    Made by a :class:`PublisherFactory`, which initialises the lane's transactional id
-    (:func:`shard_id`): that finishes or aborts the last owner's open transaction and fences its
-    producer. Each :meth:`publish` commits its records and the lane's progress mark (a record of each
-    shard's last ``seq`` in the lane's partition of :func:`progress_topic`: :func:`progress_mark`) in
-    one Kafka transaction, so the progress is never ahead of or behind what was published. (The mark
-    is a record, not an offset committed with ``send_offsets_to_transaction``: that added two
-    round trips to the group coordinator to every transaction.)
-    """
-
-    ident: str
-
-    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
-        """The highest ``seq`` of each of the lane's ``shards`` a committed transaction recorded (0: none
-        yet). Read after the factory's fencing: no commit of this lane can be pending any more."""
-        ...
-
-    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
-        """Publish ``records``, in order, in one transaction with the progress mark ``marks`` (each of
-        the lane's shards' last ``seq`` once it commits).
-
-        Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
-        was aborted or its outcome is unknown: close this producer and make a new one, which
-        settles it, then read :meth:`progress` again).
-        """
-        ...
-
-    def close(self) -> None:
-        """Drop the producer (what is not committed is aborted by the next owner or the broker)."""
-        ...
-
-
-class PublisherFactory(Protocol):
-    """A client's :class:`ShardPublisher` class: made for a lane, fencing any earlier producer of it.
-    Raises :class:`Fenced`, BrokerError or ConfigurationError."""
-
-    def __call__(self, settings: Settings, group: str, lane: int, max_record_bytes: int,
-                 incarnation: str) -> ShardPublisher: ...
-
-
-def progress_of(reader: GroupReader, ident: str, mark: str) -> int:
-    """The highest ``seq`` in progress group ``ident``'s marks of this incarnation (``mark``)."""
-    return highest_mark(reader.committed(ident), mark)
 
 
 class PartitionCounts:

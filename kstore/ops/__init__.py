@@ -11,11 +11,12 @@
 
 Their commands are :mod:`kstore.cli.ops` and :mod:`kstore.cli.letters`.
 
-May import the database side, the Kafka side through its seam only (:mod:`kstore.kafka.seam` and
-:mod:`kstore.kafka.clients`: the tools run on whichever client is installed), :mod:`kstore.telemetry`
-(the lag metric families), :mod:`kstore.running` (a replay runs a processor) and the shared
-vocabulary; never the engine: no worker is needed, and none is driven from here. A running worker
-notices what these write (an epoch bumped by a reset) by itself, within ``epoch_check_interval_s``.
+May import the outbox's statements (:mod:`kstore.relay`), the database side, the Kafka side through
+its seam only (:mod:`kstore.kafka.seam` and :mod:`kstore.kafka.clients`: the tools run on whichever
+client is installed), :mod:`kstore.telemetry` (the lag metric families), :mod:`kstore.running` (a
+replay runs a processor) and the shared vocabulary; never the engine: no worker is needed, and none
+is driven from here. A running worker notices what these write (an epoch bumped by a reset) by
+itself, within ``epoch_check_interval_s``.
 
 Invariants: a move is one transaction that reads each row under its lock, decides from what is
 stored then, bumps the epoch and records the move with a request id (looked up if its COMMIT's

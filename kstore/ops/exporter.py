@@ -28,8 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kstore.db.outbox import Backlog
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
+from kstore.relay.tables import Backlog
 from kstore.settings import Settings
 from kstore.telemetry.metrics import lag_families, outbox_families
 

@@ -31,11 +31,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db import deadletters
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Backlog, Outbox, ShardState
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Row, Store, make_engine
 from kstore.errors import BrokerError, DatabaseError
 from kstore.kafka.clients import admin_reader
+from kstore.relay.store import Outbox
+from kstore.relay.tables import Backlog, ShardState
 from kstore.settings import Settings
 from kstore.telemetry.metrics import PartitionLag
 from kstore.types import TopicPartition as TP

@@ -23,11 +23,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kstore.db.migration import check_migrated
-from kstore.db.outbox import Backlog, Outbox, Refusal, ShardState, backlogs, build_tables, groups_with_outbox
 from kstore.db.sqlerrors import first_line
 from kstore.db.store import Store, make_engine
 from kstore.db.writes import aware
 from kstore.errors import ConfigurationError, DatabaseError, KstoreError
+from kstore.relay.store import Outbox
+from kstore.relay.tables import Backlog, Refusal, ShardState, backlogs, build_tables, groups_with_outbox
 from kstore.settings import Settings
 
 
@@ -100,7 +101,7 @@ class Resharded:
 
 def reshard_outbox(settings: Settings, name: str, shards: int) -> Resharded:
     """Make the outbox ``name`` anew with ``shards`` shards, in one transaction (see
-    :meth:`kstore.db.outbox.Outbox.reshard`: numbering goes on, exactly once holds across it).
+    :meth:`kstore.relay.shards.OutboxShards.reshard`: numbering goes on, exactly once holds across it).
 
     Refused (:class:`~kstore.errors.OutboxBusyError`) while records wait in it or a relay of it runs;
     an outbox this database does not have raises :class:`ConfigurationError` naming those it has.
@@ -118,7 +119,7 @@ def reshard_outbox(settings: Settings, name: str, shards: int) -> Resharded:
 
 def list_outboxes(engine: Engine, settings: Settings) -> list[Backlog]:
     """Every outbox in the database, a group's and an application's alike, by name: its records waiting
-    and when the oldest was written, in one cheap statement (:func:`kstore.db.outbox.backlogs`)."""
+    and when the oldest was written, in one cheap statement (:func:`kstore.relay.tables.backlogs`)."""
     with engine.connect() as conn:
         return backlogs(conn, build_tables(settings.table_prefix, settings.schema))
 

@@ -32,11 +32,11 @@ from kstore.db.deadletters import (
     Edit,
 )
 from kstore.db.letterquery import BATCH, LetterFilter, Tally, finish, start, waiting, walk
-from kstore.db.outbox import Outbox
 from kstore.db.sqlerrors import error_text, first_line, transient
 from kstore.errors import CommitInDoubtError, ConfigurationError, DatabaseError, KstoreError
 from kstore.kafka.clients import partition_counts
 from kstore.processor import Processor
+from kstore.relay.store import Outbox
 from kstore.running.handler import NOT_THE_MESSAGE, Outgoing, produce_check, run_handler
 from kstore.running.hooks import call_hook, call_setup, declared_topics, deserialized, to_ms
 from kstore.schemas.formats import bind as bind_formats

@@ -27,8 +27,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kstore.db.outbox import Backlog
 from kstore.errors import BrokerError, DatabaseError, KstoreError
+from kstore.relay.tables import Backlog
 from kstore.settings import Settings
 from kstore.types import TopicPartition as TP
 

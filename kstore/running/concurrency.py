@@ -9,7 +9,7 @@
 - :func:`run_on_loop` runs a coroutine on the processor's own event loop (an async processor's
   batch: :mod:`kstore.running.handler`).
 
-The batch's transaction and its commit stay where they are (:mod:`kstore.engine.batches`): nothing
+The batch's transaction and its commit stay where they are (:mod:`kstore.engine.commit`): nothing
 here commits; a batch whose tasks did not all finish raises, and is rolled back.
 """
 

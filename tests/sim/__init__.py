@@ -3,10 +3,13 @@
 The real :class:`kstore.Worker` runs, driven one turn at a time (``fetch_once`` and
 ``step``) in an order a seeded random schedule picks, against
 
-- :mod:`.kafka`: an in-memory cluster and consumer group that behave like
-  kafka-python 3's ``KafkaConsumer`` where kstore relies on it (positions advance
-  on ``poll()``, eager rebalances, zombies, ``on_partitions_lost``, raising
-  ``seek``/``pause``/``resume`` for partitions no longer assigned);
+- :class:`kstore.kafka.stub.StubCluster`: kstore's in-memory Kafka, its worker consumer speaking
+  the seam as the real clients do (positions advance in a fetch, eager rebalances, zombies
+  that hear of their expulsion late, ``lost`` events, seek/pause/resume skipping partitions no
+  longer assigned), with the world's random source for the group's and the fetches' choices and
+  the preemption points of :mod:`.threads` inside each fetch; about half the schedules give the
+  workers confluent-kafka's threading (callbacks only inside a fetch, applied there at once; seeks
+  and pauses carried out by the next fetch), the others kafka-python's (``world.CLIENTS``);
 - :mod:`.db`: one SQLite file per schedule, with faults at the DBAPI level
   (a COMMIT whose answer is lost, its connection cut as on a real network, the COMMIT
   landed, in flight or never sent; a COMMIT that fails; statements failing while the

@@ -35,7 +35,7 @@ from unittest import mock
 from sqlalchemy import DateTime, bindparam, text
 from sqlalchemy.sql.elements import TextClause
 
-import kstore.engine.batches
+import kstore.engine.commit
 from kstore.db.store import Store
 from kstore.engine.batches import Batches
 from kstore.engine.ownership import Ledger
@@ -99,7 +99,7 @@ def switched_off(guards: frozenset[str]) -> Iterator[None]:
         if predicates:
             stack.enter_context(mock.patch.object(Store, "_commit_statement", _without(predicates)))
         if "read_back" in guards:
-            stack.enter_context(mock.patch.object(kstore.engine.batches, "_outcome", _never_landed()))
+            stack.enter_context(mock.patch.object(kstore.engine.commit, "_outcome", _never_landed()))
         if "revoke" in guards:
             stack.enter_context(mock.patch.object(Ledger, "dropped", lambda _self, _positions: set()))
         yield
@@ -123,7 +123,7 @@ def _without(predicates: list[tuple[str, str]]) -> Callable[..., TextClause]:
 def _never_landed() -> Callable[..., tuple[bool, set[TP]]]:
     """The read back of a commit in doubt answering "did not land" whatever the rows hold
     (rows another owner moved are still reported as such)."""
-    original = kstore.engine.batches._outcome
+    original = kstore.engine.commit._outcome
 
     def outcome(positions: Any, rows: Any) -> tuple[bool, set[TP]]:
         _landed, moved = original(positions, rows)

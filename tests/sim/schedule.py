@@ -4,7 +4,7 @@ A schedule is a :class:`~.world.Config` and a list of actions, both drawn from t
 seed; the world's own choices (fetch sizes, preemption points, the assignor's order)
 come from a second generator seeded from the same seed. So a seed (with the same
 ``KSTORE_SIM_SKIP``) replays exactly, and a shrunk action list replays with the seed
-it came from. (The simulated consumer hands kstore sets that iterate in order, so
+it came from. (The stub cluster hands kstore partitions in sorted lists, so
 ``PYTHONHASHSEED`` does not matter as far as we have seen.)
 """
 
@@ -49,11 +49,15 @@ _WEIGHTS: list[tuple[float, str]] = [
 #: epoch below the stored offset, by a worker one of whose COMMITs landed after its answer
 #: was lost, is let through (it cannot commit: the journal still checks that it does not).
 TOLERABLE = ("crash", "late_read_back")
-OPTIONAL = (*FAULT_KINDS, "throttle", "steady", *TOLERABLE)
+#: "confluent": every worker's consumer has kafka-python's threading (see world.CLIENTS).
+OPTIONAL = (*FAULT_KINDS, "throttle", "steady", "confluent", *TOLERABLE)
 
 
-def draw_config(rng: random.Random, skip: frozenset[str]) -> Config:
-    """The world's shape. Draws the same numbers whatever ``skip`` is: a seed keeps its shape."""
+def draw_config(rng: random.Random, skip: frozenset[str], client_rng: random.Random | None = None) -> Config:
+    """The world's shape. Draws the same numbers whatever ``skip`` is: a seed keeps its shape.
+
+    The client's threading is drawn from ``client_rng`` (seeded from the seed too): a seed's other
+    draws, and so its actions, are what they were before the client was drawn."""
     n = rng.randint(2, 4)
     partitions = {"t": n} if rng.random() < 0.8 else {"t": n - 1, "u": 1}
     slots = rng.choice([2, 2, 3])
@@ -72,6 +76,8 @@ def draw_config(rng: random.Random, skip: frozenset[str]) -> Config:
         tolerate=frozenset(TOLERABLE) & skip,
         steady="steady" not in skip,
         skip=skip,
+        client="confluent" if client_rng is not None and client_rng.random() < 0.5 and "confluent" not in skip
+        else "kafka-python",
     )
 
 
@@ -258,7 +264,7 @@ def run(seed: int, directory: Path, skip: frozenset[str] = frozenset(), actions:
     """Run one schedule (its own actions, or ``actions``) and return what happened."""
     started = time.perf_counter()
     rng = random.Random(seed)
-    cfg = draw_config(rng, skip)
+    cfg = draw_config(rng, skip, random.Random(f"client {seed}"))
     todo = list(actions) if actions is not None else draw_actions(rng, cfg)
     with _no_collector():
         world = World(seed, cfg, template(directory), directory)

@@ -26,7 +26,8 @@ unless ``KSTORE_SIM_BY_HAND=1`` says it is a run by hand: CI cannot inherit one)
   lands a little later, or never did), ``fail_commit``, ``fail_statement``, ``down`` (the
   database refuses everything for a while); ``throttle`` (a tiny ``max_buffered_bytes``),
   ``steady`` (the livelock check: poison must be dead-lettered while other partitions
-  keep receiving messages); and checks relaxed rather than parts left out: ``crash`` (a
+  keep receiving messages), ``confluent`` (every worker's consumer has kafka-python's threading,
+  none confluent-kafka's); and checks relaxed rather than parts left out: ``crash`` (a
   worker that raises just dies, its session times out, and the schedule goes on),
   ``late_read_back`` (a batch handed to the processor again below the offset a late
   COMMIT stored is let through; see :data:`KNOWN_BUGS`).

@@ -1,15 +1,16 @@
 """A worker's threads, simulated on one thread by preemption points.
 
 The real worker runs its main loop (``step``) and its fetcher (``fetch_once`` in a
-loop) on two threads, and kafka-python runs the rebalance callbacks on a third (its
-IO thread) while the fetcher is inside ``poll()``. Here one thread runs every turn;
+loop) on two threads, and a client may run the rebalance callbacks on a third (kafka-python's
+IO thread) while the fetcher is inside its fetch. Here one thread runs every turn;
 at a preemption point, with the schedule's ``preempt`` probability, another of the
 same worker's threads takes a whole turn first:
 
 - the main thread is about to run an SQL statement, or to take ``KafkaSource.lock``:
-  the IO thread runs the group's join step (rebalance callbacks only), or the
-  fetcher runs a whole ``fetch_once`` (only if the lock is free: it takes it);
-- the fetcher is inside ``poll()`` (after the join step; after the fetch, positions
+  the IO thread runs the group's join step (rebalance callbacks only; a client with
+  confluent-kafka's threading has none: nothing happens), or the fetcher runs a whole
+  ``fetch_once`` (only if the lock is free: it takes it);
+- the fetcher is inside the stub's fetch (after the join step; after the fetch, positions
   already moved), has queued what it fetched but not applied the rebalance events,
   or is about to take the lock: the main thread runs a whole ``step``.
 
@@ -32,7 +33,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .kafka import SimConsumer
+    from kstore.kafka.stub import StubMember
+
     from .world import Member
 
 MAIN, FETCHER = "main", "fetcher"
@@ -99,8 +101,8 @@ class Threads:
         else:
             self._fetcher_or_io(m, "the main thread takes the lock")
 
-    def in_poll(self, consumer: SimConsumer, stage: str) -> None:
-        """The fetcher is inside ``poll()`` (or just out of it), holding no lock."""
+    def in_poll(self, consumer: StubMember, stage: str) -> None:
+        """The fetcher is inside its fetch (or just out of it), holding no lock."""
         m = self._point(consumer.name)
         if m is not None:
             self._main(m, f"the fetcher is inside poll(), {stage}")

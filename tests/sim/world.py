@@ -9,7 +9,7 @@ import contextlib
 import random
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -20,18 +20,22 @@ from sqlalchemy.exc import SQLAlchemyError
 from kstore import KstoreError, Settings, Worker
 from kstore.db.store import Store
 from kstore.engine.partitions import Partitions
-from kstore.kafka.kafkapython.consumer import KafkaPythonSource
+from kstore.kafka.clients import SourceFactory
+from kstore.kafka.stub import DeferringStubSource, StubCluster, StubMember, StubSource
 
 from .clock import SimClock, SimCondition
 from .db import Databases
 from .invariants import JournalCheck, Violation, check_final
-from .kafka import Cluster, Group, SimConsumer
 from .processor import GROUP, POISON, SimProcessor
 from .threads import CALLER, FETCHER, MAIN, PreemptingLock, Threads
 
 TP = tuple[str, int]
 LIVE, PAUSED, DEAD, CLOSED = "live", "paused", "dead", "closed"
 FAULT_KINDS = ("lost_answer", "fail_commit", "fail_statement", "down")
+#: The stub's consumer for each client's threading: kafka-python's (rebalance callbacks may run on
+#: its IO thread between the fetcher's turns, queued for the fetcher) and confluent-kafka's (only
+#: inside a fetch, applied there at once; seeks and pauses carried out by the next fetch).
+CLIENTS: dict[str, type[StubSource]] = {"kafka-python": StubSource, "confluent": DeferringStubSource}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Config:
     steady: bool = True
     #: What the run left out (see schedule.OPTIONAL), for replays.
     skip: frozenset[str] = frozenset()
+    #: Whose threading the workers' consumers have (see :data:`CLIENTS`).
+    client: str = "kafka-python"
 
 
 @dataclass
@@ -63,7 +69,8 @@ class Member:
     world: World
     worker: Worker
     state: str = LIVE
-    consumer: SimConsumer | None = None
+    #: Its consumer's state in the group (the stub's member), once its source is made.
+    consumer: StubMember | None = None
     #: Epoch of each partition of the last batch taken (None: not owned when taken).
     taken: dict[TP, int | None] = field(default_factory=dict)
     #: Whether the last step committed a batch.
@@ -105,10 +112,14 @@ class World:
         self.cfg = cfg
         self.rng = random.Random(seed * 7919 + 17)  # the world's own choices (fetch sizes, preemption...)
         self.clock = SimClock()
-        self.cluster = Cluster(self.clock, cfg.partitions)
-        self.group = Group(self.cluster, self.rng)
+        # The stub's choices (the assignor's order, fetch sizes, a zombie's last fetches) are the world's.
+        self.cluster = StubCluster(clock=self.clock.time, rng=self.rng, blocking=False)
+        for topic, n in cfg.partitions.items():
+            self.cluster.create_topic(topic, n)
+        self.group = self.cluster.group(GROUP)
         self.trace: list[str] = []
         self.threads = Threads(self.rng, cfg.preempt, self._live, self.trace)
+        self.cluster.preemption = self.threads
         self.db = Databases(template, directory / f"sim-{seed}.db", on_statement=self.threads.at_statement,
                             rng=self.rng, trace=self.trace)
         self.slots: list[Member | None] = [None] * cfg.slots
@@ -131,11 +142,6 @@ class World:
     def _worker_id(self, label: str) -> str | None:
         member = self.members.get(label)
         return None if member is None else member.worker.worker_id
-
-    def new_consumer(self, name: str) -> SimConsumer:
-        consumer = SimConsumer(name, self.cluster, self.group, self.rng, preemption=self.threads)
-        self.members[name].consumer = consumer
-        return consumer
 
     def note_take(self, name: str, tps: list[TP]) -> None:
         member = self.members[name]
@@ -212,7 +218,8 @@ class World:
     def produce(self, tp: TP, n: int, poison: bool) -> None:
         for i in range(n):
             bad = poison and i == 0
-            offset = self.cluster.produce(tp, (POISON if bad else b"ok") + f"-{tp[1]}-{self.cluster.end(tp)}".encode())
+            value = (POISON if bad else b"ok") + f"-{tp[1]}-{self.cluster.end(tp)}".encode()
+            offset = self.cluster.produce(tp[0], tp[1], value, headers=[("sim", b"1")])
             if bad:
                 self.poison.add((tp, offset))
 
@@ -286,7 +293,7 @@ class World:
             return
         self.clock.advance(m.worker.settings.session_timeout_ms / 1000)
         if m.consumer is not None:
-            self.group.expel(m.consumer)
+            self.cluster.expel(GROUP, m.consumer.member_id)
         if m.state == DEAD:
             self.slots[slot] = None
 
@@ -345,7 +352,7 @@ class World:
                 continue
             lines.append(f"{m.name} ({m.state}, id {m.worker.worker_id}): {_ledger_state(m)}")
             if m.consumer is not None:
-                lines.append(f"    consumer: {_consumer_state(m.consumer)}")
+                lines.append(f"    consumer: {m.consumer.describe()}")
         return lines
 
     # -- the end --------------------------------------------------------------------------
@@ -464,19 +471,19 @@ class World:
         self.db.close()
 
 
-def _source_class(world: World) -> type[KafkaPythonSource]:
-    """kafka-python's client on the simulated cluster: its consumer is a SimConsumer."""
+def _source_class(world: World) -> SourceFactory:
+    """The stub's consumer on the world's cluster, with the threading of the schedule's client; the
+    member's state is noted for the turns and the reports."""
 
-    class SimSource(KafkaPythonSource):
-        describes_group = False  # one simulated database: nothing to guard, and no admin client to ask
+    class SimSource(CLIENTS[world.cfg.client]):  # type: ignore[misc]
+        describes_group = False  # one simulated database: nothing to guard
 
-        def current_member_id(self) -> str | None:
-            return self.settings.client_id
+    def make(settings: Settings, group: str, topics: Sequence[str], worker_id: str) -> StubSource:
+        source: StubSource = SimSource(world.cluster, settings, group, topics, worker_id)
+        world.members[settings.client_id or "?"].consumer = source.consumer
+        return source
 
-        def _connect(self) -> Any:
-            return world.new_consumer(self.settings.client_id or "?")
-
-    return SimSource
+    return make
 
 
 def _partitions_class(world: World) -> type[Partitions]:
@@ -510,15 +517,9 @@ def _ledger_state(m: Member) -> str:
     if ledger is None or source is None:
         return "not connected"
     owned = {f"{t}[{p}]": (o.epoch, o.committed) for (t, p), o in sorted(ledger.owned.items())}
-    queues = {f"{t}[{p}]": [r.offset for r in q.records][:6] for (t, p), q in sorted(source._queues.items())}
+    queues = {f"{t}[{p}]": [r.offset for r in q.records][:6] for (t, p), q in sorted(source.queues().items())}
     failures = getattr(m.batches, "failures", None)
     return (f"owned(epoch, committed) {owned}, pending {sorted(ledger.pending)}, held {ledger.held}, "
             f"fenced_at {ledger.fenced_at}; queues {queues} throttled {source._throttled}; failing "
             f"{list(getattr(failures, '_failures', {}))} isolating {getattr(failures, '_isolating', None)} "
             f"size {getattr(failures, '_isolation_size', None)}")
-
-
-def _consumer_state(c: SimConsumer) -> str:
-    parts = [f"{tp.topic}[{tp.partition}]@{s.position}" + (" paused" if s.paused else "")
-             + (" revoking" if s.revoking else "") for tp, s in sorted(c._assignment.items())]
-    return f"{', '.join(parts) or 'nothing assigned'}; pending assignment {c.pending}"

@@ -1,5 +1,5 @@
 """Outboxes in four states, written at known times, for the tests of every outbox's backlog
-(:func:`kstore.db.outbox.backlogs`) on SQLite and PostgreSQL:
+(:func:`kstore.relay.tables.backlogs`) on SQLite and PostgreSQL:
 
 - ``idle``: an application's outbox set up, nothing written;
 - ``orders``: a group's outbox (what a processor's ``produce()`` writes), every record published;
@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from kstore.db import outbox as tables
-from kstore.db.outbox import shard_of
 from kstore.outbox import Outbox, Record
+from kstore.relay import store, tables, writing
+from kstore.relay.lanes import shard_of
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -36,7 +36,7 @@ def seed(engine: sa.Engine, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(dsn=dsn)
 
     def at(seconds: float) -> None:  # the time the outbox stamps the next records it writes with
-        monkeypatch.setattr(tables, "now", lambda: T0 + timedelta(seconds=seconds))
+        monkeypatch.setattr(writing, "now", lambda: T0 + timedelta(seconds=seconds))
 
     Outbox("idle", settings, shards=2).setup(engine)
 
@@ -59,13 +59,13 @@ def seed(engine: sa.Engine, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     publish(group_outbox(engine, "shop-web", shards=2), {a: 2})
 
 
-def group_outbox(engine: sa.Engine, name: str, shards: int) -> tables.Outbox:
-    found = tables.Outbox(engine, name)
+def group_outbox(engine: sa.Engine, name: str, shards: int) -> store.Outbox:
+    found = store.Outbox(engine, name)
     found.ensure_shards(shards)
     return found
 
 
-def write(engine: sa.Engine, outbox: tables.Outbox, records: list[Produced]) -> None:
+def write(engine: sa.Engine, outbox: store.Outbox, records: list[Produced]) -> None:
     with engine.connect() as conn, conn.begin():
         outbox.write(conn, records)
 
@@ -75,7 +75,7 @@ def produce(engine: sa.Engine, outbox: Outbox, records: list[Record]) -> None:
         outbox.produce_many(session, records)
 
 
-def publish(outbox: tables.Outbox, marks: dict[int, int]) -> None:
+def publish(outbox: store.Outbox, marks: dict[int, int]) -> None:
     """Mark each shard of ``marks`` published up to its seq, as its relay does (holding its lane's lease)."""
     for shard, seq in marks.items():
         epoch = outbox.claim("test-relay", shard, 30.0)

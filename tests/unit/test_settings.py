@@ -1,5 +1,5 @@
 """Settings (kstore.settings): read from the environment, checked with a clear error, the DSN shown
-without its password."""
+without its password and no secret in its repr."""
 
 from __future__ import annotations
 
@@ -75,3 +75,19 @@ def test_a_trusted_proxy_that_is_not_an_address_or_network_is_a_one_line_error(v
 def test_a_secure_cookie_value_that_is_not_a_bool_is_an_error() -> None:
     with pytest.raises(ConfigurationError, match="KSTORE_CONSOLE_SECURE_COOKIE='maybe' is not a valid bool"):
         Settings.from_env({"KSTORE_CONSOLE_SECURE_COOKIE": "maybe"})
+
+
+def test_settings_repr_holds_no_secret() -> None:
+    settings = Settings(dsn="postgresql://u:dsn-secret@h/db", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+                        sasl_username="u", sasl_password="sasl-secret", ssl_key_password="key-secret",
+                        kafka_client="confluent", kafka_options={"ssl.keystore.password": "store-secret"})
+    text = repr(settings)
+    assert "secret" not in text.replace("'***'", ""), text
+    assert "'ssl.keystore.password': '***'" in text
+
+
+def test_settings_refuse_a_static_member_id() -> None:
+    """Static membership (``group.instance.id``) is refused by Settings itself; the worker's one line
+    for it: tests/integration/worker/test_static_membership.py."""
+    with pytest.raises(ConfigurationError, match="the group's leader never checks which database it writes to"):
+        Settings(kafka_options={"group.instance.id": "pod-1"})

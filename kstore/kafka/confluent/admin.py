@@ -48,10 +48,13 @@ CREATED_WAIT_S = 30.0
 #: Each request's timeout when none is given: librdkafka's own default for admin requests.
 REQUEST_TIMEOUT_S = 30.0
 #: Answers asked again, as transient, besides those librdkafka marks retriable: brokers away or slow, a
-#: group coordinator not there yet, a transaction's offsets not settled yet.
+#: group coordinator not there yet, a transaction's offsets not settled yet, a partition's leader not
+#: ready yet (a topic just created: its log bounds were answered NOT_LEADER_FOR_PARTITION, not retriable,
+#: about one time in three).
 _TRANSIENT = (KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._WAIT_COORD,
               KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-              KafkaError.NOT_COORDINATOR, KafkaError.UNSTABLE_OFFSET_COMMIT)
+              KafkaError.NOT_COORDINATOR, KafkaError.UNSTABLE_OFFSET_COMMIT, KafkaError.NOT_LEADER_FOR_PARTITION,
+              KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.FENCED_LEADER_EPOCH)
 
 
 #: Answers after which the next question makes a new AdminClient: no broker answered, or the handle's
@@ -368,7 +371,7 @@ class ConfluentAdmin:
 
 def _metadata(committed: TopicPartition) -> str:
     """A committed offset's metadata; confluent-kafka reads one that does not end in a NUL past its end
-    (see :func:`kstore.kafka.seam.highest_mark`), which may not even decode: then none."""
+    (see :func:`kstore.relay.progress.highest_mark`), which may not even decode: then none."""
     try:
         return committed_metadata(committed)
     except UnicodeDecodeError:

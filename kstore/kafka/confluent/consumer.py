@@ -673,7 +673,7 @@ def group_protocol(settings: Settings) -> dict[str, Any]:
 
 
 def consumer_id(settings: Settings, worker_id: str) -> str:
-    """The consumer's client id: the worker's own name (kstore.engine.member.member_name), as on
+    """The consumer's client id: the worker's own name (kstore.relay.member.member_name), as on
     kafka-python, so ``offsets show`` and ``top`` spell a live owner as the worker's log does."""
     return str(settings.client_id or worker_id)
 

@@ -1,7 +1,8 @@
-"""The outbox relay's publisher on librdkafka (confluent-kafka): :class:`kstore.kafka.seam.ShardPublisher`,
-whose docstring says what a lane's transaction holds (its records and its progress mark) and how a
-zombie is fenced. Its progress is read by the relay's :class:`~kstore.kafka.seam.GroupReader`
-(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it): :func:`kstore.kafka.seam.lane_progress`.
+"""The outbox relay's publisher on librdkafka (confluent-kafka): a transport that satisfies
+:class:`kstore.relay.publisher.ShardPublisher`, whose docstring says what a lane's transaction holds
+(its records and its progress record, given encoded) and how a zombie is fenced. The progress is
+read back by the relay through its :class:`~kstore.kafka.seam.GroupReader`
+(:class:`kstore.kafka.confluent.admin.ConfluentAdmin` beside it).
 
 Why librdkafka: kafka-python encodes, batches and compresses every record in Python, on the
 interpreter the worker's batches run on, and a relay inside a worker waited on that (a
@@ -15,21 +16,13 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import confluent_kafka
 
 from kstore.errors import BrokerError, ConfigurationError
-from kstore.kafka.seam import (
-    Fenced,
-    GroupReader,
-    PublishFailed,
-    lane_progress,
-    progress_mark,
-    progress_topic,
-    shard_id,
-)
+from kstore.kafka.seam import Fenced, PublishFailed
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -42,14 +35,12 @@ WEDGED_AFTER_TIMEOUTS = 2
 
 
 class ConfluentShardPublisher:
-    """confluent-kafka's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional librdkafka
-    producer for one lane of one group's outbox."""
+    """confluent-kafka's :class:`~kstore.relay.publisher.ShardPublisher`: a transactional librdkafka
+    producer for one lane of one group's outbox, under the lane's ``transactional_id``."""
 
-    def __init__(self, settings: Settings, group: str, lane: int, max_record_bytes: int, incarnation: str) -> None:
+    def __init__(self, settings: Settings, transactional_id: str, max_record_bytes: int) -> None:
         self.settings = settings
-        self.ident = shard_id(group, lane)
-        self._group, self._lane, self._incarnation = group, lane, incarnation
-        self._progress_topic = progress_topic(group)
+        self.ident = transactional_id
         base = client_config(settings)
         config = dict(base)
         config.update({
@@ -79,7 +70,7 @@ class ConfluentShardPublisher:
             self._producer: Any = confluent_kafka.Producer(config)
         except confluent_kafka.KafkaException as exc:
             raise ConfigurationError(f"librdkafka configuration: {_text(exc)}") from None
-        self._caller = _Caller(f"kstore-txn-{lane}")
+        self._caller = _Caller(f"kstore-txn-{transactional_id}")
         try:
             self._producer.init_transactions(settings.connect_timeout_s)
         except confluent_kafka.KafkaException as exc:
@@ -92,34 +83,29 @@ class ConfluentShardPublisher:
         # Connection trouble is retried by librdkafka; a transaction that fails says so itself.
         log.debug("outbox producer %s: %s", self.ident, err)
 
-    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
-        """As :meth:`kstore.kafka.seam.ShardPublisher.progress` (the same marks on either client)."""
-        return lane_progress(reader, self._group, self._lane, shards, self._incarnation,
-                             self.settings.connect_timeout_s)
-
-    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
-        """As :meth:`kstore.kafka.seam.ShardPublisher.publish`.
+    def publish(self, records: Sequence[Produced], mark: Produced, timeout_s: float) -> None:
+        """As :meth:`kstore.relay.publisher.ShardPublisher.publish`.
 
         The transaction runs on the publisher's own thread: a librdkafka transactional call was
         seen to block for good, past its timeout, when the coordinator it had cached went away
         (a broker restart). A transaction that has not returned long after its timeout fails with
         PublishFailed, and its producer is abandoned: the relay's next producer for the lane
         initialises the same transactional id, which fences it and aborts what it left open."""
-        if not self._caller.call(functools.partial(self._transaction, records, marks, timeout_s),
+        if not self._caller.call(functools.partial(self._transaction, records, mark, timeout_s),
                                  WEDGED_AFTER_TIMEOUTS * timeout_s + 1):
             log.warning("outbox producer %s: a transaction did not return in %gs; abandoning the producer",
                         self.ident, WEDGED_AFTER_TIMEOUTS * timeout_s + 1)
             self._producer = None  # still in use by the call that hangs: not purged, not flushed
             raise PublishFailed("librdkafka's transaction did not return after its timeout")
 
-    def _transaction(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
+    def _transaction(self, records: Sequence[Produced], mark: Produced, timeout_s: float) -> None:
         producer = self._producer
         refused: list[tuple[int | None, str]] = []  # (row or None for the mark, reason) of records not delivered
         try:
             producer.begin_transaction()
             self._send(records, refused)
-            key, value = progress_mark(self._incarnation, marks)
-            producer.produce(self._progress_topic, value=value, key=key, partition=self._lane,
+            producer.produce(mark.topic, value=mark.value, key=mark.key,
+                             partition=-1 if mark.partition is None else mark.partition,
                              on_delivery=functools.partial(_note_refused, refused, None))
             producer.commit_transaction(timeout_s)
         except confluent_kafka.KafkaException as exc:

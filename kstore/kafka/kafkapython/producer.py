@@ -1,26 +1,21 @@
-"""The outbox relay's Kafka side: a transactional producer per outbox lane (one shard, or several:
-:mod:`kstore.db.outbox`), and where it records how far it published.
+"""The outbox relay's publisher on kafka-python: a transport that satisfies
+:class:`kstore.relay.publisher.ShardPublisher`, a transactional producer per outbox lane (one shard,
+or several: :mod:`kstore.relay.lanes`).
 
-**Progress lives in the Kafka transaction.** Each transaction that publishes a lane's rows
-also writes a record to the lane's partition of the group's progress topic
-(:func:`kstore.kafka.seam.progress_topic`, compacted): the last ``seq`` published of each of its
-shards, after the shards' incarnation (:func:`kstore.kafka.seam.progress_mark`; a random id made with
-the group's shards: marks left by shards made before, in another database or in this one before
-they were made anew, count for nothing here). The records and that mark commit together or not at
-all, so a relay killed between Kafka's commit and the database's "published" mark (only for
-clean-up) never publishes a row twice: the next owner reads the partition's last committed record
-(:meth:`KafkaPythonShardPublisher.progress`).
+**Progress lives in the Kafka transaction.** Each transaction that publishes a lane's rows also
+sends the lane's progress record, given already encoded (:mod:`kstore.relay.progress` owns its
+format and reads it back): the records and that mark commit together or not at all.
 
-**Fencing.** The producer's ``transactional_id`` is stable per lane
-(:func:`~kstore.kafka.seam.shard_id`): ``init_transactions()`` by a new owner aborts a paused owner's open transaction
-and fences its producer, whose next send or commit fails. Together with the lease's epoch in
-the database (:mod:`kstore.db.outbox`), a zombie relay can publish nothing.
+**Fencing.** The producer's ``transactional_id`` is stable per lane: ``init_transactions()`` by a
+new owner aborts a paused owner's open transaction and fences its producer, whose next send or
+commit fails. Together with the lease's epoch in the database (:mod:`kstore.relay.leases`), a
+zombie relay can publish nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kafka import KafkaProducer
@@ -32,15 +27,7 @@ from kafka.errors import (
 )
 
 from kstore.errors import BrokerError
-from kstore.kafka.seam import (
-    Fenced,
-    GroupReader,
-    PublishFailed,
-    lane_progress,
-    progress_mark,
-    progress_topic,
-    shard_id,
-)
+from kstore.kafka.seam import Fenced, PublishFailed
 from kstore.settings import Settings
 from kstore.types import Produced
 
@@ -55,14 +42,12 @@ RETRY_BACKOFF_MS = 10
 
 
 class KafkaPythonShardPublisher:
-    """kafka-python's :class:`~kstore.kafka.seam.ShardPublisher`: a transactional producer for one
-    lane of one group's outbox."""
+    """kafka-python's :class:`~kstore.relay.publisher.ShardPublisher`: a transactional producer for one
+    lane of one group's outbox, under the lane's ``transactional_id``."""
 
-    def __init__(self, settings: Settings, group: str, lane: int, max_record_bytes: int, incarnation: str) -> None:
+    def __init__(self, settings: Settings, transactional_id: str, max_record_bytes: int) -> None:
         self.settings = settings
-        self.ident = shard_id(group, lane)
-        self._group, self._lane, self._incarnation = group, lane, incarnation
-        self._progress_topic = progress_topic(group)
+        self.ident = transactional_id
         config = {k: v for k, v in client_config(settings).items() if k in KafkaProducer.DEFAULT_CONFIG}
         config.update(
             transactional_id=self.ident,
@@ -85,21 +70,12 @@ class KafkaPythonShardPublisher:
             self.close()
             raise _broker(settings, exc) from None
 
-    def progress(self, reader: GroupReader, shards: Sequence[int]) -> dict[int, int]:
-        """The highest ``seq`` of each of the lane's shards a committed transaction recorded (0: none yet).
-
-        Read after :meth:`__init__`'s ``init_transactions()``, which finished or aborted the last
-        owner's transaction: no commit of this lane can be pending any more.
-        """
-        return lane_progress(reader, self._group, self._lane, shards, self._incarnation,
-                             self.settings.connect_timeout_s)
-
-    def publish(self, records: Sequence[Produced], marks: Mapping[int, int], timeout_s: float) -> None:
-        """Publish ``records``, in order, in one transaction with the progress mark ``marks``.
+    def publish(self, records: Sequence[Produced], mark: Produced, timeout_s: float) -> None:
+        """Publish ``records``, in order, then the progress record ``mark``, in one transaction.
 
         Raises :class:`Fenced` (this producer is done) or :class:`PublishFailed` (the transaction
         was aborted or its outcome is unknown: close this producer and make a new one, which
-        settles it, then read :meth:`progress` again).
+        settles it, before the relay reads its progress again).
         """
         producer = self._producer
         try:
@@ -107,8 +83,7 @@ class KafkaPythonShardPublisher:
             futures: list[tuple[int | None, Any]] = [
                 (row, producer.send(r.topic, value=r.value, key=r.key, headers=list(r.headers) or None,
                                     partition=r.partition)) for row, r in enumerate(records)]
-            key, value = progress_mark(self._incarnation, marks)
-            futures.append((None, producer.send(self._progress_topic, value=value, key=key, partition=self._lane)))
+            futures.append((None, producer.send(mark.topic, value=mark.value, key=mark.key, partition=mark.partition)))
             producer.flush(timeout=timeout_s)
             # A row the broker refused first (kafka-python may still be retrying the others of its
             # request), then any row not acknowledged in time.

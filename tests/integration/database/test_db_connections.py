@@ -1,5 +1,6 @@
-"""kstore's database connections: what they keep of the DSN, how their errors are classed, how a
-commit in doubt is read back, and the deadline watchdog's memory. Real PostgreSQL where it matters."""
+"""kstore's database connections on a real PostgreSQL: what they keep of the DSN, how a real error
+is classed, how a commit in doubt is read back. The classes by SQLSTATE alone and the deadline
+watchdog's memory: tests/unit/db/test_sqlerrors.py and tests/unit/db/test_deadline.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ from typing import Any
 import psycopg2
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.exc import OperationalError
 
 from kstore import Settings
-from kstore.db.deadline import Watchdog
-from kstore.db.sqlerrors import database_state, transient
+from kstore.db.sqlerrors import transient
 from kstore.db.store import Store, make_engine
 from tests.support.harness import stored_offsets, wait_until, with_driver
 
@@ -49,37 +48,6 @@ def test_pgoptions_are_kept_when_the_dsn_has_none(pg_dsn: str, monkeypatch: pyte
         assert _show(engine, "idle_in_transaction_session_timeout") == "10s"
     finally:
         engine.dispose()
-
-
-def _pg_error(code: str) -> OperationalError:
-    class Orig(Exception):
-        pgcode = code
-
-    return OperationalError("stmt", {}, Orig(f"error {code}"))
-
-
-@pytest.mark.parametrize("code", ["25006", "57014", "57P01", "57P03", "25P03", "58030", "40001", "53300"])
-def test_failovers_shutdowns_and_cancels_are_the_databases_not_a_messages(code: str) -> None:
-    """A read-only transaction (the DSN now leads to a replica), an admin shutdown, a cancelled
-    statement: an outage, never a bad message (on_error=stop would halt the pipeline, dead_letter
-    would dead-letter good messages)."""
-    assert transient(_pg_error(code))
-
-
-@pytest.mark.parametrize("code", ["23505", "23502", "42P01", "42601", "22P02"])
-def test_what_a_batch_did_is_not_transient(code: str) -> None:
-    assert not transient(_pg_error(code))
-
-
-@pytest.mark.parametrize("code", ["25006", "53100", "40001", "40P01", "55P03"])
-def test_a_read_only_or_full_or_contended_database_is_never_taken_for_a_batchs_failure(code: str) -> None:
-    """It answers a probe, yet no batch is to blame: never narrowed down to a message."""
-    assert database_state(_pg_error(code))
-
-
-@pytest.mark.parametrize("code", ["57014", "57P01", "08006", "25P03"])
-def test_a_cut_or_cancelled_session_may_be_the_batchs_own_doing(code: str) -> None:
-    assert not database_state(_pg_error(code))
 
 
 def test_a_real_read_only_transaction_is_transient(pg_dsn: str) -> None:
@@ -131,14 +99,3 @@ def _count(raw: Any, sql: str) -> int:
         return int(cur.fetchone()[0])
 
 
-def test_the_watchdog_forgets_round_trips_that_answered() -> None:
-    """Every disarmed round trip used to stay in the heap until its deadline (300,000 calls: 299,309
-    entries, 33 MiB, with the default 30 s). Now the heap stays about as large as what is armed."""
-    dog = Watchdog()
-    for _ in range(100_000):
-        with dog.guard(-1, 30.0):
-            pass
-    assert len(dog._heap) <= 100
-    with dog.guard(-1, 30.0), dog.guard(-1, 30.0):
-        assert len(dog._armed) == 2
-    assert dog.cuts == 0

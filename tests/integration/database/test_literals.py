@@ -117,14 +117,6 @@ def test_rows_are_quoted_as_mogrify_quotes_them(raw: Any, driver: str, rows: lis
         assert mine is None or mine == theirs
 
 
-@pytest.mark.parametrize("driver", DRIVERS)
-def test_a_template_with_a_percent_sign_of_its_own_is_left_to_the_driver(driver: str) -> None:
-    assert literals.RowFormat.of("(%(a)s, 5 % 2)", driver) is None
-    assert literals.RowFormat.of("(%(a)s, %s)", driver) is None
-    assert literals.RowFormat.of("(%(a)s, %(b)b)", driver) is None  # psycopg 3's binary placeholder
-    assert literals.RowFormat.of("(%(a)s, '5%%')", driver) is not None
-
-
 table = sa.Table("literal_t", sa.MetaData(), sa.Column("n", sa.BigInteger), sa.Column("s", sa.Text),
                  sa.Column("b", sa.LargeBinary))
 ROWS: list[dict[str, Any]] = [{"n": -5, "s": "back\\slash 'quoted'", "b": b"\\x00'"}, {"n": 7, "s": "ünï", "b": b""},

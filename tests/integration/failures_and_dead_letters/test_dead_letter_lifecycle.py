@@ -6,10 +6,8 @@ history row (who, when, why, request id); a lost COMMIT answer is read back, nev
 
 from __future__ import annotations
 
-import getpass
 import json
 import re
-import socket
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -32,22 +30,9 @@ from tests.integration.cli.test_cli import assert_one_clear_line, kstore
 from tests.support.faultproxy import FaultProxy
 from tests.support.lossy import CUT, Faults, lossy_engine, run_cli_in_doubt
 from tests.support.processors import Recorder
+from tests.unit.db.test_deadletters import ME, add_letter
 
-ME = f"{getpass.getuser()}@{socket.gethostname()}"
 REQUEST = re.compile(r"\b([0-9a-f]{32})\b")
-
-
-def add_letter(dsn: str, value: str, group: str = "g", offset: int = 7) -> int:
-    engine = sa.create_engine(dsn)
-    stamp = datetime.now(timezone.utc)
-    with engine.begin() as conn:
-        letter_id = conn.execute(build_table().insert().values(
-            consumer_group=group, topic="t", partition_id=0, offset=offset, key=b"k", value=value.encode(),
-            headers="[]", timestamp=None, error="ValueError: boom", traceback="Traceback ...", attempts=3,
-            first_failure_at=stamp, last_failure_at=stamp, status="dead",
-        ).returning(build_table().c.id)).scalar_one()
-    engine.dispose()
-    return int(letter_id)
 
 
 def query(dsn: str, sql: str, **params: Any) -> list[Any]:
@@ -101,25 +86,6 @@ def test_discard_and_resolve_record_who_when_why_and_leave_the_waiting_list(pg_d
     assert "status: discarded" in shown.stdout
     assert f"dead -> discarded  by {ME}  request {rows[0].request_id}  reason: duplicate" in shown.stdout
     assert "history: none" in kstore("dead-letters", "show", str(waiting), "--dsn", pg_dsn).stdout
-
-
-def test_resolve_and_discard_on_sqlite_through_the_api(sqlite_dsn: str) -> None:
-    a, b = add_letter(sqlite_dsn, "a"), add_letter(sqlite_dsn, "b", offset=8)
-    letters = DeadLetters(Settings(dsn=sqlite_dsn))
-    try:
-        done = letters.resolve([a], "patched by hand", group="g")
-        assert (done.status, done.changed, done.already) == ("resolved", [a], [])
-        assert letters.discard([b], "test data").changed == [b]
-        (change,) = letters.history(a)
-        assert (change.to_status, change.reason, change.by, change.request_id) == (
-            "resolved", "patched by hand", ME, done.request_id)
-        with pytest.raises(DeadLetterStateError, match=f"cannot discard dead letter {a}: it was resolved by {ME}"):
-            letters.discard([a], "oops")
-    finally:
-        letters.close()
-    assert list_dead_letters(Settings(dsn=sqlite_dsn), "g").letters == []
-    every = list_dead_letters(Settings(dsn=sqlite_dsn), "g", LetterFilter(status=None)).letters
-    assert [d.status for d in every] == ["resolved", "discarded"]
 
 
 def test_a_discarded_letter_cannot_be_replayed_nor_a_replayed_one_discarded(pg_dsn: str) -> None:

@@ -14,8 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,12 @@ from click.testing import CliRunner
 
 from kstore import Message, Settings
 from kstore.cli import cli
-from kstore.db import deadletters as dl
-from kstore.db.letterquery import LetterFilter, discard_matching, list_dead_letters, plan_dead_letters
-from kstore.errors import ConfigurationError, DatabaseError
+from kstore.errors import DatabaseError
 from kstore.ops.replay import replay_matching
-from kstore.retry import Failure
 from tests.integration.cli.test_cli import assert_one_clear_line
 from tests.support.harness import SUPPORT_DIR, wait_until
 from tests.support.processors import Recorder
+from tests.unit.db.test_letterquery import dead_letter
 
 POISON = {"KSTORE_TEST_FAIL_VALUE": "poison"}
 SHOWN = re.compile(r"^(\d+) of (\d+) shown \(ids (\d+)\.\.(\d+)\); (?:no more|(\d+) more: add --after (\d+))$")
@@ -49,25 +46,6 @@ def kstore(*args: str, env: dict[str, str] | None = None, timeout: float = 0) ->
     seconds importing on a busy machine, for each of the many commands these tests run)."""
     r = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
     return subprocess.CompletedProcess(["kstore", *args], r.exit_code, r.stdout, r.stderr)
-
-
-def dead_letter(dsn: str, n: int, value: Callable[[int], str] = lambda i: f"ok-{i}",
-                topic: Callable[[int], str] = lambda i: "orders", error: Callable[[int], Exception] = lambda i:
-                ValueError(f"bad quantity in order {i}"), when: datetime | None = None) -> list[int]:
-    """``n`` dead letters of group ``g``, offsets 0..n-1 in one transaction, through the worker's write: their ids."""
-    table = dl.build_table()
-    engine = sa.create_engine(dsn)
-    try:
-        with engine.begin() as conn:
-            for i in range(n):
-                failure = Failure()
-                failure.record(error(i))
-                if when is not None:
-                    failure.first_at = failure.last_at = when
-                dl.write(conn, table, "g", Message(topic(i), i % 3, i, b"k", value(i).encode()), failure)
-            return list(conn.execute(sa.select(table.c.id).order_by(table.c.id)).scalars())[-n:]
-    finally:
-        engine.dispose()
 
 
 def rows(dsn: str, sql: str) -> list[Any]:
@@ -271,40 +249,6 @@ def test_discard_by_error_text_dry_runs_first_and_then_discards_every_match(pg_d
                       "--dsn", pg_dsn)
     assert resolved.stdout.splitlines() == [f"resolved 750, skipped 0, remaining 0 (ids {ids[1]}..{ids[-1]})"]
     assert sorted(statuses(pg_dsn).values()) == ["discarded"] * 250 + ["resolved"] * 750
-
-
-def test_filters_by_time_and_status_through_the_library_on_sqlite(sqlite_dsn: str) -> None:
-    noon = datetime(2026, 12, 1, 12, tzinfo=timezone.utc)
-    early = dead_letter(sqlite_dsn, 5, when=noon - timedelta(hours=2), error=lambda i: ValueError("100% off_sale"))
-    late = dead_letter(sqlite_dsn, 5, when=noon + timedelta(hours=2), topic=lambda i: "refunds")
-    settings = Settings(dsn=sqlite_dsn)
-
-    since_noon = list_dead_letters(settings, "g", LetterFilter(since=noon))
-    assert ([d.id for d in since_noon.letters], since_noon.total, since_noon.more) == (late, 5, 0)
-    before = plan_dead_letters(settings, "g", LetterFilter(until=noon))
-    assert (before.count, before.first_id, before.last_id) == (5, early[0], early[-1])
-    # % and _ in the text are matched as themselves, not as LIKE's wildcards.
-    assert plan_dead_letters(settings, "g", LetterFilter(error="100% OFF_")).count == 5
-    assert plan_dead_letters(settings, "g", LetterFilter(error="100%% off")).count == 0
-
-    done = discard_matching(settings, "g", LetterFilter(until=noon), "test traffic", size=2)
-    assert (done.done, done.skipped, done.remaining) == (5, 0, 0)
-    page = list_dead_letters(settings, "g", LetterFilter(status=None), limit=4, after=early[2])
-    assert ([d.status for d in page.letters], page.total, page.more, page.next_after) == (
-        ["discarded", "discarded", "dead", "dead"], 10, 3, late[1])
-    assert list_dead_letters(settings, "g", LetterFilter(status="discarded")).total == 5
-
-
-@pytest.mark.parametrize("bad, says", [
-    ({"status": "gone"}, "unknown dead-letter status 'gone'"),
-    ({"partition": -1}, "a partition is 0 or more"),
-    ({"since": datetime(2026, 12, 1)}, "give since a timezone"),
-    ({"since": datetime(2026, 12, 2, tzinfo=timezone.utc), "until": datetime(2026, 12, 1, tzinfo=timezone.utc)},
-     "must be before until"),
-])
-def test_a_filter_that_cannot_match_is_refused(bad: dict[str, Any], says: str) -> None:
-    with pytest.raises(ConfigurationError, match=re.escape(says)):
-        LetterFilter(**bad)
 
 
 def test_an_unknown_group_is_one_line_for_a_filtered_replay_and_list(pg_dsn: str) -> None:

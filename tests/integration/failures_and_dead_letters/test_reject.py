@@ -6,17 +6,11 @@ cannot run (only handle, handle_batch, setup and teardown may be async) is refus
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
-from kstore import ConfigurationError, Worker
-from kstore.testing import make_message, run_batch
-from tests.support.harness import SUPPORT_DIR, assert_exactly_once, effects, wait_until
-from tests.support.processors import AsyncHook
+from tests.support.harness import assert_exactly_once, effects, wait_until
 
 
 def dead_letters(dsn: str, group: str) -> list[tuple[str, int, int, str]]:
@@ -49,18 +43,6 @@ def count_effects(dsn: str, topic: str) -> int:
             return int(conn.execute(query, {"t": topic}).scalar_one())
     finally:
         engine.dispose()
-
-
-def test_an_async_hook_kstore_cannot_run_is_refused_at_start() -> None:
-    with pytest.raises(ConfigurationError, match=r"AsyncHook.on_committed is `async def`"):
-        Worker(AsyncHook())
-    with pytest.raises(ConfigurationError, match=r"`async def`"):
-        run_batch(AsyncHook(), [make_message("x")], "sqlite://")
-    r = subprocess.run([sys.executable, "-m", "kstore", "worker", "processors:AsyncHook", "--topic", "t"],
-                       capture_output=True, text=True, cwd=SUPPORT_DIR, timeout=60,
-                       env={"PYTHONPATH": str(SUPPORT_DIR), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "is `async def`" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_rejected_messages_are_dead_lettered_in_the_batch_transaction(pg_dsn: str, new_topic: Any, produce: Any,

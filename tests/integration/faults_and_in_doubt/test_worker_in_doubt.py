@@ -26,8 +26,8 @@ from sqlalchemy.engine import make_url
 
 import kstore.engine.worker
 from kstore import Message, Settings, Worker
-from kstore.db.outbox import Outbox
 from kstore.db.store import make_engine
+from kstore.relay.store import Outbox
 from tests.conftest import KAFKA_CLIENT
 from tests.support.faultproxy import FaultProxy
 from tests.support.harness import (

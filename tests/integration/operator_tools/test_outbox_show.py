@@ -19,8 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.db.outbox import Outbox, shard_of
 from kstore.ops.outbox import ShardStatus, show_outbox
+from kstore.relay.lanes import shard_of
+from kstore.relay.store import Outbox
 from kstore.types import Produced
 from tests.support.harness import SUPPORT_DIR, WorkerProcess, stored_offsets, wait_until
 from tests.support.outbox_processors import copies, metadata

@@ -22,8 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from kstore import Settings
-from kstore.db.outbox import lane_shards, lanes_of
 from kstore.outbox import Outbox
+from kstore.relay.lanes import lane_shards, lanes_of
 from tests.support.harness import WorkerProcess, outbox_rows, read_committed, wait_until
 
 pytestmark = pytest.mark.integration

@@ -24,8 +24,8 @@ import sqlalchemy as sa
 from starlette.testclient import TestClient
 
 from kstore import Settings
-from kstore.engine.relay import WAIT_FOR_OUTBOX_S
 from kstore.outbox import Outbox
+from kstore.relay.loop import WAIT_FOR_OUTBOX_S
 from tests.integration.outbox.test_app_outbox import metadata, orders, place_orders
 from tests.integration.outbox.test_shop_web_example import load_app
 from tests.integration.telemetry.test_metrics import get, port_of

@@ -22,8 +22,8 @@ from kafka.admin import NewTopic
 from sqlalchemy.engine import make_url
 
 from kstore import Settings
-from kstore.engine.relay import settled_members
 from kstore.kafka.clients import admin_reader
+from kstore.relay.departures import settled_members
 from kstore_devbroker.broker import Cluster
 from tests.conftest import KAFKA_CLIENT, TEST_SESSION_TIMEOUT_MS
 from tests.integration.telemetry.test_metrics import get, port_of, scrape, total

@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from kstore import Settings
-from kstore.db.outbox import Backlog, backlogs, build_tables
 from kstore.db.store import make_engine
+from kstore.relay.tables import Backlog, backlogs, build_tables
 from tests.support.outbox_backlogs import EXPECTED, group_outbox, rows_waiting, seed
 
 pytestmark = pytest.mark.integration

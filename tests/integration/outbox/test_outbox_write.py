@@ -23,10 +23,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kstore import Settings
-from kstore.db import outbox as outbox_module
-from kstore.db.outbox import Outbox, shard_of
 from kstore.db.store import make_engine
 from kstore.errors import KstoreError
+from kstore.relay import writing as outbox_module
+from kstore.relay.lanes import shard_of
+from kstore.relay.store import Outbox
 from kstore.types import Produced
 from tests.support.harness import with_driver
 

@@ -18,13 +18,17 @@ import sqlalchemy as sa
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from kstore import Settings
-from kstore.db.outbox import MAX_LANES, Outbox, lane_shards, shard_of
 from kstore.db.store import make_engine
-from kstore.engine import relay as relay_module
-from kstore.engine.relay import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, Relay, RelayStuck, share
 from kstore.kafka.clients import publisher_class
-from kstore.kafka.seam import Committed, Fenced, highest_mark, progress_mark, progress_topic, shard_id
+from kstore.kafka.seam import Committed, Fenced
 from kstore.ops.outbox import show_outbox
+from kstore.relay import loop as relay_module
+from kstore.relay import publishing
+from kstore.relay.lane import BLOCKED_RETRY_FIRST_S, BLOCKED_RETRY_S, RelayStuck
+from kstore.relay.lanes import MAX_LANES, lane_shards, shard_of, share
+from kstore.relay.loop import Relay
+from kstore.relay.progress import highest_mark, progress_mark, progress_topic, shard_id
+from kstore.relay.store import Outbox
 from kstore.types import Produced
 from tests.support.harness import read_committed, read_committed_records, wait_until
 
@@ -178,7 +182,7 @@ def stopped_between_commit_and_mark(engine: Any, pg_dsn: str, kafka: str, new_to
 
 def refusal_waits(caplog: Any) -> list[float]:
     """The waits the relay's ERROR lines for a refused row named, in order."""
-    return [r.args[-1] for r in caplog.records if r.name == relay_module.__name__ and "Kafka refused it" in r.msg]
+    return [r.args[-1] for r in caplog.records if r.name == publishing.__name__ and "Kafka refused it" in r.msg]
 
 
 def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
@@ -186,7 +190,7 @@ def test_a_row_kafka_refuses_stops_its_shard_and_nothing_after_it_is_skipped(
     """A record the topic refuses (larger than its max.message.bytes) aborts its transaction and
     blocks the shard on that row, retried after a wait that doubles each time, never skipped; once
     the topic takes it, everything goes out in order."""
-    caplog.set_level(logging.ERROR, logger=relay_module.__name__)
+    caplog.set_level(logging.ERROR, logger=publishing.__name__)
     out = f"t-{uuid.uuid4().hex[:10]}"
     admin.create_topics([NewTopic(out, num_partitions=1, replication_factor=1,
                                   topic_configs={"max.message.bytes": "2000"})])

@@ -22,9 +22,11 @@ import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 
 from kstore import Settings
-from kstore.db.outbox import CHANNEL, FUSED_MAX_ROWS, Outbox
 from kstore.db.store import make_engine
-from kstore.engine.relay import Relay
+from kstore.relay.loop import Relay
+from kstore.relay.store import Outbox
+from kstore.relay.tables import CHANNEL
+from kstore.relay.writing import FUSED_MAX_ROWS
 from kstore.types import Produced
 from tests.support.harness import wait_until, with_driver
 

@@ -1,7 +1,8 @@
 """kstore's layout holds: the import contracts in pyproject.toml ([tool.importlinter]: the layers, which
 modules may import kafka-python and the PostgreSQL drivers) are kept, and no module of kstore imports
 itself back through others; the top of kstore holds at most ten modules, and processor.py only what a
-user writes against. Static: nothing is imported or run but the import linter."""
+user writes against; the unit tests of the mirrored packages sit where the module they test does.
+Static: nothing is imported or run but the import linter."""
 
 from __future__ import annotations
 
@@ -58,3 +59,24 @@ def test_processor_defines_only_processor_and_message() -> None:
     public = {name for name in defined if not name.startswith("_")}
     assert public <= {"Processor", "Message"}, sorted(public - {"Processor", "Message"})
     assert "Processor" in defined
+
+
+#: The subpackages whose unit tests mirror them: kstore/<package>/<module>.py is tested in
+#: tests/unit/<package>/test_<module>.py (a module with several concerns may have more files, each
+#: test_<module>_<concern>.py, and a subpackage counts as a module); a top-level kstore/<module>.py in
+#: tests/unit/test_<module>.py.
+MIRRORED_PACKAGES = ("cli", "db", "engine", "ops", "relay", "running", "telemetry")
+
+
+def test_unit_tests_sit_where_the_module_they_test_does() -> None:
+    unit, package = REPO_DIR / "tests" / "unit", REPO_DIR / "kstore"
+    homes = [(unit, package), *((unit / name, package / name) for name in MIRRORED_PACKAGES)]
+    astray = []
+    for tests, code in homes:
+        modules = {path.stem for path in code.glob("*.py") if path.stem != "__init__"}
+        modules |= {path.parent.name for path in code.glob("*/__init__.py")}
+        for test in sorted(tests.glob("test_*.py")):
+            tested = test.stem.removeprefix("test_")
+            if not any(tested == m or tested.startswith(f"{m}_") for m in modules):
+                astray.append(f"{test.relative_to(REPO_DIR)}: no {code.relative_to(REPO_DIR)}/{tested}.py")
+    assert not astray, astray

@@ -35,6 +35,16 @@ def test_a_checks_switch_that_is_neither_0_nor_1_is_refused() -> None:
     assert r.returncode == 2 and r.stderr.strip() == "test: KSTORE_TEST_CHECKS must be 0 or 1, got 'no'", r.stderr
 
 
+def test_setup_is_skipped_only_when_asked() -> None:
+    """KSTORE_TEST_SETUP=0 (.ci/run's first pass, which set up before starting the release check beside
+    it) runs no scripts/setup; any value but 0 or 1 is refused before anything runs."""
+    r = scripts_test("--pytest-only", "-p", "no:cacheprovider", "-q", ONE_TEST, env={"KSTORE_TEST_SETUP": "0"})
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "test: no scripts/setup (KSTORE_TEST_SETUP=0)" in r.stdout and "setup: " not in r.stdout, r.stdout
+    r = scripts_test(ONE_TEST, env={"KSTORE_TEST_SETUP": "no"})
+    assert r.returncode == 2 and r.stderr.strip() == "test: KSTORE_TEST_SETUP must be 0 or 1, got 'no'", r.stderr
+
+
 def test_ci_runs_every_check() -> None:
     """.ci/run's first pass asks for the checks itself, whatever the environment it inherits says;
     the passes after it (other drivers, the other Kafka client) run pytest alone."""

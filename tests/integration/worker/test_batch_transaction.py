@@ -6,18 +6,12 @@ retried forever, and what cannot be committed correctly stops the worker with on
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from kstore import ProcessorContractError
-from kstore.running.hooks import check_returned
-from kstore.testing import make_message, run_batch
-from tests.support.contract_processors import WrappedCoroutine
 from tests.support.harness import assert_exactly_once, effects, stored_offsets, wait_until, with_driver
-from tests.support.processors import metadata
 
 DRIVERS = ["psycopg2", "psycopg"]
 
@@ -88,39 +82,6 @@ def test_a_message_that_gets_its_session_cut_every_time_is_narrowed_down_not_ret
     assert dead_lettered(pg_dsn, "stall") == {bad}
     assert_exactly_once(effects(pg_dsn), before | after)
     assert "though the database answered in between" in w.log
-
-
-def test_a_coroutine_handler_behind_a_plain_decorator_is_refused_in_run_batch(tmp_path: Path) -> None:
-    engine = sa.create_engine(f"sqlite:///{tmp_path / 'c.db'}")
-    metadata.create_all(engine)
-    with pytest.raises(ProcessorContractError, match="returned coroutine"):
-        run_batch(WrappedCoroutine(), [make_message("x", offset=0)], engine)
-    with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT count(*) FROM effects")).scalar_one() == 0
-
-
-def test_a_refused_coroutine_is_closed_so_python_never_warns_it_was_not_awaited() -> None:
-    """The worker tests below assert that "was never awaited" is absent from the worker's output.
-    This shows the warning is real when a coroutine is dropped unclosed (the control), and that
-    kstore's refusal closes it, so the absence means something."""
-    import gc
-    import warnings
-
-    async def handle() -> None:
-        return None
-
-    with warnings.catch_warnings(record=True) as dropped:
-        warnings.simplefilter("always")
-        handle()
-        gc.collect()
-    assert any("was never awaited" in str(w.message) for w in dropped), "the control: no warning to look for"
-
-    with warnings.catch_warnings(record=True) as refused:
-        warnings.simplefilter("always")
-        with pytest.raises(ProcessorContractError):
-            check_returned(WrappedCoroutine(), "handle", handle())
-        gc.collect()
-    assert not [w for w in refused if "was never awaited" in str(w.message)]
 
 
 @pytest.mark.parametrize("processor", ["WrappedCoroutine", "WrappedCoroutineHook"])

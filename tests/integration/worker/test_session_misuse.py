@@ -1,30 +1,13 @@
 """What a processor may do to its session that kstore did not expect: close it (SQLAlchemy's
-`with session as s:` habit) or roll it back. Neither may lose a write or hide what happened."""
+`with session as s:` habit) or roll it back. Neither may lose a write or hide what happened.
+Here in a worker on Kafka and PostgreSQL; through ``run_batch`` on SQLite: tests/unit/db/test_session.py."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
-import pytest
-import sqlalchemy as sa
-
-from kstore import BatchRollbackError
-from kstore.testing import make_message, run_batch
 from tests.support.harness import assert_exactly_once, effects, wait_until
-from tests.support.processors import SessionMisuse, metadata
-
-
-def test_closing_the_session_in_handle_keeps_its_writes(tmp_path: Path) -> None:
-    """The deferred INSERTs of a closed session used to be dropped: offsets moved, no rows."""
-    engine = sa.create_engine(f"sqlite:///{tmp_path / 'm.db'}")
-    metadata.create_all(engine)
-    run_batch(SessionMisuse(), [make_message("close-a", offset=0), make_message("close-b", offset=1),
-                                make_message("plain", offset=2)], engine)
-    with engine.connect() as conn:
-        values = [r[0] for r in conn.execute(sa.text("SELECT value FROM effects ORDER BY kafka_offset"))]
-    assert values == ["close-a", "close-b", "plain"]
 
 
 def test_closing_the_session_in_a_worker_keeps_every_write(pg_dsn: str, new_topic: Any, produce: Any,
@@ -35,26 +18,6 @@ def test_closing_the_session_in_a_worker_keeps_every_write(pg_dsn: str, new_topi
     wait_until(lambda: len(effects(pg_dsn)) >= len(sent), 60, what="every message written")
     assert w.terminate() == 0
     assert_exactly_once(effects(pg_dsn), sent)
-
-
-def test_a_session_rollback_in_run_batch_is_refused_and_commits_no_part_of_the_batch(tmp_path: Path) -> None:
-    """The rollback would have undone the earlier messages' writes while the later ones committed:
-    it is refused, and the batch fails whole (nothing of it commits), where without the rollback
-    the same batch commits every write."""
-    engine = sa.create_engine(f"sqlite:///{tmp_path / 'r.db'}")
-    metadata.create_all(engine)
-    msgs = [make_message("ok0", offset=0), make_message("ok1", offset=1), make_message("rollback", offset=2),
-            make_message("ok2", offset=3)]
-    with pytest.raises(BatchRollbackError, match=r"session.rollback\(\) inside a batch would undo"):
-        run_batch(SessionMisuse(), msgs, engine)
-    assert values(engine) == []  # nothing, not a part
-    run_batch(SessionMisuse(), [m for m in msgs if m.value != "rollback"], engine)
-    assert values(engine) == ["ok0", "ok1", "ok2"]
-
-
-def values(engine: sa.Engine) -> list[str]:
-    with engine.connect() as conn:
-        return [r[0] for r in conn.execute(sa.text("SELECT value FROM effects ORDER BY kafka_offset"))]
 
 
 def test_a_session_rollback_in_handle_is_a_processor_failure_said_plainly(pg_dsn: str, new_topic: Any,

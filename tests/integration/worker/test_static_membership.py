@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from kstore import ConfigurationError, Settings
 from tests.integration.cli.test_cli import assert_one_clear_line, kstore
 
 WHY = "the group's leader never checks which database it writes to"
@@ -25,6 +24,3 @@ def test_the_worker_refuses_a_static_member_id_with_one_line(sqlite_dsn: str, ar
     assert_one_clear_line(r, "group_instance_id", WHY)
 
 
-def test_settings_refuse_a_static_member_id() -> None:
-    with pytest.raises(ConfigurationError, match=WHY):
-        Settings(kafka_options={"group.instance.id": "pod-1"})

@@ -184,9 +184,10 @@ def test_seek_pause_and_resume_skip_a_partition_kafka_no_longer_assigns(kafka: s
         with pytest.raises(ValueError, match="Unassigned partition"):  # what kafka-python does on its own
             source.consumer.seek(TopicPartition(topic, 0), 5)
         with caplog.at_level(logging.DEBUG, logger="kstore"):
+            partitions.assign([(topic, 0)])
             partitions.own((topic, 0), Owned(1, 5), 5)  # seek + resume: not assigned to this consumer
             assert partitions.generation((topic, 0)) is not None  # owned all the same, until Kafka says otherwise
-            partitions.disown([(topic, 0)])  # released: paused
+            partitions.revoke([(topic, 0)])  # released: paused
         assert partitions.generation((topic, 0)) is None
         for doing in ("seeking", "resuming", "pausing"):
             assert f"{topic}[0] is no longer assigned: not {doing} it" in caplog.text, caplog.text

@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
 from kstore import Settings
-from kstore.db import outbox as tables
 from kstore.db.store import make_engine
 from kstore.outbox import Outbox
+from kstore.relay import store, tables
 from tests.support.console_pages import GROUP
 
 #: An application's outbox named with characters a URL path carries only escaped.
@@ -27,7 +27,7 @@ ROW = re.compile(r'<a class="outbox" href="([^"]+)">([^<]+)</a></td>\s*<td class
 def test_the_groups_page_lists_an_applications_outbox_with_its_records_waiting_and_links_to_its_page(
         dsn: str, read_only: TestClient) -> None:
     engine = make_engine(Settings(dsn=dsn))
-    tables.Outbox(engine, GROUP).ensure_shards(2)  # the group's own outbox: nothing produced
+    store.Outbox(engine, GROUP).ensure_shards(2)  # the group's own outbox: nothing produced
     events = Outbox(APP, Settings(dsn=dsn), shards=2)
     with Session(engine) as session, session.begin():
         for n in range(3):

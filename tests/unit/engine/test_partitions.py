@@ -1,6 +1,7 @@
 """The engine's one owner of per-partition state (kstore.engine.partitions.Partitions): its invariants
-under any order of claims, fetches, batches, requeues, holds and drops, and what it tells the client.
-No broker, no database: a scripted client that records what it is told."""
+under any order of claims, fetches, batches, requeues, holds, fences and revokes, and what it tells the
+client. No broker, no database: a scripted client that records what it is told. The transitions
+themselves, allowed and refused, are in test_partitions_state.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kstore import Settings
-from kstore.engine.partitions import Owned, Partitions
+from kstore.engine.partitions import Owned, Partitions, Status
 from kstore.kafka.seam import NO_POSITION, Fetched, Refused
 
 TPS = [("t", 0), ("t", 1), ("t", 2)]
@@ -59,16 +60,19 @@ class Client:
 
 
 def make(max_buffered_bytes: int = 1_000_000) -> tuple[Partitions, Client]:
+    """Partitions of a worker Kafka assigned TPS (pending: claimed by the tests' own())."""
     client = Client()
-    return Partitions(Settings(max_buffered_bytes=max_buffered_bytes), client), client  # type: ignore[arg-type]
+    p = Partitions(Settings(max_buffered_bytes=max_buffered_bytes), client)  # type: ignore[arg-type]
+    p.assign(TPS)
+    return p, client
 
 
-def test_owning_seeks_and_resumes_and_dropping_releases_the_partition() -> None:
+def test_owning_seeks_and_resumes_and_revoking_releases_the_partition() -> None:
     p, client = make()
     p.own(TPS[0], Owned(3, 40), 40)
     assert client.calls == [("seek", (TPS[0], 40)), ("resume", [TPS[0]])]
     assert p.owned == {TPS[0]: Owned(3, 40)} and p.generation(TPS[0]) is not None
-    p.disown([TPS[0]])
+    assert p.revoke([TPS[0]]) == [TPS[0]]
     assert client.calls[-1] == ("release", [TPS[0]])
     assert p.owned == {} and p.generation(TPS[0]) is None
     p.check()
@@ -76,11 +80,23 @@ def test_owning_seeks_and_resumes_and_dropping_releases_the_partition() -> None:
 
 def test_holding_a_partition_takes_it_out_of_owned_and_pending_and_releases_it() -> None:
     p, client = make()
-    p.pending.add(TPS[0])
     p.own(TPS[0], Owned(1, 0), 0)
     p.hold(TPS[0], 2)
     assert p.held == {TPS[0]: 2} and TPS[0] not in p.owned and TPS[0] not in p.pending
     assert client.calls[-1] == ("release", [TPS[0]])
+    p.check()
+
+
+def test_fencing_flushes_and_releases_and_remembers_when() -> None:
+    p, client = make()
+    p.own(TPS[0], Owned(1, 0), 0)
+    p.queue_fetched(p.generations(), Fetched([(TPS[0], [Rec(TPS[0], o) for o in range(3)])]))
+    p.own(TPS[1], Owned(1, 0), 0)
+    p.hold(TPS[1], 1)
+    assert p.fence([TPS[0], TPS[1]], 12.5) == [TPS[0]], "only the delivered one is reported delivered"
+    assert client.calls[-1] == ("release", [TPS[0], TPS[1]])
+    assert p.fenced_at == {TPS[0]: 12.5, TPS[1]: 12.5} and p.owned == {} and p.held == {}
+    assert p.queued() == 0 and p.buffered() == (0, 0, False) and p.generation(TPS[0]) is None
     p.check()
 
 
@@ -182,9 +198,10 @@ operations = st.lists(st.one_of(
     st.tuples(st.just("take"), st.integers(1, 8), st.sampled_from([None, *TPS])),
     st.tuples(st.just("requeue")),
     st.tuples(st.just("own"), st.sampled_from(TPS), st.integers(0, 50)),
-    st.tuples(st.just("disown"), st.sampled_from(TPS)),
+    st.tuples(st.just("revoke"), st.sampled_from(TPS)),
     st.tuples(st.just("hold"), st.sampled_from(TPS)),
-    st.tuples(st.just("pending"), st.sampled_from(TPS)),
+    st.tuples(st.just("fence"), st.sampled_from(TPS)),
+    st.tuples(st.just("assign"), st.sampled_from(TPS)),
 ), max_size=50)
 
 
@@ -232,24 +249,37 @@ class Model:
                 self.taken_under[tp][1].discard(r.offset)
 
     def own(self, tp: Any, offset: int) -> None:
+        self._assigned(tp)
         self.p.own(tp, Owned(1, offset), offset)
         self.fetch_from[tp] = offset
 
-    def disown(self, tp: Any) -> None:
-        self.p.disown([tp])
+    def revoke(self, tp: Any) -> None:
+        self.p.revoke([tp])
 
     def hold(self, tp: Any) -> None:
+        self._assigned(tp)
         self.p.hold(tp, 1)
 
-    def pending(self, tp: Any) -> None:
+    def fence(self, tp: Any) -> None:
+        if tp in self.p.owned or tp in self.p.held:
+            self.p.fence([tp], 1.0)
+
+    def assign(self, tp: Any) -> None:
         if tp not in self.p.owned and tp not in self.p.held:
-            self.p.pending.add(tp)
+            self.p.assign([tp])
+
+    def _assigned(self, tp: Any) -> None:
+        """A claim starts from pending (or a reset from owned or held): what Kafka no longer assigns here,
+        or another worker claimed, is assigned again first."""
+        state = self.p.state(tp)
+        if state is None or state.status is Status.FENCED:
+            self.p.assign([tp])
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=operations)
 def test_the_invariants_hold_and_no_record_is_delivered_twice_under_one_claim(ops: list[Any]) -> None:
-    """Owned <=> queued; owned, held and pending disjoint; the counts add up; and under one claim
+    """Owned <=> queued; one status per partition; the counts add up; and under one claim
     (one generation of a queue) no offset is taken twice unless it was put back."""
     model = Model()
     for kind, *args in ops:

@@ -37,7 +37,7 @@ class _Client:
 
 
 def _check(source: Partitions) -> None:
-    queues = source._queues.values()
+    queues = source.queues().values()
     assert source._queued_records == sum(len(q.records) for q in queues)
     assert source._queued_bytes == sum(q.bytes for q in queues)
     for q in queues:
@@ -57,13 +57,13 @@ operations = st.lists(st.one_of(
 def _apply(source: Partitions, op: Any, in_flight: list[tuple[list[Any], dict[Any, int]]]) -> None:
     """One operation, as the fetch thread (fetch) or the worker (the others) does it. Lock held."""
     kind = op[0]
-    q = source._queues.get(op[1]) if kind in ("fetch", "own") else None
+    q = source.queues().get(op[1]) if kind in ("fetch", "own") else None
     if kind == "fetch" and q is not None:
         run = [Message(topic="t", partition=op[1][1], offset=q.next_fetch + i, key=None, value=b"v" * size,
                        timestamp=(1, 0)) for i, size in enumerate(op[2])]
         source._enqueue(q, to_messages(run, "t"))
     elif kind == "take":
-        generations = {tp: q.generation for tp, q in source._queues.items()}
+        generations = {tp: q.generation for tp, q in source.queues().items()}
         batch, _, _ = source.take_batch(op[1], op[2])
         if batch:
             in_flight.append((batch, generations))
@@ -71,9 +71,11 @@ def _apply(source: Partitions, op: Any, in_flight: list[tuple[list[Any], dict[An
         source.requeue(*in_flight.pop())
     elif kind == "own":
         offset = 0 if q is None else q.next_fetch
+        if q is None:
+            source.assign([op[1]])  # revoked before: assigned again, then claimed
         source.own(op[1], Owned(1, offset), offset)
     elif kind == "disown":
-        source.disown([op[1]])
+        source.revoke([op[1]])
 
 
 @settings(max_examples=300, deadline=None)
@@ -82,15 +84,16 @@ def test_the_buffered_bytes_add_up_whatever_is_fetched_taken_put_back_or_dropped
     source = Partitions(Settings(max_buffered_bytes=2000), _Client())  # type: ignore[arg-type]
     in_flight: list[tuple[list[Any], dict[Any, int]]] = []
     with source.lock:
+        source.assign(TPS)
         for tp in TPS:
             source.own(tp, Owned(1, 0), 0)
         for op in ops:
             _apply(source, op, in_flight)
             _check(source)
             source.check()
-        if all(q.bytes == messages_size(list(q.records)) for q in source._queues.values()):
+        if all(q.bytes == messages_size(list(q.records)) for q in source.queues().values()):
             # No queue partly taken: the count is the records' size itself.
-            assert source._queued_bytes == sum(messages_size(list(q.records)) for q in source._queues.values())
+            assert source._queued_bytes == sum(messages_size(list(q.records)) for q in source.queues().values())
         while source.take_batch(5)[0]:
             _check(source)
     assert source.buffered() == (0, 0, False)
