@@ -223,5 +223,8 @@ def test_resharding_a_drained_outbox_from_1_to_4_shards_publishes_every_record_o
         published = conn.execute(sa.text("SELECT shard, published_seq FROM kstore_outbox_relays "
                                          "WHERE consumer_group = :g ORDER BY shard"), {"g": name}).all()
     assert all(seq >= before.next_seq for _, seq in published), f"a shard published nothing: {published}"
+    # r2 may have published every record before it was killed: r3 is then stopped once it runs (its
+    # SIGTERM handler is set by then), not while it is still starting.
+    r3.wait_for_log(r"serving /metrics", timeout=90)
     assert r3.terminate() == 0
     engine.dispose()

@@ -7,6 +7,7 @@ Static: nothing is imported or run but the import linter."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,14 @@ def test_unit_tests_sit_where_the_module_they_test_does() -> None:
             if not any(tested == m or tested.startswith(f"{m}_") for m in modules):
                 astray.append(f"{test.relative_to(REPO_DIR)}: no {code.relative_to(REPO_DIR)}/{tested}.py")
     assert not astray, astray
+
+
+def test_every_package_of_kstore_is_shipped() -> None:
+    """setuptools' package list in pyproject.toml is written by hand: a new subpackage missing from it
+    imports from a checkout but not from the wheel (the installed kstore fails at its first import)."""
+    text = (REPO_DIR / "pyproject.toml").read_text()
+    start = text.index("\npackages = [", text.index("[tool.setuptools]"))
+    listed = set(re.findall(r'"([\w.]+)"', text[start:text.index("\n]", start)]))
+    code = REPO_DIR / "kstore"
+    packages = {".".join(("kstore", *init.parent.relative_to(code).parts)) for init in code.rglob("__init__.py")}
+    assert packages - listed == set(), "subpackages missing from [tool.setuptools] packages"
