@@ -28,8 +28,12 @@ from kstore_devbroker.registry import DevRegistry
 from tests.support.harness import SUPPORT_DIR, WorkerProcess, wait_until
 from tests.support.processors import metadata as effects_metadata
 
-# PostgreSQL refuses to run as root; the wrapper runs only pg_ctl as `postgres`.
-postgresql_proc = factories.postgresql_proc(executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"))
+# PostgreSQL refuses to run as root; the wrapper runs only pg_ctl as `postgres`. Logical decoding
+# (the outbox's WAL transport reads a replication slot) needs wal_level=logical and free slots.
+postgresql_proc = factories.postgresql_proc(
+    executable=str(SUPPORT_DIR / "pg_ctl_as_postgres.sh"),
+    postgres_options="-c wal_level=logical -c max_replication_slots=20 -c max_wal_senders=20",
+)
 postgresql = factories.postgresql("postgresql_proc")
 #: A second server that checks passwords (initdb --auth=password), for the wrong-password case.
 PG_PASSWORD = "pg-s3cret-Pw"

@@ -15,7 +15,9 @@ Kafka once it committed, exactly once for a ``read_committed`` reader, each key'
 - the relay: :mod:`~kstore.relay.loop` (``Relay``: the leases' loop), :mod:`~kstore.relay.publishing`
   (one lane, on its own thread), :mod:`~kstore.relay.departures` (relays whose worker left the
   group), :mod:`~kstore.relay.lane` and :mod:`~kstore.relay.base` (what a relay holds);
-  :mod:`~kstore.relay.member` (the name a worker and its relay go by).
+  :mod:`~kstore.relay.member` (the name a worker and its relay go by);
+- the WAL transport being built beside the tables (:mod:`~kstore.relay.wal`: records carried in
+  PostgreSQL's write-ahead log and read from a logical replication slot), not yet used by the relay.
 
 May import the database side (:mod:`kstore.db`), the Kafka side through its seam only
 (:mod:`kstore.kafka.seam`, :mod:`kstore.kafka.clients`: never a client's subpackage or library),
