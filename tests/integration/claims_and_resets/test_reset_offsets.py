@@ -140,7 +140,9 @@ def test_reset_targets_offset_datetime_earliest_latest(pg_dsn: str, kafka: str, 
         def replay(target: Any, expect_from: int) -> None:
             gate.delivered.clear()
             assert w.reset_offsets({tp: target}) == {tp: expect_from}
-            assert w.held_offsets[tp] == expect_from
+            # The worker runs on: a batch of the replay may have committed already (what was delivered,
+            # below, says where the replay began).
+            assert expect_from <= w.held_offsets[tp] <= 40
             wait_until(lambda: w.held_offsets.get(tp) == 40, 30, what=f"replay from {expect_from}")
             assert gate.delivered == list(range(expect_from, 40))
 
